@@ -1,0 +1,405 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+`generate()` is the synchronous front door; the server drives `add_request`/`step`/`abort`
+itself. Each step: the scheduler picks the batch, the drafter proposes trees for decoding
+sequences, the runner computes and verifies, and the engine appends what was emitted,
+applying stop conditions token by token so that speculation never changes the output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from kernels.attention import create_backend
+from rollout.config import EngineConfig, SamplingParams, SpecConfig
+from rollout.kv_pool import KVPool
+from rollout.model_config import ModelConfig
+from rollout.model_loader import build_model, load_checkpoint, resolve_model_path
+from rollout.model_runner import Emitted, ModelRunner
+from rollout.sampler import sequence_key
+from rollout.scheduler import Scheduler
+from rollout.sequence import Request, Sequence, SpecCounters, Status
+from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
+from spec.budget import DraftBudget
+
+log = logging.getLogger("rollout")
+
+DEFAULT_CPU_KV_TOKENS = 65536
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class Output:
+    """One sample of one prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    text: str
+    finish_reason: str  # stop | length | abort
+    matched_stop: int | str | None
+    weight_versions: list[int]
+    spec: dict
+    prompt_tokens: int
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str = "default",
+        spec: str | SpecConfig = "auto",
+        device: str = "auto",
+        config: EngineConfig | None = None,
+        **overrides,
+    ):
+        self.config = config or EngineConfig(model=model, spec=spec, device=device, **overrides)
+        cfg = self.config
+        self.device = _resolve_device(cfg.device)
+        self.dtype = _resolve_dtype(cfg.dtype, self.device)
+        self.model_path = resolve_model_path(cfg.model)
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.max_model_len = cfg.max_model_len or min(self.model_config.max_context, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > self.model_config.max_context:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {self.model_config.max_context}")
+
+        self.model = build_model(self.model_config, self.device, self.dtype)
+        load_checkpoint(self.model, self.model_path)
+        self.pool = KVPool(
+            num_layers=self.model_config.num_layers,
+            num_slots=self._kv_cache_tokens(),
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_rows=cfg.max_running_seqs,
+            max_context=self.max_model_len + cfg.spec.max_draft_tokens + 1,  # a tree may overhang the end
+        )
+        backend_name = cfg.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = create_backend(backend_name, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens)
+
+        spec_cfg = cfg.spec
+        self.drafter = None
+        if spec_cfg.enabled:
+            from spec.ngram import NgramConfig, NgramDrafter
+
+            self.drafter = NgramDrafter(
+                NgramConfig(
+                    min_match=spec_cfg.min_match,
+                    max_match=spec_cfg.max_match,
+                    max_trie_nodes=spec_cfg.max_trie_nodes,
+                    share_siblings=spec_cfg.share_siblings,
+                )
+            )
+            self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens)
+
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.weight_version = 0
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._rng = random.Random(cfg.seed)
+        self._seq_ids = itertools.count()
+        self._rids = itertools.count()
+        self._spec_totals = SpecCounters()
+        self._output_tokens = 0
+        self._busy_s = 0.0
+        self._weight_sync_s = 0.0
+
+    # ---------------- requests ----------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+    ) -> Request:
+        params = params or SamplingParams()
+        prompt_ids = self._encode(prompt)
+        rid = rid if rid is not None else f"req-{next(self._rids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds the context length {self.max_model_len}"
+            )
+        if len(prompt_ids) + params.n * params.max_new_tokens > self.pool.num_slots - 1:
+            raise ValueError(
+                f"request needs up to {len(prompt_ids) + params.n * params.max_new_tokens} KV slots but the pool "
+                f"holds {self.pool.num_slots - 1}; lower n or max_new_tokens, or raise kv_cache_tokens"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(rid, prompt_ids, params, seed, return_logprob)
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), req, i, sequence_key(seed, i), list(prompt_ids), len(prompt_ids))
+            req.sequences.append(seq)
+        leader, *forks = req.sequences
+        leader.forks = forks
+        self.requests[rid] = req
+        self.scheduler.add(leader)
+        if self.drafter is not None:
+            self.drafter.add_group(id(req), prompt_ids)
+            for seq in req.sequences:
+                self.drafter.add_sequence(id(req), seq.seq_id)
+        return req
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request now; it is returned by the next `step()` with finish_reason abort."""
+        req = self.requests.get(rid)
+        if req is None:
+            return False
+        for seq in req.sequences:
+            if not seq.finished:
+                seq.forks = []
+                self._finish(seq, "abort")
+        self._aborted.append(req)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._aborted)
+
+    # ---------------- the loop ----------------
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that progressed (check `.finished`)."""
+        updated = {id(r): r for r in self._aborted}
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return self._collect(updated)
+        t0 = time.perf_counter()
+        trees = {}
+        if self.drafter is not None and not batch.is_prefill:
+            trees = self._draft([item.seq for item in batch.items])
+        emitted = self.runner.run(batch, trees)
+        for item in batch.items:
+            if item.samples and item.seq.status is Status.WAITING:
+                self.scheduler.on_prefill_done(item.seq)
+        for e in emitted:
+            self._append(e)
+            updated[id(e.seq.request)] = e.seq.request
+        self._busy_s += time.perf_counter() - t0
+        return self._collect(updated)
+
+    def _collect(self, updated: dict) -> list[Request]:
+        for req in updated.values():
+            if req.finished and self.requests.get(req.rid) is req:
+                del self.requests[req.rid]
+                if self.drafter is not None:
+                    self.drafter.remove_group(id(req))
+        return list(updated.values())
+
+    def _draft(self, seqs: list[Sequence]) -> dict:
+        wanted = self.budget.for_batch(seqs)
+        free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
+        trees = {}
+        for seq in seqs:
+            n = min(wanted[seq.seq_id], free)
+            if n <= 0:
+                continue
+            tree = self.drafter.propose(seq.seq_id, n)
+            if tree.num_drafts:
+                trees[seq.seq_id] = tree
+                free -= tree.num_drafts
+        return trees
+
+    def _append(self, e: Emitted) -> None:
+        seq = e.seq
+        params = seq.request.params
+        reason, appended = None, 0
+        for token, logprob in zip(e.tokens, e.logprobs):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            seq.weight_versions.append(self.weight_version)
+            appended += 1
+            reason = self._stop_reason(seq, token, params)
+            if reason is not None:
+                break
+        self._output_tokens += appended
+        if e.decode:
+            seq.spec.record(e.source or "none", e.drafted, e.accepted, appended)
+            self._spec_totals.record(e.source or "none", e.drafted, e.accepted, appended)
+        if self.drafter is not None:
+            if e.drafted:
+                self.budget.observe(seq.seq_id, e.accepted)
+            self.drafter.extend(seq.seq_id, seq.tokens[-appended:])
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int, params: SamplingParams) -> str | None:
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            seq.matched_stop = token
+            return "stop"
+        if params.stop:
+            window = max(len(s) for s in params.stop) + 2
+            tail = self.tokenizer.decode(seq.output_ids[-window:])
+            hit = next((s for s in params.stop if s in tail), None)
+            if hit is not None:
+                seq.matched_stop = hit
+                return "stop"
+        if seq.num_output >= params.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        if self.drafter is not None:
+            self.drafter.remove_sequence(seq.seq_id)
+            self.budget.forget(seq.seq_id)
+
+    # ---------------- the synchronous API ----------------
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        return_logprob: bool = False,
+    ) -> list[list[Output]]:
+        """Run prompts to completion: one list per prompt, `n` outputs each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        reqs = [self.add_request(p, sp, return_logprob=return_logprob) for p, sp in zip(prompts, sampling_params)]
+        while not all(r.finished for r in reqs):
+            self.step()
+        return [[self.output(s) for s in r.sequences] for r in reqs]
+
+    def output(self, seq: Sequence) -> Output:
+        params = seq.request.params
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+        if isinstance(seq.matched_stop, str):
+            text = text[: text.find(seq.matched_stop)] if seq.matched_stop in text else text
+        return Output(
+            token_ids=list(seq.output_ids),
+            logprobs=list(seq.logprobs) if seq.request.return_logprob else None,
+            text=text,
+            finish_reason=seq.finish_reason or "abort",
+            matched_stop=seq.matched_stop,
+            weight_versions=list(seq.weight_versions),
+            spec=seq.spec.as_dict(),
+            prompt_tokens=seq.num_prompt,
+        )
+
+    # ---------------- weights ----------------
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None, recompute_kv: bool = True
+    ) -> int:
+        """Replace weights by HF name, all or nothing; returns the new weight version.
+
+        Call between steps. Running sequences continue under the new weights; by default
+        their KV is recomputed (they are preempted and re-prefilled), so no token mixes
+        two versions in its context.
+        """
+        t0 = time.perf_counter()
+        staged = [(name, tensor) for name, tensor in named_tensors]
+        targets = self.model.weight_targets()
+        check_weights(targets, [(n, tuple(t.shape), t.dtype) for n, t in staged], require_all=False)
+        copy_weights(targets, staged)
+        self._set_version(version)
+        if recompute_kv:
+            self.invalidate_kv()
+        self._weight_sync_s = time.perf_counter() - t0
+        return self.weight_version
+
+    def update_weights_from_disk(self, path: str, version: int | None = None, recompute_kv: bool = True) -> int:
+        t0 = time.perf_counter()
+        targets = self.model.weight_targets()
+        check_weights(targets, checkpoint_specs(resolve_model_path(path)), require_all=False)
+        copy_weights(targets, iter_checkpoint(path))
+        self._set_version(version)
+        if recompute_kv:
+            self.invalidate_kv()
+        self._weight_sync_s = time.perf_counter() - t0
+        return self.weight_version
+
+    def _set_version(self, version: int | None) -> None:
+        version = self.weight_version + 1 if version is None else int(version)
+        if version <= self.weight_version:
+            log.warning("weight version %d is not above the current %d", version, self.weight_version)
+        self.weight_version = version
+
+    def invalidate_kv(self) -> None:
+        """Drop every cached KV entry; running and half-prefilled sequences are recomputed."""
+        self.scheduler.preempt_all()
+
+    # ---------------- stats ----------------
+    def stats(self) -> dict:
+        t = self._spec_totals
+        out = {
+            "rollout/spec_accept_rate": t.accepted_tokens / t.draft_tokens if t.draft_tokens else 0.0,
+            "rollout/spec_accept_length": t.accept_length,
+            "rollout/spec_draft_tokens": t.draft_tokens,
+            "rollout/spec_accepted_tokens": t.accepted_tokens,
+            "rollout/spec_verify_steps": t.verify_steps,
+            "rollout/tokens_per_s": self._output_tokens / self._busy_s if self._busy_s else 0.0,
+            "rollout/output_tokens": self._output_tokens,
+            "rollout/weight_version": self.weight_version,
+            "rollout/weight_sync_s": self._weight_sync_s,
+            "rollout/num_running": len(self.scheduler.running),
+            "rollout/num_waiting": len(self.scheduler.waiting),
+            "rollout/kv_usage": self.pool.used_slots / (self.pool.num_slots - 1),
+            "rollout/num_preempted": self.scheduler.num_preempted,
+        }
+        for source, c in t.by_source.items():
+            out[f"rollout/spec_draft_tokens/{source}"] = c["draft_tokens"]
+            out[f"rollout/spec_accept_rate/{source}"] = (
+                c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0
+            )
+        return out
+
+    def _kv_cache_tokens(self) -> int:
+        if self.config.kv_cache_tokens:
+            return self.config.kv_cache_tokens + 1
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_TOKENS + 1
+        c = self.model_config
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * self.config.kv_cache_memory_fraction) // per_token
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("device cuda was asked for but no CUDA GPU is available; use device='cpu' or 'auto'")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r}: choose auto, {', '.join(dtypes)}")
+    return dtypes[name]

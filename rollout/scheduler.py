@@ -1,0 +1,123 @@
+"""Continuous batching: who runs this step, and how many tokens each computes.
+
+A step is either an extend step (prefill chunks of waiting sequences, plus one decode
+token for every running sequence) or a decode step (every running sequence, each with
+a draft tree when speculation is on). Prefill of a request is done once for its `n`
+samples: the first sample prefills, its siblings ride along as `forks` and take the
+prompt's KV slots when it finishes. When the KV pool runs dry, the newest running
+sequences are preempted: their slots are freed and they are recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rollout.kv_pool import KVPool
+from rollout.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens whose KV this step computes: a prefill chunk, or 1 (+ drafts) for decode
+    samples: bool  # this step draws the sequence's next token(s)
+    decode: bool = False  # a running sequence's decode (or verify) step, not a prefill chunk
+
+
+@dataclass
+class Batch:
+    items: list[ScheduledSeq]
+    is_prefill: bool  # holds prefill chunks; decode items then run without drafts
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, max_running_seqs: int, max_prefill_tokens: int):
+        self.pool = pool
+        self.max_running = max_running_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preempted = 0
+
+    def add(self, leader: Sequence) -> None:
+        """Queue a request's prefill: `leader` computes the prompt, `leader.forks` share it."""
+        self.waiting.append(leader)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        prefill = self._schedule_prefill()
+        if not self.running and not prefill:
+            return None
+        decode = self._schedule_decode()
+        items = [ScheduledSeq(s, 1, True, decode=True) for s in decode] + prefill
+        return Batch(items, is_prefill=bool(prefill)) if items else None
+
+    def _schedule_prefill(self) -> list[ScheduledSeq]:
+        items: list[ScheduledSeq] = []
+        budget = self.max_prefill_tokens
+        # Keep a slot for every running sequence's next token, so admission never forces preemption.
+        spare = self.pool.free_slots - len(self.running)
+        rows_left = self.pool.free_rows
+        for seq in self.waiting:
+            if budget <= 0:
+                break
+            remaining = len(seq.tokens) - seq.num_cached
+            chunk = min(remaining, budget)
+            finishing = chunk == remaining
+            needs_rows = (seq.row < 0) + (len(seq.forks) if finishing else 0)
+            needs_slots = chunk + (len(seq.forks) + 1 if finishing else 0)
+            if needs_rows > rows_left or needs_slots > spare:
+                break  # first come, first served: no overtaking a request that does not fit
+            if seq.row < 0:
+                seq.row = self.pool.alloc_row()
+            rows_left -= needs_rows
+            spare -= needs_slots
+            budget -= chunk
+            items.append(ScheduledSeq(seq, chunk, finishing))
+        return items
+
+    def _schedule_decode(self) -> list[Sequence]:
+        while len(self.running) > self.pool.free_slots and len(self.running) > 1:
+            self.preempt(self.running[-1])
+        return list(self.running)
+
+    def on_prefill_done(self, seq: Sequence) -> None:
+        """`seq` (and its forks) computed the whole prompt: they join the running batch."""
+        self.waiting.remove(seq)
+        for s in [seq, *seq.forks]:
+            s.status = Status.RUNNING
+            self.running.append(s)
+        seq.forks = []
+
+    def preempt_all(self) -> None:
+        """Drop all cached KV (e.g. after a weight update): every sequence is recomputed from scratch."""
+        for seq in list(self.running):
+            self.preempt(seq)
+        for seq in self.waiting:
+            self._release(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preempted += 1
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.row >= 0:
+            self.pool.release(self.pool.rows_host[seq.row, : seq.num_cached])
+            self.pool.free_row(seq.row)
+        seq.row = -1
+        seq.num_cached = 0

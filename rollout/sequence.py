@@ -1,0 +1,97 @@
+"""One request's state: a prompt, its `n` sample sequences, and what each has produced."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from rollout.config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # needs prefill (first time, or recompute after preemption)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecCounters:
+    """Speculation bookkeeping for one sequence, or summed over many."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    emitted_tokens: int = 0  # tokens produced by verify steps, bonus included
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def record(self, source: str, drafted: int, accepted: int, emitted: int) -> None:
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.verify_steps += 1
+        self.emitted_tokens += emitted
+        if drafted:
+            src = self.by_source.setdefault(source, {"draft_tokens": 0, "accepted_tokens": 0})
+            src["draft_tokens"] += drafted
+            src["accepted_tokens"] += accepted
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per verify step, bonus token included (1.0 without speculation)."""
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "accept_length": self.accept_length,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
+            "by_source": {k: dict(v) for k, v in self.by_source.items()},
+        }
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: "Request"
+    sample_index: int
+    key: int  # sampler RNG key (see rollout.sampler.sequence_key)
+    tokens: list[int]  # prompt + output
+    num_prompt: int
+    status: Status = Status.WAITING
+    row: int = -1  # slot-table row while it holds KV
+    num_cached: int = 0  # tokens whose KV is in the pool; tokens[num_cached:] are this step's input
+    forks: list["Sequence"] = field(default_factory=list)  # siblings that take this prefill's KV
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort
+    matched_stop: int | str | None = None
+    spec: SpecCounters = field(default_factory=SpecCounters)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    weight_version_at_arrival: int = 0
+    sequences: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)

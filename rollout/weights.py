@@ -1,0 +1,95 @@
+"""Reading checkpoints and writing HF-named tensors into the model, validated whole first.
+
+The same path serves the initial load and every weight update from a trainer: nothing is
+written until every name, shape and dtype has been checked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from rollout.models.llama import WeightTarget
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; we compute them
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class WeightError(ValueError):
+    """A weight set that cannot be applied; nothing was changed."""
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def checkpoint_specs(path: str | Path) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor, read from the headers only."""
+    specs = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                specs.append((name, tuple(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), torch.int64)))
+    return specs
+
+
+def check_weights(
+    targets: dict[str, WeightTarget],
+    specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+    require_all: bool,
+    optional: Iterable[str] = (),
+) -> list[str]:
+    """Validate (name, shape, dtype) triples; returns the names to apply, raises WeightError listing every problem."""
+    problems, names = [], []
+    for name, shape, dtype in specs:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        target = targets.get(name)
+        if target is None:
+            problems.append(f"unknown weight {name!r}")
+        elif tuple(shape) != target.shape:
+            problems.append(f"{name}: shape {tuple(shape)} != expected {target.shape}")
+        elif not dtype.is_floating_point:
+            problems.append(f"{name}: dtype {dtype} is not a floating-point type")
+        else:
+            names.append(name)
+    if len(set(names)) != len(names):
+        problems.append("some weights are given more than once")
+    if require_all:
+        missing = set(targets) - set(names) - set(optional)
+        if missing:
+            problems.append(f"missing {len(missing)} weight(s), e.g. {sorted(missing)[:3]}")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
+        raise WeightError(f"weights rejected, nothing changed: {shown}")
+    return names
+
+
+def copy_weights(targets: dict[str, WeightTarget], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write already-validated tensors (cast to each parameter's dtype and device)."""
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if not name.endswith(IGNORED_SUFFIXES):
+                targets[name].view().copy_(tensor)

@@ -1,0 +1,57 @@
+"""Random-weight HF checkpoints of each supported architecture, small enough for CPU tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+VOCAB = 512
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    eos_token_id=2,
+    bos_token_id=1,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+}
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Token i is the word str(i): enough for an engine that is fed token ids."""
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0", bos_token="1", eos_token="2")
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0):
+    """Save a random `kind` model with its tokenizer under `path`; returns the HF model (fp32, eval)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32).eval()
+    # Random init leaves logits nearly flat; sharpen them so greedy decoding has clear winners.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return model
