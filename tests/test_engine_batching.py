@@ -1,0 +1,109 @@
+"""Continuous batching, prompt sharing, preemption and seeding, on a tiny random Llama."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollout import Engine, SamplingParams
+from tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_model("llama", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return Engine(model=str(model_dir), spec="off", device="cpu")
+
+
+def random_prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 40))] for _ in range(num)]
+
+
+def run_alone(engine, prompt, params=GREEDY):
+    return engine.generate([prompt], params)[0][0].token_ids
+
+
+def test_requests_joining_a_running_batch_get_the_same_tokens_as_alone(engine):
+    prompts = random_prompts(6, seed=3)
+    reqs = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+    for i, p in enumerate(prompts[2:]):
+        for _ in range(3 + i):  # later requests arrive while earlier ones decode
+            engine.step()
+        reqs.append(engine.add_request(p, GREEDY))
+    while not all(r.finished for r in reqs):
+        engine.step()
+    for p, r in zip(prompts, reqs):
+        assert r.sequences[0].output_ids == run_alone(engine, p)
+
+
+def test_n_samples_share_the_prompt_kv(engine):
+    prompt = random_prompts(1, seed=4)[0] * 3  # a long-ish prompt, so sharing is visible
+    used_before = engine.pool.used_slots
+    req = engine.add_request(prompt, SamplingParams(n=8, temperature=1.0, max_new_tokens=5, seed=1))
+    engine.step()  # prefill: the prompt is computed once
+    assert engine.pool.used_slots - used_before == len(prompt)
+    engine.step()  # one decode step: each sample adds the KV of its first token
+    assert engine.pool.used_slots - used_before == len(prompt) + 8
+    while not req.finished:
+        engine.step()
+    assert engine.pool.used_slots == used_before
+
+
+def test_samples_of_a_group_are_independent_and_reproducible(engine):
+    prompt = random_prompts(1, seed=5)[0]
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=8, seed=123, ignore_eos=True)
+    group = [o.token_ids for o in engine.generate([prompt], params)[0]]
+    assert len({tuple(t) for t in group}) == 8
+    again = [o.token_ids for o in engine.generate([prompt], params)[0]]
+    assert again == group
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens(engine):
+    prompt = random_prompts(1, seed=6)[0]
+    sample = lambda seed: run_alone(engine, prompt, SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed))
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_sampled_tokens_do_not_depend_on_batch_composition(engine):
+    prompts = random_prompts(4, seed=9)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=42, ignore_eos=True)
+    together = [o[0].token_ids for o in engine.generate(prompts, params)]
+    assert together == [run_alone(engine, p, params) for p in prompts]
+
+
+def test_preemption_under_a_small_pool_completes_every_request_correctly(model_dir, engine):
+    prompts = random_prompts(10, seed=11)
+    expected = [run_alone(engine, p) for p in prompts]
+    small = Engine(model=str(model_dir), spec="off", device="cpu", kv_cache_tokens=120)
+    outs = small.generate(prompts, GREEDY)
+    assert small.scheduler.num_preempted > 0
+    assert [o[0].token_ids for o in outs] == expected
+    assert small.pool.used_slots == 0
+
+
+def test_chunked_prefill_matches_one_shot_prefill(model_dir, engine):
+    prompt = random_prompts(1, seed=12)[0] * 4
+    chunked = Engine(model=str(model_dir), spec="off", device="cpu", max_prefill_tokens=7)
+    assert chunked.generate([prompt], GREEDY)[0][0].token_ids == run_alone(engine, prompt)
+
+
+def test_abort_returns_partial_output_and_frees_kv(engine):
+    req = engine.add_request(random_prompts(1, seed=13)[0], SamplingParams(n=2, max_new_tokens=50, seed=0))
+    for _ in range(4):
+        engine.step()
+    assert engine.abort(req.rid)
+    updated = engine.step()
+    assert req in updated and req.finished
+    assert all(s.finish_reason == "abort" and s.num_output > 0 for s in req.sequences)
+    assert engine.pool.used_slots == 0
