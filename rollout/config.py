@@ -94,6 +94,7 @@ class SpecConfig:
 @dataclass
 class EngineConfig:
     model: str = "default"
+    load_format: str = "auto"  # auto | dummy (random weights, for speed work on shapes without a checkpoint)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere
@@ -111,5 +112,7 @@ class EngineConfig:
             self.spec = SpecConfig(method=self.spec)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: choose auto, cpu or cuda")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format {self.load_format!r}: choose auto or dummy")
         if self.max_running_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")

@@ -22,7 +22,7 @@ from kernels.attention import create_backend
 from rollout.config import EngineConfig, SamplingParams, SpecConfig
 from rollout.kv_pool import KVPool
 from rollout.model_config import ModelConfig
-from rollout.model_loader import build_model, load_checkpoint, resolve_model_path
+from rollout.model_loader import build_model, load_checkpoint, randomize, resolve_model_path
 from rollout.model_runner import Emitted, ModelRunner
 from rollout.sampler import sequence_key
 from rollout.scheduler import Scheduler
@@ -71,7 +71,10 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {self.model_config.max_context}")
 
         self.model = build_model(self.model_config, self.device, self.dtype)
-        load_checkpoint(self.model, self.model_path)
+        if cfg.load_format == "dummy":
+            randomize(self.model, cfg.seed)
+        else:
+            load_checkpoint(self.model, self.model_path)
         self.pool = KVPool(
             num_layers=self.model_config.num_layers,
             num_slots=self._kv_cache_tokens(),
@@ -113,10 +116,8 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._rids = itertools.count()
-        self._spec_totals = SpecCounters()
-        self._output_tokens = 0
-        self._busy_s = 0.0
         self._weight_sync_s = 0.0
+        self.reset_stats()
 
     # ---------------- requests ----------------
     def add_request(
@@ -198,6 +199,7 @@ class Engine:
         trees = {}
         if self.drafter is not None and not batch.is_prefill:
             trees = self._draft([item.seq for item in batch.items])
+            self._draft_s += time.perf_counter() - t0
         emitted = self.runner.run(batch, trees)
         for item in batch.items:
             if item.samples and item.seq.status is Status.WAITING:
@@ -205,7 +207,9 @@ class Engine:
         for e in emitted:
             self._append(e)
             updated[id(e.seq.request)] = e.seq.request
-        self._busy_s += time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        self._busy_s += step_s
+        self.step_times_ms.append(step_s * 1e3)
         return self._collect(updated)
 
     def _collect(self, updated: dict) -> list[Request]:
@@ -353,6 +357,13 @@ class Engine:
         self.scheduler.preempt_all()
 
     # ---------------- stats ----------------
+    def reset_stats(self) -> None:
+        self._spec_totals = SpecCounters()
+        self._output_tokens = 0
+        self._busy_s = 0.0
+        self._draft_s = 0.0
+        self.step_times_ms: list[float] = []
+
     def stats(self) -> dict:
         t = self._spec_totals
         out = {
@@ -363,6 +374,8 @@ class Engine:
             "rollout/spec_verify_steps": t.verify_steps,
             "rollout/tokens_per_s": self._output_tokens / self._busy_s if self._busy_s else 0.0,
             "rollout/output_tokens": self._output_tokens,
+            "rollout/steps": len(self.step_times_ms),
+            "rollout/draft_s": self._draft_s,
             "rollout/weight_version": self.weight_version,
             "rollout/weight_sync_s": self._weight_sync_s,
             "rollout/num_running": len(self.scheduler.running),
