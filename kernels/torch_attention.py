@@ -1,15 +1,21 @@
-"""Reference attention in plain torch: pad every sequence, build a dense mask, call SDPA.
+"""Reference attention in plain torch: pad every sequence, build a dense mask, two matmuls.
 
 Slow but obviously correct on any device; CI runs it on the CPU and every fast backend is
-held to it on random inputs.
+held to it on random inputs. It is also batch-invariant on the CPU: query blocks are
+padded to at least CPU_GEMM_MIN_ROWS rows, so each row takes the same BLAS path whatever
+the step's shape, and the probability-value product runs in float64; a draft-tree verify
+step then reproduces plain decoding to the last bit (or within a float32 ulp).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import AttentionMetadata
+
+# CPU BLAS computes each row of a matmul identically for any row count >= 4; below that
+# it switches to a matrix-vector kernel whose rounding differs.
+CPU_GEMM_MIN_ROWS = 4
 
 
 def dense_mask(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,15 +42,16 @@ def dense_mask(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, tor
 class TorchAttention:
     def plan(self, meta: AttentionMetadata) -> None:
         seq_of_token, index_in_seq, allowed = dense_mask(meta)
-        num_seqs, max_q = meta.num_seqs, meta.max_q_len
-        mask = torch.zeros(num_seqs, max_q, meta.max_kv_len, dtype=torch.bool, device=allowed.device)
+        q_rows = max(meta.max_q_len, CPU_GEMM_MIN_ROWS)
+        mask = torch.zeros(meta.num_seqs, q_rows, meta.max_kv_len, dtype=torch.bool, device=allowed.device)
         mask[:, :, 0] = True  # padded query rows see one key, so softmax stays finite
         mask[seq_of_token, index_in_seq] = allowed
         cols = torch.arange(meta.max_kv_len, device=allowed.device)
         valid = cols[None, :] < meta.kv_lens.long()[:, None]
         slots = meta.slot_table[meta.seq_rows.long(), : meta.max_kv_len].long()
         self._slots = torch.where(valid, slots, 0)  # [B, max_kv]
-        self._mask = mask[:, None]  # [B, 1, max_q, max_kv]
+        self._mask = mask[:, None]  # [B, 1, q_rows, max_kv]
+        self._q_rows = q_rows
         self._seq_of_token = seq_of_token
         self._index_in_seq = index_in_seq
 
@@ -52,16 +59,15 @@ class TorchAttention:
         k_cache.index_copy_(0, meta.out_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.out_slots, v.to(v_cache.dtype))
         num_heads, head_dim = q.shape[1], q.shape[2]
-        q_pad = q.new_zeros(meta.num_seqs, meta.max_q_len, num_heads, head_dim)
+        group = num_heads // k_cache.shape[1]
+        q_pad = q.new_zeros(meta.num_seqs, self._q_rows, num_heads, head_dim)
         q_pad[self._seq_of_token, self._index_in_seq] = q
-        keys = k_cache[self._slots].to(q.dtype)  # [B, max_kv, num_kv_heads, head_dim]
-        values = v_cache[self._slots].to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=self._mask,
-            scale=scale,
-            enable_gqa=True,
-        )  # [B, num_heads, max_q, head_dim]
+        # [B, num_heads, max_kv, head_dim]
+        keys = k_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+        values = v_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+        scores = torch.matmul(q_pad.transpose(1, 2), keys.transpose(2, 3)) * scale  # [B, H, q_rows, max_kv]
+        probs = scores.masked_fill(~self._mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+        # float64: BLAS splits this reduction differently for different key counts, and the
+        # extra precision absorbs that, so steps of different shapes agree to the last bit.
+        out = torch.matmul(probs.double(), values.double()).to(q.dtype)  # [B, num_heads, q_rows, head_dim]
         return out.transpose(1, 2)[self._seq_of_token, self._index_in_seq]

@@ -29,10 +29,11 @@ from rollout.scheduler import Scheduler
 from rollout.sequence import Request, Sequence, SpecCounters, Status
 from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
 from spec.budget import DraftBudget
+from spec.ngram import NgramConfig, NgramDrafter
 
 log = logging.getLogger("rollout")
 
-DEFAULT_CPU_KV_TOKENS = 65536
+DEFAULT_CPU_KV_TOKENS = 16384
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
@@ -95,8 +96,6 @@ class Engine:
         spec_cfg = cfg.spec
         self.drafter = None
         if spec_cfg.enabled:
-            from spec.ngram import NgramConfig, NgramDrafter
-
             self.drafter = NgramDrafter(
                 NgramConfig(
                     min_match=spec_cfg.min_match,
@@ -153,9 +152,9 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(leader)
         if self.drafter is not None:
-            self.drafter.add_group(id(req), prompt_ids)
+            self.drafter.add_group(rid, prompt_ids)
             for seq in req.sequences:
-                self.drafter.add_sequence(id(req), seq.seq_id)
+                self.drafter.add_sequence(rid, seq.seq_id)
         return req
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -217,7 +216,7 @@ class Engine:
             if req.finished and self.requests.get(req.rid) is req:
                 del self.requests[req.rid]
                 if self.drafter is not None:
-                    self.drafter.remove_group(id(req))
+                    self.drafter.remove_group(req.rid)
         return list(updated.values())
 
     def _draft(self, seqs: list[Sequence]) -> dict:

@@ -43,12 +43,14 @@ class KVPool:
         self._free_top = num_slots - 1
 
         # Row r holds the slots of one sequence's tokens in order. The host copy is the truth;
-        # the device copy receives only this step's new entries (see commit_rows).
-        self.rows_host = np.zeros((max_rows, max_context), dtype=np.int32)
+        # the device copy receives only this step's new entries (see commit_rows). The extra
+        # last row stays all zeros: padding sequences use it, so they read and write slot 0.
+        self.rows_host = np.zeros((max_rows + 1, max_context), dtype=np.int32)
         if device.type == "cpu":
             self.slot_table = torch.from_numpy(self.rows_host)
         else:
-            self.slot_table = torch.zeros((max_rows, max_context), dtype=torch.int32, device=device)
+            self.slot_table = torch.zeros((max_rows + 1, max_context), dtype=torch.int32, device=device)
+        self.padding_row = max_rows
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.max_context = max_context
 

@@ -8,22 +8,20 @@ pass over every row that needs a token, and one copy of the results back to the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.torch_attention import CPU_GEMM_MIN_ROWS
 from rollout.kv_pool import KVPool
 from rollout.model_config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
 from rollout.sampler import SamplingTensors, sample
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
+from spec.tree import DraftTree
 from spec.verify import accept_path
-
-if TYPE_CHECKING:
-    from spec.tree import DraftTree
 
 
 @dataclass
@@ -50,6 +48,9 @@ def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> t
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, device: torch.device):
         self.model = model
+        # Pad CPU steps (tokens and logits rows) to the row count from which BLAS rounding no
+        # longer depends on the step's shape; see kernels/torch_attention.py.
+        self.min_tokens = CPU_GEMM_MIN_ROWS if device.type == "cpu" else 1
         self.pool = pool
         self.backend = backend
         self.device = device
@@ -103,6 +104,14 @@ class ModelRunner:
                 for s in [seq, *seq.forks]:
                     draws.append((s, len(logits_rows) - 1, s.num_output))
             num_tokens += n
+        if num_tokens < self.min_tokens:  # a padding sequence on the all-zero row: slot 0 only
+            pad = self.min_tokens - num_tokens
+            ids.append(np.zeros(pad, dtype=np.int64))
+            positions.append(np.zeros(pad, dtype=np.int64))
+            out_slots.append(np.zeros(pad, dtype=np.int64))
+            masks.append(np.left_shift(np.int64(1), np.arange(pad, dtype=np.int64)).cumsum())
+            kv_lens.append(pad)
+            q_lens.append(pad)
         self._commit_rows()
 
         dev = self.device
@@ -110,6 +119,8 @@ class ModelRunner:
         qo_indptr = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qo_indptr[1:])
         seq_rows = np.array([item.seq.row for item in batch.items], dtype=np.int32)
+        if len(q_lens) > len(batch.items):
+            seq_rows = np.append(seq_rows, np.int32(self.pool.padding_row))
         meta = AttentionMetadata(
             seq_rows=torch.from_numpy(seq_rows).to(dev),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
@@ -124,7 +135,8 @@ class ModelRunner:
         pos = torch.from_numpy(np.concatenate(positions).astype(np.int64)).to(dev)
         ctx = ForwardContext(meta, self.backend, self.pool.k_caches, self.pool.v_caches, self.cos[pos], self.sin[pos])
         input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(dev)
-        logits = self.model(input_ids, ctx, torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        padded_rows = logits_rows + [0] * (self.min_tokens - len(logits_rows))  # the lm_head matmul too
+        logits = self.model(input_ids, ctx, torch.tensor(padded_rows, dtype=torch.int64, device=dev))
 
         tokens, logprobs = self._sample(logits, draws)
         return self._emit(batch, trees, item_slots, draws, tokens, logprobs)
