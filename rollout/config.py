@@ -77,7 +77,7 @@ class SpecConfig:
     max_verify_tokens: int = 256  # per step over the whole batch; speculation shrinks as the batch grows
     min_match: int = 1
     max_match: int = 6
-    max_trie_nodes: int = 1_000_000
+    max_trie_nodes: int = 4_000_000  # ~270 bytes each: about 1 GB at the limit
     share_siblings: bool = True
 
     def __post_init__(self) -> None:

@@ -15,12 +15,9 @@ same distribution, with the same random key, as without speculation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from spec.tree import DraftTree
+from spec.tree import DraftTree
 
 
 def accept_path(tree: DraftTree, targets: np.ndarray) -> tuple[np.ndarray, int]:

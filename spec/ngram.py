@@ -1,0 +1,211 @@
+"""The n-gram drafter: one trie per distinct prompt, fed by everything sampled from it.
+
+A prompt's trie holds the prompt, the outputs of all samples of every request for that
+prompt as they grow (siblings draft from each other, and each sample from itself), and,
+once its requests finish, stays as history for the next epoch of the same prompt (RL
+re-samples its prompts). None of this depends on the model's weights, so drafts stay
+valid across weight updates. A sample matches the suffix of its own context (prompt and
+its own output) against the trie and drafts the likeliest continuations as a tree.
+
+Memory: all tries share one node budget, which refuses creation at its limit. Before
+each insertion that might hit it, room is made down to a low-water mark: first the least
+recently used history tries are dropped whole, then the largest live tries lose up to
+half their nodes, the rarest and longest n-grams first, never the nodes a sample's
+cursor stands on, so no cursor goes stale.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kernels.attention import MAX_TREE_TOKENS
+from spec.ngram_trie import NgramTrie, NodeBudget
+from spec.tree import DraftTree
+
+LOW_WATER = 0.95  # eviction frees down to this share of the node budget: rare, short pauses
+
+
+@dataclass
+class NgramConfig:
+    min_match: int = 1  # shortest context suffix drafted from
+    max_match: int = 6  # longest context suffix tried first
+    max_draft_depth: int = 8  # deepest draft below a full-length match
+    max_trie_nodes: int = 2_000_000  # across all prompts' tries, live and history
+    max_history_prompts: int = 4096  # finished prompts whose tries are kept for the next epoch (LRU)
+    share_siblings: bool = True  # off: each sample drafts only from its prompt and its own output; no history
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_match <= self.max_match:
+            got = f"min_match={self.min_match}, max_match={self.max_match}"
+            raise ValueError(f"n-gram matching needs 1 <= min_match <= max_match, got {got}")
+        if self.max_draft_depth < 1 or self.max_trie_nodes < 1 or self.max_history_prompts < 0:
+            raise ValueError("n-gram max_draft_depth and max_trie_nodes must be positive, max_history_prompts >= 0")
+
+    @property
+    def max_depth(self) -> int:
+        """Longest n-gram stored: a full match plus a full draft."""
+        return self.max_match + self.max_draft_depth
+
+
+@dataclass(eq=False)
+class _PromptTrie:
+    trie: NgramTrie
+    prompt_stream: int  # stands after the prompt; samples fork from it
+    live_groups: int = 0
+
+
+@dataclass(eq=False)
+class _Stream:
+    group_id: Hashable
+    entry: _PromptTrie  # shared by the prompt's samples, or private to this one
+    handle: int
+    last_token: int
+    private: bool  # owns its trie (no sibling sharing)
+
+
+@dataclass(eq=False)
+class _Group:
+    prompt: tuple[int, ...]
+    entry: _PromptTrie | None  # None without sibling sharing
+    seq_ids: set[int] = field(default_factory=set)
+
+
+class NgramDrafter:
+    source = "ngram"
+
+    def __init__(self, cfg: NgramConfig | None = None):
+        self.cfg = cfg or NgramConfig()
+        self.budget = NodeBudget(self.cfg.max_trie_nodes)
+        self._live: dict[tuple[int, ...], _PromptTrie] = {}
+        self._history: OrderedDict[tuple[int, ...], _PromptTrie] = OrderedDict()  # least recently used first
+        self._groups: dict[Hashable, _Group] = {}
+        self._streams: dict[int, _Stream] = {}
+        # After a prune that found too little to free, tokens to insert before trying again
+        # (or until a cursor closes), so a budget full of protected nodes is not rescanned per token.
+        self._prune_wait = 0
+
+    # ---- lifecycle ----
+    def add_group(self, group_id: Hashable, prompt: Sequence[int]) -> None:
+        """A new request for `prompt`; its trie is reused if the prompt is live or in history."""
+        if group_id in self._groups:
+            raise ValueError(f"n-gram drafter: group {group_id!r} already exists; remove it first")
+        key = tuple(int(t) for t in prompt)
+        if not key:
+            raise ValueError("n-gram drafter: the prompt is empty")
+        entry = None
+        if self.cfg.share_siblings:
+            entry = self._live.get(key) or self._history.pop(key, None) or self._new_entry(key)
+            self._live[key] = entry
+            entry.live_groups += 1
+        self._groups[group_id] = _Group(key, entry)
+
+    def add_sequence(self, group_id: Hashable, seq_id: int) -> None:
+        """A sample of the group; its context starts as the prompt."""
+        group = self._group(group_id)
+        if seq_id in self._streams:
+            raise ValueError(f"n-gram drafter: sequence {seq_id} already exists; remove it first")
+        entry = group.entry or self._new_entry(group.prompt)
+        handle = entry.trie.open_stream(fork_of=entry.prompt_stream)
+        self._streams[seq_id] = _Stream(group_id, entry, handle, group.prompt[-1], private=group.entry is None)
+        group.seq_ids.add(seq_id)
+
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """`tokens` were appended to the sequence's output (one, or several after accepted drafts)."""
+        s = self._stream(seq_id)
+        if not len(tokens):
+            return
+        self._prune_wait -= len(tokens)
+        self._make_room(len(tokens))
+        s.entry.trie.extend(s.handle, tokens)
+        s.last_token = int(tokens[-1])
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """The sample finished or was aborted; with sharing, its output stays in the prompt's trie."""
+        s = self._stream(seq_id)
+        del self._streams[seq_id]
+        self._groups[s.group_id].seq_ids.discard(seq_id)
+        self._prune_wait = 0  # its cursor no longer protects anything
+        if s.private:  # a private trie dies with its sample
+            self.budget.release(s.entry.trie.num_nodes)
+        else:
+            s.entry.trie.close_stream(s.handle)
+
+    def remove_group(self, group_id: Hashable) -> None:
+        """The request is done (its remaining samples are removed); the prompt's trie stays as history."""
+        group = self._group(group_id)
+        for seq_id in list(group.seq_ids):
+            self.remove_sequence(seq_id)
+        del self._groups[group_id]
+        entry = group.entry
+        if entry is None:
+            return
+        entry.live_groups -= 1
+        if entry.live_groups == 0:
+            del self._live[group.prompt]
+            self._history[group.prompt] = entry
+            while len(self._history) > self.cfg.max_history_prompts:
+                self._drop_oldest_history()
+
+    # ---- drafting ----
+    def propose(self, seq_id: int, budget: int) -> DraftTree:
+        """At most `budget` drafts (capped at 63) after the sequence's last token; root-only if nothing matches."""
+        s = self._stream(seq_id)
+        budget = min(budget, MAX_TREE_TOKENS - 1)
+        trie = s.entry.trie
+        node = trie.match(s.handle, self.cfg.min_match, self.cfg.max_match) if budget > 0 else None
+        if node is None:
+            return DraftTree.root_only(s.last_token, self.source)
+        return trie.draft(node, s.last_token, budget, self.source)
+
+    def memory_nodes(self) -> int:
+        """Trie nodes alive across all prompts, live and history; never above cfg.max_trie_nodes."""
+        return self.budget.used
+
+    # ---- memory ----
+    def _new_entry(self, prompt: tuple[int, ...]) -> _PromptTrie:
+        self._make_room(len(prompt))
+        trie = NgramTrie(self.cfg.max_depth, self.budget)
+        stream = trie.open_stream()
+        trie.extend(stream, prompt)
+        return _PromptTrie(trie, stream)
+
+    def _make_room(self, num_tokens: int) -> None:
+        """Before inserting `num_tokens`, free enough that they cannot hit the budget's limit."""
+        b = self.budget
+        need = num_tokens * self.cfg.max_depth
+        if b.used + need <= b.limit:
+            return
+        target = max(0, min(int(b.limit * LOW_WATER), b.limit - need))
+        while b.used > target and self._history:
+            self._drop_oldest_history()
+        if b.used > target and self._prune_wait <= 0:
+            self._prune_live(b.used - target)
+
+    def _prune_live(self, to_free: int) -> None:
+        """Halve live tries, largest first, until `to_free` nodes are freed. A prune scans its whole
+        trie, so this bounds the pause by the tries touched; the largest has the most to spare, and
+        taking at most half never wipes a prompt's data while smaller tries keep theirs."""
+        tries = [e.trie for e in self._live.values()] + [s.entry.trie for s in self._streams.values() if s.private]
+        for trie in sorted(tries, key=lambda t: t.num_nodes, reverse=True):
+            to_free -= trie.prune(min(to_free, max(1, trie.num_nodes // 2)))
+            if to_free <= 0:
+                return
+        self._prune_wait = max(1, int(self.budget.limit * (1 - LOW_WATER)) // self.cfg.max_depth)
+
+    def _drop_oldest_history(self) -> None:
+        _, entry = self._history.popitem(last=False)
+        self.budget.release(entry.trie.num_nodes)
+
+    def _group(self, group_id: Hashable) -> _Group:
+        try:
+            return self._groups[group_id]
+        except KeyError:
+            raise KeyError(f"n-gram drafter: unknown group {group_id!r} (never added, or already removed)") from None
+
+    def _stream(self, seq_id: int) -> _Stream:
+        try:
+            return self._streams[seq_id]
+        except KeyError:
+            raise KeyError(f"n-gram drafter: unknown sequence {seq_id} (never added, or already removed)") from None

@@ -1,0 +1,220 @@
+import numpy as np
+import pytest
+
+from spec.ngram import NgramConfig, NgramDrafter
+from spec.tree import DraftTree
+
+PROMPT = [100, 101, 102]
+ANSWER = list(range(10, 30))
+
+
+def drafted_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root down, root token first."""
+    paths = [(int(tree.tokens[0]),)]
+    for i in range(1, len(tree.tokens)):
+        paths.append(paths[tree.parents[i]] + (int(tree.tokens[i]),))
+    return paths
+
+
+def first_draft(tree: DraftTree) -> int | None:
+    return int(tree.tokens[1]) if tree.num_drafts else None
+
+
+def test_propose_never_exceeds_budget_and_siblings_distinct():
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(NgramConfig(max_match=3, max_draft_depth=40))
+    d.add_group("g", PROMPT)
+    contexts = {}
+    for s in range(4):
+        d.add_sequence("g", s)
+        contexts[s] = list(PROMPT)
+    for _ in range(300):
+        s = int(rng.integers(4))
+        toks = rng.integers(6, size=int(rng.integers(1, 4))).tolist()
+        d.extend(s, toks)
+        contexts[s] += toks
+        budget = int(rng.integers(-1, 80))
+        tree = d.propose(s, budget)
+        assert tree.num_drafts <= max(0, min(budget, 63))
+        assert tree.tokens[0] == contexts[s][-1] and tree.source == "ngram"
+        for kids in tree.children():
+            assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
+    assert d.propose(0, 63).num_drafts == 63  # a rich trie fills the largest tree
+
+
+def test_sequence_drafts_from_its_own_output():
+    d = NgramDrafter()
+    d.add_group("g", PROMPT)
+    d.add_sequence("g", 0)
+    assert d.propose(0, 8).num_drafts == 0  # nothing after the prompt yet
+    d.extend(0, ANSWER + [55, 56] + ANSWER[:3])
+    assert drafted_paths(d.propose(0, 4))[-1] == tuple(ANSWER[2:7])
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_siblings_outputs_feed_each_other(share):
+    d = NgramDrafter(NgramConfig(share_siblings=share))
+    d.add_group("g", PROMPT)
+    d.add_sequence("g", 0)
+    d.add_sequence("g", 1)
+    d.extend(0, ANSWER)
+    assert first_draft(d.propose(1, 8)) == (ANSWER[0] if share else None)  # from the prompt's end
+    d.extend(1, ANSWER[:5])
+    tree = d.propose(1, 8)
+    if share:
+        assert drafted_paths(tree)[-1] == tuple(ANSWER[4:13])
+    else:
+        assert tree.num_drafts == 0
+
+
+def test_history_survives_remove_group_and_is_reused():
+    d = NgramDrafter()
+    d.add_group("epoch0", PROMPT)
+    for s in range(2):
+        d.add_sequence("epoch0", s)
+    d.extend(0, ANSWER)
+    d.extend(1, [7, 8, 9])
+    d.remove_sequence(0)
+    nodes = d.memory_nodes()
+    d.remove_group("epoch0")  # also removes sequence 1
+    assert d.memory_nodes() == nodes
+    with pytest.raises(KeyError):
+        d.propose(1, 4)
+
+    d.add_group("other", [5, 6, 7])
+    d.add_sequence("other", 10)
+    assert d.propose(10, 8).num_drafts == 0  # another prompt does not see this history
+    d.add_group("epoch1", PROMPT)
+    d.add_sequence("epoch1", 20)
+    tree = d.propose(20, 8)
+    assert sorted(int(tree.tokens[k]) for k in tree.children()[0]) == sorted([ANSWER[0], 7])  # both earlier samples
+    d.extend(20, ANSWER[:2])
+    assert drafted_paths(d.propose(20, 3))[-1] == tuple(ANSWER[1:5])
+
+
+def test_prompt_is_counted_once_across_epochs():
+    d = NgramDrafter()
+    d.add_group("a", PROMPT)
+    nodes = d.memory_nodes()
+    d.remove_group("a")
+    d.add_group("b", PROMPT)
+    d.add_group("c", PROMPT)  # the same prompt twice at once shares one trie
+    assert d.memory_nodes() == nodes
+
+
+def test_history_is_lru_bounded():
+    d = NgramDrafter(NgramConfig(max_history_prompts=2))
+    prompts = {p: [p, p + 1, p + 2] for p in (100, 200, 300)}
+    for p, prompt in prompts.items():
+        d.add_group(p, prompt)
+        d.add_sequence(p, p)
+        d.extend(p, [p + 50, p + 51])
+        d.remove_group(p)
+    # The oldest prompt (100) went when the third arrived; reuse 200 so that 300 is now oldest.
+    for p in (200, 100, 400):
+        d.add_group(p, prompts.get(p, [400, 401]))
+        d.add_sequence(p, p + 1)
+    assert first_draft(d.propose(201, 4)) == 250
+    assert first_draft(d.propose(101, 4)) is None
+    d.remove_group(200)
+    d.remove_group(100)  # history: 300, 200, 100 -> 300 dropped
+    d.add_group(300, prompts[300])
+    d.add_sequence(300, 301)
+    assert first_draft(d.propose(301, 4)) is None
+
+
+def test_private_tries_are_freed_without_sharing():
+    d = NgramDrafter(NgramConfig(share_siblings=False))
+    d.add_group("g", PROMPT)
+    for s in range(3):
+        d.add_sequence("g", s)
+        d.extend(s, ANSWER)
+    assert d.memory_nodes() > 0
+    d.remove_sequence(0)
+    d.remove_group("g")
+    assert d.memory_nodes() == 0
+
+
+def test_unknown_and_duplicate_ids_raise_clear_errors():
+    d = NgramDrafter()
+    with pytest.raises(KeyError, match="unknown group"):
+        d.add_sequence("nope", 0)
+    with pytest.raises(KeyError, match="unknown sequence 3"):
+        d.propose(3, 4)
+    with pytest.raises(KeyError, match="unknown sequence 3"):
+        d.extend(3, [1])
+    with pytest.raises(KeyError, match="unknown sequence 3"):
+        d.remove_sequence(3)
+    with pytest.raises(KeyError, match="unknown group"):
+        d.remove_group("nope")
+    with pytest.raises(ValueError, match="empty"):
+        d.add_group("g", [])
+    d.add_group("g", PROMPT)
+    d.add_sequence("g", 0)
+    with pytest.raises(ValueError, match="already exists"):
+        d.add_group("g", PROMPT)
+    with pytest.raises(ValueError, match="already exists"):
+        d.add_sequence("g", 0)
+    d.remove_sequence(0)
+    with pytest.raises(KeyError, match="already removed"):
+        d.remove_sequence(0)
+    with pytest.raises(ValueError, match="min_match"):
+        NgramConfig(min_match=3, max_match=2)
+
+
+def ngrams_of(stream: list[int], max_len: int) -> set[tuple[int, ...]]:
+    return {tuple(stream[i : i + n]) for n in range(1, max_len + 1) for i in range(len(stream) - n + 1)}
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_memory_stays_under_bound_on_long_run_and_drafts_remain_valid(share):
+    """Many prompts re-sampled over epochs, groups interleaved, under a small node bound: history is
+    dropped and live tries pruned; every tree must stay a continuation of what that prompt's samples
+    (or, without sharing, that sample alone) actually produced."""
+    rng = np.random.default_rng(7 if share else 8)
+    cfg = NgramConfig(max_match=3, max_draft_depth=5, max_trie_nodes=3000, max_history_prompts=6, share_siblings=share)
+    d = NgramDrafter(cfg)
+    prompts = [rng.integers(12, size=int(rng.integers(2, 20))).tolist() for _ in range(12)]
+    seen: dict[int, set] = {p: set() for p in range(len(prompts))}  # n-grams produced under each prompt
+    groups, contexts, next_id, peak, drafted_late = {}, {}, 0, 0, 0
+    for step in range(3000):
+        r = rng.random()
+        if len(groups) < 4 and r < 0.05:
+            p = int(rng.integers(len(prompts)))
+            gid, next_id = next_id, next_id + 1
+            d.add_group(gid, prompts[p])
+            groups[gid] = (p, [])
+            for _ in range(int(rng.integers(1, 5))):
+                sid, next_id = next_id, next_id + 1
+                d.add_sequence(gid, sid)
+                groups[gid][1].append(sid)
+                contexts[sid] = list(prompts[p])
+        elif groups and r < 0.07:
+            gid = list(groups)[int(rng.integers(len(groups)))]
+            for sid in groups.pop(gid)[1]:
+                contexts.pop(sid, None)
+            d.remove_group(gid)
+        elif contexts and r < 0.08:
+            sid = list(contexts)[int(rng.integers(len(contexts)))]
+            d.remove_sequence(sid)
+            del contexts[sid]
+            next(g for g in groups.values() if sid in g[1])[1].remove(sid)
+        elif contexts:
+            sid = list(contexts)[int(rng.integers(len(contexts)))]
+            p = next(g[0] for g in groups.values() if sid in g[1])
+            # Samples of one prompt mostly follow a shared pattern, as RL samples do.
+            toks = [(contexts[sid][-1] * 5 + int(rng.integers(3))) % 40 for _ in range(int(rng.integers(1, 4)))]
+            d.extend(sid, toks)
+            contexts[sid] += toks
+            own = ngrams_of(contexts[sid][-(len(toks) + cfg.max_depth) :], cfg.max_depth)
+            seen[p] |= own
+            tree = d.propose(sid, int(rng.integers(1, 20)))
+            allowed = seen[p] if share else ngrams_of(contexts[sid], cfg.max_depth)
+            assert tree.tokens[0] == contexts[sid][-1]
+            for path in drafted_paths(tree)[1:]:
+                assert path in allowed or (share and path in ngrams_of(prompts[p], cfg.max_depth))
+            drafted_late += step > 2000 and tree.num_drafts > 0
+        assert d.memory_nodes() <= cfg.max_trie_nodes
+        peak = max(peak, d.memory_nodes())
+    assert peak > 0.9 * cfg.max_trie_nodes  # the bound was binding, so eviction ran
+    assert drafted_late > 50  # and drafting still works after it
