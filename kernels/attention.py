@@ -53,6 +53,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim] to write into; allocated when None
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 

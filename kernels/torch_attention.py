@@ -55,7 +55,7 @@ class TorchAttention:
         self._seq_of_token = seq_of_token
         self._index_in_seq = index_in_seq
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         k_cache.index_copy_(0, meta.out_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.out_slots, v.to(v_cache.dtype))
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -69,5 +69,6 @@ class TorchAttention:
         probs = scores.masked_fill(~self._mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
         # float64: BLAS splits this reduction differently for different key counts, and the
         # extra precision absorbs that, so steps of different shapes agree to the last bit.
-        out = torch.matmul(probs.double(), values.double()).to(q.dtype)  # [B, num_heads, q_rows, head_dim]
-        return out.transpose(1, 2)[self._seq_of_token, self._index_in_seq]
+        result = torch.matmul(probs.double(), values.double()).to(q.dtype)  # [B, num_heads, q_rows, head_dim]
+        result = result.transpose(1, 2)[self._seq_of_token, self._index_in_seq]
+        return result if out is None else out.copy_(result)

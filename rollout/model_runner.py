@@ -1,8 +1,9 @@
 """Turns a scheduled batch into tensors, runs the model, draws tokens, verifies draft trees.
 
 Host work per step: lay out the new tokens of every sequence (prefill chunk, decode token,
-or draft tree), give them KV slots, plan attention once; then one forward, one sampling
-pass over every row that needs a token, and one copy of the results back to the host.
+or draft tree) and give them KV slots (`StepLayout`), upload that in two copies, run the
+model (a captured CUDA graph for decode and verify steps on the GPU), draw every token
+needed in one sampling pass, and copy the results back once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,62 @@ class Emitted:
     source: str = ""
 
 
+@dataclass
+class StepLayout:
+    """The host-side arrays of one forward step."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    out_slots: np.ndarray  # [T] int64
+    tree_mask: np.ndarray | None  # [T] int64, None = causal
+    seq_rows: np.ndarray  # [B] int32
+    kv_lens: np.ndarray  # [B] int32
+    q_lens: np.ndarray  # [B] int32
+    logits_rows: np.ndarray  # [L] int64: token rows whose next-token logits are needed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def padded(self, num_seqs: int, num_tokens: int, num_logits: int, padding_row: int) -> "StepLayout":
+        """Pad with empty sequences and with tokens that belong to none; both touch only slot 0."""
+        extra_tokens, extra_seqs = num_tokens - self.num_tokens, num_seqs - len(self.seq_rows)
+        zeros = np.zeros(extra_tokens, dtype=np.int64)
+        return StepLayout(
+            input_ids=np.concatenate([self.input_ids, zeros]),
+            positions=np.concatenate([self.positions, zeros]),
+            out_slots=np.concatenate([self.out_slots, zeros]),
+            tree_mask=None if self.tree_mask is None else np.concatenate([self.tree_mask, zeros + 1]),
+            seq_rows=np.concatenate([self.seq_rows, np.full(extra_seqs, padding_row, dtype=np.int32)]),
+            kv_lens=np.concatenate([self.kv_lens, np.zeros(extra_seqs, dtype=np.int32)]),
+            q_lens=np.concatenate([self.q_lens, np.zeros(extra_seqs, dtype=np.int32)]),
+            logits_rows=np.concatenate([self.logits_rows, np.zeros(num_logits - len(self.logits_rows), np.int64)]),
+        )
+
+
+class DeviceStep:
+    """A layout on the device: int64 and int32 fields, each group moved in one copy."""
+
+    def __init__(self, lay: StepLayout, device: torch.device):
+        mask = lay.tree_mask if lay.tree_mask is not None else np.zeros(0, dtype=np.int64)
+        qo_indptr = np.zeros(len(lay.q_lens) + 1, dtype=np.int32)
+        np.cumsum(lay.q_lens, out=qo_indptr[1:])
+        i64 = _to_device(np.concatenate([lay.input_ids, lay.positions, lay.out_slots, mask, lay.logits_rows]), device)
+        i32 = _to_device(np.concatenate([lay.seq_rows, lay.kv_lens, qo_indptr]), device)
+        t, b = lay.num_tokens, len(lay.seq_rows)
+        self.input_ids, self.positions, self.out_slots = i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t]
+        self.tree_mask = i64[3 * t : 4 * t] if lay.tree_mask is not None else None
+        self.logits_rows = i64[3 * t + len(mask) :]
+        self.seq_rows, self.kv_lens, self.qo_indptr = i32[:b], i32[b : 2 * b], i32[2 * b :]
+        self.max_q_len = int(lay.q_lens.max()) if b else 0
+        self.max_kv_len = int(lay.kv_lens.max()) if b else 0
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
+
+
 def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [max_positions, head_dim] in float32, computed as transformers does."""
     inv_freq = cfg.rope_inv_freq()
@@ -46,15 +103,29 @@ def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> t
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend, device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        backend: AttentionBackend,
+        device: torch.device,
+        cuda_graphs: bool = False,
+        max_graph_tokens: int = 512,
+        max_tree_tokens: int = 1,
+    ):
         self.model = model
-        # Pad CPU steps (tokens and logits rows) to the row count from which BLAS rounding no
-        # longer depends on the step's shape; see kernels/torch_attention.py.
-        self.min_tokens = CPU_GEMM_MIN_ROWS if device.type == "cpu" else 1
         self.pool = pool
         self.backend = backend
         self.device = device
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
+        # Pad CPU steps (tokens and logits rows) to the row count from which BLAS rounding no
+        # longer depends on the step's shape; see kernels/torch_attention.py.
+        self.min_tokens = CPU_GEMM_MIN_ROWS if device.type == "cpu" else 1
+        self.graphs = None
+        if cuda_graphs:
+            from rollout.cuda_graphs import CudaGraphs
+
+            self.graphs = CudaGraphs(self, pool.free_rows, max_graph_tokens, max_tree_tokens)
         self._dirty_rows: list[np.ndarray] = []  # slot-table entries changed on the host since the last commit
         self._dirty_cols: list[np.ndarray] = []
 
@@ -71,8 +142,38 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, trees: dict[int, DraftTree]) -> list[Emitted]:
         """Run one step. `trees` maps seq_id to its draft tree (decode items only; root = last token)."""
+        lay, draws, item_slots = self._layout(batch, trees)
+        self._commit_rows()
+        shape = self.graphs.shape(lay) if self.graphs is not None and not batch.is_prefill else None
+        if shape is not None:
+            logits = self.graphs.run(lay, shape)
+        else:
+            logits = self.forward(DeviceStep(self._pad_for_cpu(lay), self.device))
+        tokens, logprobs = self._sample(logits, draws)
+        return self._emit(batch, trees, item_slots, draws, tokens, logprobs)
+
+    def forward(self, step: DeviceStep, attn_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The model on one uploaded step: logits [L, vocab] float32 for step.logits_rows."""
+        meta = AttentionMetadata(
+            seq_rows=step.seq_rows,
+            kv_lens=step.kv_lens,
+            qo_indptr=step.qo_indptr,
+            slot_table=self.pool.slot_table,
+            out_slots=step.out_slots,
+            tree_mask=step.tree_mask,
+            max_q_len=step.max_q_len,
+            max_kv_len=step.max_kv_len,
+        )
+        self.backend.plan(meta)
+        ctx = ForwardContext(
+            meta, self.backend, self.pool.k_caches, self.pool.v_caches,
+            self.cos[step.positions], self.sin[step.positions], attn_out,
+        )
+        return self.model(step.input_ids, ctx, step.logits_rows)
+
+    def _layout(self, batch: Batch, trees: dict[int, DraftTree]):
         ids, positions, out_slots, kv_lens, q_lens, masks = [], [], [], [], [], []
-        logits_rows: list[int] = []  # token row of each logits row
+        logits_rows: list[int] = []
         draws: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, output position) per draw
         item_slots: list[np.ndarray] = []
         num_tokens = 0
@@ -104,61 +205,49 @@ class ModelRunner:
                 for s in [seq, *seq.forks]:
                     draws.append((s, len(logits_rows) - 1, s.num_output))
             num_tokens += n
-        if num_tokens < self.min_tokens:  # a padding sequence on the all-zero row: slot 0 only
-            pad = self.min_tokens - num_tokens
-            ids.append(np.zeros(pad, dtype=np.int64))
-            positions.append(np.zeros(pad, dtype=np.int64))
-            out_slots.append(np.zeros(pad, dtype=np.int64))
-            masks.append(np.left_shift(np.int64(1), np.arange(pad, dtype=np.int64)).cumsum())
-            kv_lens.append(pad)
-            q_lens.append(pad)
-        self._commit_rows()
-
-        dev = self.device
-        use_tree_mask = bool(trees) and any(len(t.tokens) > 1 for t in trees.values())
-        qo_indptr = np.zeros(len(q_lens) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qo_indptr[1:])
-        seq_rows = np.array([item.seq.row for item in batch.items], dtype=np.int32)
-        if len(q_lens) > len(batch.items):
-            seq_rows = np.append(seq_rows, np.int32(self.pool.padding_row))
-        meta = AttentionMetadata(
-            seq_rows=torch.from_numpy(seq_rows).to(dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
-            qo_indptr=torch.from_numpy(qo_indptr).to(dev),
-            slot_table=self.pool.slot_table,
-            out_slots=torch.from_numpy(np.concatenate(out_slots).astype(np.int64)).to(dev),
-            tree_mask=torch.from_numpy(np.concatenate(masks)).to(dev) if use_tree_mask else None,
-            max_q_len=max(q_lens),
-            max_kv_len=max(kv_lens),
+        use_tree_mask = any(t.num_drafts for t in trees.values())
+        lay = StepLayout(
+            input_ids=np.concatenate(ids).astype(np.int64),
+            positions=np.concatenate(positions).astype(np.int64),
+            out_slots=np.concatenate(out_slots).astype(np.int64),
+            tree_mask=np.concatenate(masks) if use_tree_mask else None,
+            seq_rows=np.array([item.seq.row for item in batch.items], dtype=np.int32),
+            kv_lens=np.array(kv_lens, dtype=np.int32),
+            q_lens=np.array(q_lens, dtype=np.int32),
+            logits_rows=np.array(logits_rows, dtype=np.int64),
         )
-        self.backend.plan(meta)
-        pos = torch.from_numpy(np.concatenate(positions).astype(np.int64)).to(dev)
-        ctx = ForwardContext(meta, self.backend, self.pool.k_caches, self.pool.v_caches, self.cos[pos], self.sin[pos])
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(dev)
-        padded_rows = logits_rows + [0] * (self.min_tokens - len(logits_rows))  # the lm_head matmul too
-        logits = self.model(input_ids, ctx, torch.tensor(padded_rows, dtype=torch.int64, device=dev))
+        return lay, draws, item_slots
 
-        tokens, logprobs = self._sample(logits, draws)
-        return self._emit(batch, trees, item_slots, draws, tokens, logprobs)
+    def _pad_for_cpu(self, lay: StepLayout) -> StepLayout:
+        """On the CPU, at least CPU_GEMM_MIN_ROWS tokens and logits rows (see __init__)."""
+        if lay.num_tokens >= self.min_tokens and len(lay.logits_rows) >= self.min_tokens:
+            return lay
+        extra = max(0, self.min_tokens - lay.num_tokens)
+        num_seqs = len(lay.seq_rows) + (1 if extra else 0)
+        num_logits = max(self.min_tokens, len(lay.logits_rows))
+        padded = lay.padded(num_seqs, lay.num_tokens + extra, num_logits, self.pool.padding_row)
+        if extra:  # the padding tokens form one causal sequence on the all-zero row
+            padded.kv_lens[-1] = padded.q_lens[-1] = extra
+            if padded.tree_mask is not None:
+                padded.tree_mask[-extra:] = np.left_shift(np.int64(1), np.arange(extra, dtype=np.int64)).cumsum()
+        return padded
 
     def _sample(self, logits: torch.Tensor, draws: list[tuple[Sequence, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         if not draws:
             return np.zeros(0, np.int64), np.zeros(0, np.float32)
-        dev = self.device
         params = [d[0].request.params for d in draws]
+        all_greedy = all(p.temperature == 0 for p in params)
+        i64 = np.array([[d[1], d[0].key, d[2], p.top_k] for d, p in zip(draws, params)], dtype=np.int64).T
+        f32 = np.array([[p.temperature, p.top_p, p.min_p] for p in params], dtype=np.float32).T
+        i64, f32 = _to_device(np.ascontiguousarray(i64), self.device), _to_device(np.ascontiguousarray(f32), self.device)
         st = SamplingTensors(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-            keys=torch.tensor([d[0].key for d in draws], dtype=torch.int64, device=dev),
-            positions=torch.tensor([d[2] for d in draws], dtype=torch.int64, device=dev),
-            all_greedy=all(p.temperature == 0 for p in params),
+            temperature=f32[0], top_p=f32[1], min_p=f32[2], keys=i64[1], positions=i64[2], top_k=i64[3],
+            all_greedy=all_greedy,
             any_truncation=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         )
-        rows = torch.tensor([d[1] for d in draws], dtype=torch.int64, device=dev)
-        tokens, logprobs = sample(logits[rows], st)
-        return tokens.cpu().numpy(), logprobs.cpu().numpy()
+        tokens, logprobs = sample(logits[i64[0]], st)
+        out = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()  # one copy back
+        return out[0].astype(np.int64), out[1]
 
     def _emit(self, batch, trees, item_slots, draws, tokens, logprobs) -> list[Emitted]:
         by_seq: dict[int, list[int]] = {}  # seq_id -> its draw indices, in row order
@@ -181,8 +270,7 @@ class ModelRunner:
             path, bonus = accept_path(tree, tokens[idx])
             kept = slots[path]
             self._set_row(seq.row, start, kept)
-            rejected = np.setdiff1d(slots, kept, assume_unique=True)
-            self.pool.release(rejected)
+            self.pool.release(np.setdiff1d(slots, kept, assume_unique=True))
             seq.num_cached = start + len(path)
             emitted = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
             out.append(

@@ -159,6 +159,11 @@ class NgramDrafter:
             return DraftTree.root_only(s.last_token, self.source)
         return trie.draft(node, s.last_token, budget, self.source)
 
+    def clear_history(self) -> None:
+        """Forget finished prompts (benchmarks use it so runs do not draft from earlier runs)."""
+        while self._history:
+            self._drop_oldest_history()
+
     def memory_nodes(self) -> int:
         """Trie nodes alive across all prompts, live and history; never above cfg.max_trie_nodes."""
         return self.budget.used

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused
 from kernels.attention import AttentionBackend, AttentionMetadata
 from rollout.model_config import ModelConfig
 
@@ -27,6 +28,7 @@ class ForwardContext:
     v_caches: list[torch.Tensor]
     cos: torch.Tensor  # [num_tokens, head_dim], already gathered at the tokens' positions
     sin: torch.Tensor
+    attn_out: torch.Tensor | None = None  # [num_tokens, num_heads, head_dim] reused by every layer (CUDA graphs)
 
 
 @dataclass(frozen=True)
@@ -52,23 +54,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers, so fp32 results agree bit for bit.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual` (norm(x + residual), x + residual)."""
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -92,10 +80,11 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = fused.rope(q, ctx.cos, ctx.sin), fused.rope(k, ctx.cos, ctx.sin)
         out = ctx.backend.forward(
-            q, k, v, ctx.k_caches[self.layer], ctx.v_caches[self.layer], ctx.meta, self.scale
+            q, k, v, ctx.k_caches[self.layer], ctx.v_caches[self.layer], ctx.meta, self.scale, out=ctx.attn_out
         )  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -108,8 +97,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -120,9 +108,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        """Returns (this layer's output, the residual stream before it); their sum is the hidden state."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, ctx), residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):
@@ -155,10 +148,10 @@ class CausalLM(nn.Module):
         ctx: ForwardContext,
         logits_indices: torch.Tensor,  # [L] rows of the T tokens whose next-token logits are wanted
     ) -> torch.Tensor:  # [L, vocab] float32
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, ctx)
-        x = self.model.norm(x[logits_indices])
+            x, residual = layer(x, residual, ctx)
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return F.linear(x, self.lm_head_weight).float()
 
     def weight_targets(self) -> dict[str, WeightTarget]:

