@@ -104,10 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from rollout.bench import add_bench_parser
-    from rollout.server import add_serve_parser
-
     add_bench_parser(sub)
-    add_serve_parser(sub)
+    try:
+        from rollout.server import add_serve_parser
+    except ImportError as e:  # a machine without the server's packages can still generate and bench
+        missing = e.name
+        s = sub.add_parser("serve", help=f"unavailable: {missing} is not installed")
+        s.set_defaults(func=lambda _: sys.exit(f"rollout serve needs {missing}: pip install fastapi uvicorn pyzmq"))
+    else:
+        add_serve_parser(sub)
     return parser
 
 

@@ -1,12 +1,15 @@
 """CUDA graphs for decode and verify steps: one graph per padded (sequences, tokens) shape.
 
 A decode step of a small model is mostly kernel-launch time; replaying a captured graph
-turns ~10 launches per layer into one. Each graph owns its input tensors: a step's layout
-is padded to the graph's shape (empty sequences, tokens that belong to none and write
-slot 0), copied into those tensors with two host-to-device copies, and replayed. The
-attention kernels read real lengths on the device, so one graph serves every context
-length up to the pool's, and every tree up to `max_tree_tokens` tokens per sequence.
-Graphs are captured on first use; prefill steps run eagerly.
+turns ~10 launches per layer into one. A graph covers the whole step after the host
+layout: the model, then sampling every row (one graph per sampling mode: greedy, plain
+sampling, or with top-k/top-p/min-p truncation). Each graph owns its input tensors: a
+step's layout is padded to the graph's shape (empty sequences, tokens that belong to
+none and write slot 0), copied in with three host-to-device copies, replayed, and its
+tokens and logprobs come back in one copy. The attention kernels read real lengths on
+the device, so one graph serves every context length up to the pool's, and every tree up
+to `max_tree_tokens` tokens per sequence. Graphs are captured on first use; prefill
+steps run eagerly.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rollout.sampler import sample
+
 if TYPE_CHECKING:
-    from rollout.model_runner import ModelRunner, StepLayout
+    from rollout.model_runner import DrawInputs, ModelRunner, StepLayout
 
 BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
@@ -27,11 +32,11 @@ BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192,
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    i64: torch.Tensor  # [5 * T]: input ids, positions, out slots, tree mask, logits rows
+    i64: torch.Tensor  # [9 * T]: ids, positions, out slots, tree mask, logits rows | (unused) row, key, position, top_k
     i32: torch.Tensor  # [3 * B + 1]: seq rows, kv lens, qo indptr
-    i64_host: torch.Tensor  # pinned staging for the two copies
-    i32_host: torch.Tensor
-    logits: torch.Tensor  # [T, vocab], written by every replay
+    f32: torch.Tensor  # [3 * T]: temperature, top_p, min_p
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pinned staging of i64, i32, f32
+    out: torch.Tensor  # [2, T] float64: drawn tokens, their logprobs; written by every replay
 
 
 class _StaticStep:
@@ -57,9 +62,9 @@ class CudaGraphs:
         dtype = runner.model.model.embed_tokens.weight.dtype
         self._attn_out = torch.zeros(max_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=runner.device)
         self._mempool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, int, bool, str], _Graph] = {}
 
-    def shape(self, lay: "StepLayout") -> tuple[int, int, bool] | None:
+    def shape(self, lay: "StepLayout", mode: str) -> tuple[int, int, bool, str] | None:
         """The captured shape serving this layout, or None (too large: run eagerly)."""
         num_seqs = len(lay.seq_rows)
         i = bisect.bisect_left(self.batch_sizes, num_seqs)
@@ -70,51 +75,66 @@ class CudaGraphs:
         t = b if not tree else max(b, 1 << (lay.num_tokens - 1).bit_length())
         if t > self.max_tokens or (tree and int(lay.q_lens.max()) > self.max_tree_tokens):
             return None
-        return b, t, tree
+        return b, t, tree, mode
 
-    def run(self, lay: "StepLayout", shape: tuple[int, int, bool]) -> torch.Tensor:
-        """Logits [len(lay.logits_rows), vocab] for the layout, by graph replay."""
+    def run(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str]):
+        """(tokens, logprobs) as numpy arrays, one per logits row of the layout, by graph replay."""
         g = self._graphs.get(shape) or self._capture(*shape)
-        b, t, tree = shape
+        b, t, tree, _ = shape
+        n = len(lay.logits_rows)
         padded = lay.padded(b, t, t, self.runner.pool.padding_row)
         qo_indptr = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(padded.q_lens, out=qo_indptr[1:])
         mask = padded.tree_mask if tree else np.zeros(t, dtype=np.int64)
+        i64_host, i32_host, f32_host = (h.numpy() for h in g.host)
         np.concatenate(
-            [padded.input_ids, padded.positions, padded.out_slots, mask, padded.logits_rows], out=g.i64_host.numpy()
+            [padded.input_ids, padded.positions, padded.out_slots, mask, padded.logits_rows], out=i64_host[: 5 * t]
         )
-        np.concatenate([padded.seq_rows, padded.kv_lens, qo_indptr], out=g.i32_host.numpy())
-        g.i64.copy_(g.i64_host, non_blocking=True)
-        g.i32.copy_(g.i32_host, non_blocking=True)
+        draw_cols = i64_host[5 * t :].reshape(4, t)
+        draw_cols[:, n:] = 0  # padding rows: greedy draws of row 0, ignored
+        draw_cols[:, :n] = draws.i64
+        f32_host.reshape(3, t)[:, n:] = 0
+        f32_host.reshape(3, t)[:, :n] = draws.f32
+        np.concatenate([padded.seq_rows, padded.kv_lens, qo_indptr], out=i32_host)
+        for dst, src in zip((g.i64, g.i32, g.f32), g.host):
+            dst.copy_(src, non_blocking=True)
         g.graph.replay()
-        return g.logits[: len(lay.logits_rows)]
+        out = g.out[:, :n].cpu().numpy()
+        return out[0].astype(np.int64), out[1]
 
-    def _capture(self, num_seqs: int, num_tokens: int, tree: bool) -> _Graph:
+    def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str) -> _Graph:
+        from rollout.model_runner import DrawInputs
+
         runner, dev = self.runner, self.runner.device
-        i64 = torch.zeros(5 * num_tokens, dtype=torch.int64, device=dev)
+        t = num_tokens
+        i64 = torch.zeros(9 * t, dtype=torch.int64, device=dev)
         i32 = torch.zeros(3 * num_seqs + 1, dtype=torch.int32, device=dev)
+        f32 = torch.zeros(3 * t, dtype=torch.float32, device=dev)
         i32[:num_seqs] = runner.pool.padding_row  # all padding until the first replay writes real values
         if tree:
-            i64[3 * num_tokens : 4 * num_tokens] = 1
+            i64[3 * t : 4 * t] = 1
         step = _StaticStep(
-            i64, i32, num_seqs, num_tokens, tree,
+            i64[: 5 * t], i32, num_seqs, t, tree,
             max_q_len=self.max_tree_tokens if tree else 1, max_kv_len=runner.pool.max_context,
         )
-        attn_out = self._attn_out[:num_tokens]
+        sampling = DrawInputs(np.zeros((4, 0), np.int64), np.zeros((3, 0), np.float32), mode)
+        sampling_tensors = sampling.tensors(i64[5 * t :].view(4, t), f32.view(3, t))
+
+        def step_fn() -> torch.Tensor:
+            logits = runner.forward(step, self._attn_out[:t])
+            tokens, logprobs = sample(logits, sampling_tensors)
+            return torch.stack([tokens.double(), logprobs.double()])
+
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                runner.forward(step, attn_out)
+                step_fn()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            logits = runner.forward(step, attn_out)
-        g = _Graph(
-            graph, i64, i32,
-            torch.empty(i64.shape, dtype=torch.int64, pin_memory=True),
-            torch.empty(i32.shape, dtype=torch.int32, pin_memory=True),
-            logits,
-        )
-        self._graphs[(num_seqs, num_tokens, tree)] = g
+            out = step_fn()
+        host = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32))
+        g = _Graph(graph, i64, i32, f32, host, out)
+        self._graphs[(num_seqs, num_tokens, tree, mode)] = g
         return g

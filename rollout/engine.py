@@ -208,12 +208,15 @@ class Engine:
         for item in batch.items:
             if item.samples and item.seq.status is Status.WAITING:
                 self.scheduler.on_prefill_done(item.seq)
+        appended = 0
         for e in emitted:
-            self._append(e)
+            appended += self._append(e)
             updated[id(e.seq.request)] = e.seq.request
         step_s = time.perf_counter() - t0
         self._busy_s += step_s
         self.step_times_ms.append(step_s * 1e3)
+        if self.drafter is not None and not batch.is_prefill:
+            self.budget.observe_step(appended, step_s)
         return self._collect(updated)
 
     def _collect(self, updated: dict) -> list[Request]:
@@ -229,7 +232,7 @@ class Engine:
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
         trees = {}
         for seq in seqs:
-            n = min(wanted.get(seq.seq_id, 0), free)  # no budget (a large batch): no draft
+            n = min(wanted.get(seq.seq_id, 0), free)
             if n <= 0:
                 continue
             tree = self.drafter.propose(seq.seq_id, n)
@@ -238,7 +241,8 @@ class Engine:
                 free -= tree.num_drafts
         return trees
 
-    def _append(self, e: Emitted) -> None:
+    def _append(self, e: Emitted) -> int:
+        """Append what the step emitted, up to a stop condition; returns how many tokens were kept."""
         seq = e.seq
         params = seq.request.params
         reason, appended = None, 0
@@ -260,6 +264,7 @@ class Engine:
             self.drafter.extend(seq.seq_id, seq.tokens[-appended:])
         if reason is not None:
             self._finish(seq, reason)
+        return appended
 
     def _stop_reason(self, seq: Sequence, token: int, params: SamplingParams) -> str | None:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):

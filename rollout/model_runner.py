@@ -71,6 +71,35 @@ class StepLayout:
         )
 
 
+@dataclass
+class DrawInputs:
+    """Host-side sampling inputs, one column per draw (a token to be drawn from a logits row)."""
+
+    i64: np.ndarray  # [4, S]: logits row, RNG key, output position, top_k
+    f32: np.ndarray  # [3, S]: temperature, top_p, min_p
+    mode: str  # greedy | sample | truncate: which code path every row can share
+
+    @staticmethod
+    def of(draws: list[tuple[Sequence, int, int]]) -> "DrawInputs":
+        params = [d[0].request.params for d in draws]
+        i64 = np.array([[d[1], d[0].key, d[2], p.top_k] for d, p in zip(draws, params)], dtype=np.int64).reshape(-1, 4)
+        f32 = np.array([[p.temperature, p.top_p, p.min_p] for p in params], dtype=np.float32).reshape(-1, 3)
+        if all(p.temperature == 0 for p in params):
+            mode = "greedy"
+        elif any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            mode = "truncate"
+        else:
+            mode = "sample"
+        return DrawInputs(np.ascontiguousarray(i64.T), np.ascontiguousarray(f32.T), mode)
+
+    def tensors(self, i64: torch.Tensor, f32: torch.Tensor) -> SamplingTensors:
+        """SamplingTensors over device copies of i64 [4, S] and f32 [3, S]."""
+        return SamplingTensors(
+            temperature=f32[0], top_p=f32[1], min_p=f32[2], keys=i64[1], positions=i64[2], top_k=i64[3],
+            all_greedy=self.mode == "greedy", any_truncation=self.mode == "truncate",
+        )
+
+
 class DeviceStep:
     """A layout on the device: int64 and int32 fields, each group moved in one copy."""
 
@@ -87,6 +116,12 @@ class DeviceStep:
         self.seq_rows, self.kv_lens, self.qo_indptr = i32[:b], i32[b : 2 * b], i32[2 * b :]
         self.max_q_len = int(lay.q_lens.max()) if b else 0
         self.max_kv_len = int(lay.kv_lens.max()) if b else 0
+
+
+def results_to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """One device-to-host copy (and the step's one intended sync)."""
+    out = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()
+    return out[0].astype(np.int64), out[1]
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -144,12 +179,15 @@ class ModelRunner:
         """Run one step. `trees` maps seq_id to its draft tree (decode items only; root = last token)."""
         lay, draws, item_slots = self._layout(batch, trees)
         self._commit_rows()
-        shape = self.graphs.shape(lay) if self.graphs is not None and not batch.is_prefill else None
+        inputs = DrawInputs.of(draws)
+        shape = None
+        if self.graphs is not None and not batch.is_prefill:  # one draw per logits row, in order
+            shape = self.graphs.shape(lay, inputs.mode)
         if shape is not None:
-            logits = self.graphs.run(lay, shape)
+            tokens, logprobs = self.graphs.run(lay, inputs, shape)
         else:
             logits = self.forward(DeviceStep(self._pad_for_cpu(lay), self.device))
-        tokens, logprobs = self._sample(logits, draws)
+            tokens, logprobs = self._sample(logits, inputs)
         return self._emit(batch, trees, item_slots, draws, tokens, logprobs)
 
     def forward(self, step: DeviceStep, attn_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,6 +210,8 @@ class ModelRunner:
         return self.model(step.input_ids, ctx, step.logits_rows)
 
     def _layout(self, batch: Batch, trees: dict[int, DraftTree]):
+        if not trees and not batch.is_prefill:
+            return self._decode_layout(batch)
         ids, positions, out_slots, kv_lens, q_lens, masks = [], [], [], [], [], []
         logits_rows: list[int] = []
         draws: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, output position) per draw
@@ -218,6 +258,29 @@ class ModelRunner:
         )
         return lay, draws, item_slots
 
+    def _decode_layout(self, batch: Batch):
+        """The common step, vectorised: every sequence feeds its last token and draws the next."""
+        seqs = [item.seq for item in batch.items]
+        n = len(seqs)
+        starts = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=n)
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int32, count=n)
+        slots = self.pool.alloc(n)
+        self.pool.rows_host[rows, starts] = slots
+        self._dirty_rows.append(rows.astype(np.int64))
+        self._dirty_cols.append(starts)
+        lay = StepLayout(
+            input_ids=np.fromiter((s.tokens[-1] for s in seqs), dtype=np.int64, count=n),
+            positions=starts,
+            out_slots=slots.astype(np.int64),
+            tree_mask=None,
+            seq_rows=rows,
+            kv_lens=(starts + 1).astype(np.int32),
+            q_lens=np.ones(n, dtype=np.int32),
+            logits_rows=np.arange(n, dtype=np.int64),
+        )
+        draws = [(s, i, s.num_output) for i, s in enumerate(seqs)]
+        return lay, draws, [slots[i : i + 1] for i in range(n)]
+
     def _pad_for_cpu(self, lay: StepLayout) -> StepLayout:
         """On the CPU, at least CPU_GEMM_MIN_ROWS tokens and logits rows (see __init__)."""
         if lay.num_tokens >= self.min_tokens and len(lay.logits_rows) >= self.min_tokens:
@@ -232,22 +295,12 @@ class ModelRunner:
                 padded.tree_mask[-extra:] = np.left_shift(np.int64(1), np.arange(extra, dtype=np.int64)).cumsum()
         return padded
 
-    def _sample(self, logits: torch.Tensor, draws: list[tuple[Sequence, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        if not draws:
-            return np.zeros(0, np.int64), np.zeros(0, np.float32)
-        params = [d[0].request.params for d in draws]
-        all_greedy = all(p.temperature == 0 for p in params)
-        i64 = np.array([[d[1], d[0].key, d[2], p.top_k] for d, p in zip(draws, params)], dtype=np.int64).T
-        f32 = np.array([[p.temperature, p.top_p, p.min_p] for p in params], dtype=np.float32).T
-        i64, f32 = _to_device(np.ascontiguousarray(i64), self.device), _to_device(np.ascontiguousarray(f32), self.device)
-        st = SamplingTensors(
-            temperature=f32[0], top_p=f32[1], min_p=f32[2], keys=i64[1], positions=i64[2], top_k=i64[3],
-            all_greedy=all_greedy,
-            any_truncation=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-        )
-        tokens, logprobs = sample(logits[i64[0]], st)
-        out = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()  # one copy back
-        return out[0].astype(np.int64), out[1]
+    def _sample(self, logits: torch.Tensor, inputs: DrawInputs) -> tuple[np.ndarray, np.ndarray]:
+        if inputs.i64.shape[1] == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.float64)
+        i64, f32 = _to_device(inputs.i64, self.device), _to_device(inputs.f32, self.device)
+        tokens, logprobs = sample(logits[i64[0]], inputs.tensors(i64, f32))
+        return results_to_host(tokens, logprobs)
 
     def _emit(self, batch, trees, item_slots, draws, tokens, logprobs) -> list[Emitted]:
         by_seq: dict[int, list[int]] = {}  # seq_id -> its draw indices, in row order
@@ -270,7 +323,9 @@ class ModelRunner:
             path, bonus = accept_path(tree, tokens[idx])
             kept = slots[path]
             self._set_row(seq.row, start, kept)
-            self.pool.release(np.setdiff1d(slots, kept, assume_unique=True))
+            rejected = np.ones(len(slots), dtype=bool)
+            rejected[path] = False
+            self.pool.release(slots[rejected])
             seq.num_cached = start + len(path)
             emitted = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
             out.append(

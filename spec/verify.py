@@ -22,12 +22,11 @@ from spec.tree import DraftTree
 
 def accept_path(tree: DraftTree, targets: np.ndarray) -> tuple[np.ndarray, int]:
     """targets[i]: the token drawn after node i. Returns (accepted nodes, root first; bonus token)."""
+    children, tokens, drawn = tree.children(), tree.tokens.tolist(), targets.tolist()
     path = [0]
-    node = 0
     while True:
-        drawn = targets[node]
-        match = np.flatnonzero((tree.parents == node) & (tree.tokens == drawn))
-        if len(match) == 0:
-            return np.asarray(path, dtype=np.int64), int(drawn)
-        node = int(match[0])
-        path.append(node)
+        node = path[-1]
+        nxt = next((c for c in children[node] if tokens[c] == drawn[node]), None)
+        if nxt is None:
+            return np.asarray(path, dtype=np.int64), int(drawn[node])
+        path.append(nxt)

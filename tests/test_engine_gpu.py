@@ -28,7 +28,9 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def engines(default_model_dir):
-    make = lambda **kw: Engine(model=str(default_model_dir), device="cuda", dtype="float32", **kw)
+    make = lambda **kw: Engine(
+        model=str(default_model_dir), device="cuda", dtype="float32", kv_cache_tokens=100_000, **kw
+    )
     return {
         "graphs_spec_off": make(spec="off"),
         "eager_spec_off": make(spec="off", cuda_graphs=False),
@@ -77,10 +79,10 @@ def test_spec_on_matches_spec_off_greedy_and_sampled(engines, prompts):
 
 
 def test_bf16_generates_finite_logprobs_close_to_fp32(default_model_dir, engines, prompts):
-    bf16 = Engine(model=str(default_model_dir), device="cuda", spec="ngram")
+    bf16 = Engine(model=str(default_model_dir), device="cuda", spec="ngram", kv_cache_tokens=100_000)
     a = run(bf16, prompts, temperature=0)
     b = run(engines["graphs_spec_off"], prompts, temperature=0)
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in a)
-    assert agreement(a, b) >= 0.5  # bf16 rounding may flip a near-tie and diverge from there
-    first = [abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)]
-    assert max(first) < 0.1
+    # bf16 rounding flips near-ties and 135M parameters diverge from there: compare the first tokens
+    assert sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b)) >= len(a) - 1
+    assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)) < 0.1

@@ -1,0 +1,168 @@
+"""How long a weight push takes, by method and model size.
+
+    python recipes/bench_weight_sync.py                          # CPU: default model, broadcast (gloo) and disk
+    python recipes/bench_weight_sync.py --models default,8b      # GPU: adds a Llama-3.1-8B-shaped random model
+    python recipes/bench_weight_sync.py --methods ipc --models 8b --bucket-mb 0,128
+
+The engine runs in this process behind `weight_sync.dev_server` (the weight routes of
+`rollout serve`); a trainer subprocess holds the weights (the default model's checkpoint,
+or random weights of the 8B shape) and pushes them with `WeightPusher`, as a training
+loop would. Reported per row: the trainer's wall time for `push()` (median of the
+repeats after a warm-up push that also builds the group), the engine's receive and swap
+times, and the effective bandwidth (bytes sent / push time).
+
+Broadcast uses NCCL when there are two GPUs (engine on cuda:0, trainer on cuda:1), else
+gloo through host memory (NCCL cannot put two ranks on one GPU; a colocated trainer pushes
+by IPC). On one GPU, `ipc` shares the trainer's buffers with the engine; `disk` writes
+safetensors to /dev/shm when it has room.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+# ---------------- trainer side (a subprocess) ----------------
+def trainer_tensors(model_dir: str, random_weights: bool, device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    from rollout.model_config import ModelConfig
+    from rollout.model_loader import build_model, randomize
+    from rollout.weights import iter_checkpoint
+
+    if random_weights:
+        cfg = ModelConfig.from_dir(model_dir)
+        model = build_model(cfg, device, dtype)
+        randomize(model, seed=1)
+        targets = model.weight_targets()
+        if cfg.tie_word_embeddings:
+            targets.pop("lm_head.weight")
+        return [(name, t.view()) for name, t in targets.items()]
+    return [(n, t.to(device=device, dtype=dtype)) for n, t in iter_checkpoint(model_dir)]
+
+
+def run_trainer(args: argparse.Namespace) -> None:
+    from weight_sync import WeightPusher
+
+    device = torch.device(args.trainer_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    named = trainer_tensors(args.model_dir, args.random, device, dtype)
+    bucket_bytes = None if args.bucket_bytes == "auto" else int(args.bucket_bytes)
+    pusher = WeightPusher(args.url, method=args.method, bucket_bytes=bucket_bytes, backend=args.backend, timeout_s=600)
+    for i in range(args.repeats + 1):  # the first push also builds the group: a warm-up
+        r = pusher.push(named)
+        rx = r["responses"][0]
+        print(json.dumps({"warmup": i == 0, "push_s": r["seconds"], "bytes": r["bytes"], "bucket_bytes": r["bucket_bytes"], "receive_s": rx["receive_s"],
+                          "apply_s": rx["apply_s"], "engine_total_s": rx["total_s"]}), flush=True)
+    pusher.close()
+
+
+# ---------------- engine side ----------------
+def bench(args: argparse.Namespace) -> None:
+    from rollout import Engine
+    from rollout.bench import speed_model_dir
+    from rollout.default_model import ensure_default_model
+    from weight_sync.dev_server import DevServer, EngineLoop
+
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    engine_device = "cuda:0" if cuda else "cpu"
+    two_gpus = cuda and torch.cuda.device_count() >= 2
+    rows = []
+    for model in args.models.split(","):
+        if model == "default":
+            model_dir, random_weights = str(ensure_default_model()), False
+        elif model == "8b":
+            model_dir, random_weights = speed_model_dir("llama3-8b"), True
+        else:
+            raise SystemExit(f"--models: default or 8b, not {model!r}")
+        dtype = "bfloat16" if cuda else "float32"
+        engine = Engine(model=model_dir, spec="off", device=engine_device, dtype=dtype, kv_cache_tokens=4096,
+                        load_format="dummy" if random_weights else "auto")
+        loop = EngineLoop(engine, timeout_s=600)
+        server = DevServer(loop)
+        nparams = sum(p.numel() for p in engine.model.parameters())
+        try:
+            for method in args.methods.split(","):
+                if method == "ipc" and not cuda:
+                    print(f"skip ipc for {model}: needs a GPU", file=sys.stderr)
+                    continue
+                backend, trainer_device = "gloo", engine_device
+                if method == "distributed" and two_gpus:
+                    backend, trainer_device = "nccl", "cuda:1"
+                sizes = args.bucket_mb.split(",") if method != "disk" else ["auto"]  # buckets mean nothing on disk
+                for bucket_mb in sizes:
+                    bucket_bytes = "auto" if bucket_mb == "auto" else str(int(float(bucket_mb) * (1 << 20)))
+                    cmd = [sys.executable, __file__, "--role", "trainer", "--url", server.url, "--model-dir", model_dir,
+                           "--method", method, "--bucket-bytes", bucket_bytes, "--backend", backend,
+                           "--trainer-device", trainer_device, "--dtype", dtype, "--repeats", str(args.repeats)]
+                    if random_weights:
+                        cmd.append("--random")
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+                    if out.returncode != 0:
+                        print(f"{model} {method}: trainer failed:\n{out.stderr[-3000:]}", file=sys.stderr)
+                        continue
+                    runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+                    timed = [r for r in runs if not r["warmup"]] or runs
+                    med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
+                    rows.append({
+                        "model": model, "params_m": nparams / 1e6, "mb": timed[0]["bytes"] / 1e6, "dtype": dtype,
+                        "method": method, "backend": backend if method == "distributed" else "-",
+                        "bucket_mb": f"{timed[0]['bucket_bytes'] / (1 << 20):g}" if method != "disk" else "-", "push_s": med("push_s"),
+                        "receive_s": med("receive_s"), "apply_s": med("apply_s"),
+                        "gb_per_s": timed[0]["bytes"] / med("push_s") / 1e9, "repeats": len(timed),
+                    })
+                    print(json.dumps(rows[-1]), flush=True)
+        finally:
+            server.close()
+            loop.close()
+            del engine, loop
+            if cuda:
+                torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name(0) if cuda else "CPU"
+    print(f"\nweight push on {device_name} ({torch.get_num_threads()} CPU threads)\n")
+    print("| model | params (M) | MB sent | method | backend | bucket MB | push s | receive s | swap s | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['params_m']:.0f} | {r['mb']:.0f} | {r['method']} | {r['backend']} | {r['bucket_mb']} | "
+              f"{r['push_s']:.3f} | {r['receive_s']:.3f} | {r['apply_s']:.3f} | {r['gb_per_s']:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=None, help="comma list of default, 8b (default: default on CPU, default,8b on GPU)")
+    ap.add_argument("--methods", default=None, help="comma list of distributed, disk, ipc (default: all that the machine allows)")
+    ap.add_argument("--bucket-mb", default="auto", help="comma list of bucket sizes in MB; 0 = one broadcast/handle per tensor; "
+                    "auto = the pusher's default (128 for NCCL, 0 for gloo and IPC)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
+    # trainer role (internal)
+    ap.add_argument("--role", default="bench", choices=["bench", "trainer"], help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--method", help=argparse.SUPPRESS)
+    ap.add_argument("--bucket-bytes", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--trainer-device", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--random", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "trainer":
+        return run_trainer(args)
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    args.models = args.models or ("default,8b" if cuda else "default")
+    args.methods = args.methods or ("distributed,ipc,disk" if cuda else "distributed,disk")
+    bench(args)
+
+
+if __name__ == "__main__":
+    main()

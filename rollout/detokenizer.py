@@ -1,0 +1,52 @@
+"""Token ids to text, in the front end: whole outputs at once, streams a few tokens at a time."""
+
+from __future__ import annotations
+
+
+def final_text(tokenizer, ids: list[int], matched_stop: int | str | None, skip_special_tokens: bool = True) -> str:
+    """The text `Engine.output` gives: the decoded ids, cut before a matched stop string."""
+    return trim_at_stop(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), matched_stop)
+
+
+def trim_at_stop(text: str, matched_stop: int | str | None) -> str:
+    if isinstance(matched_stop, str) and matched_stop in text:
+        return text[: text.find(matched_stop)]
+    return text
+
+
+class StreamDetokenizer:
+    """Text deltas for one growing output; joined, they equal `final_text` of the whole.
+
+    Decodes a short window of recent ids per update (no re-decoding of the whole output),
+    waits while the tail is an incomplete UTF-8 character, and holds back as many characters
+    as a stop string could still claim.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.holdback = max((len(s) for s in stop or []), default=1) - 1
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] is the context for the next window
+        self.read_offset = 0
+        self.text = ""  # decoded so far
+        self.sent = 0  # characters of `text` handed out
+
+    def update(self, ids: list[int], finish: dict | None = None) -> str:
+        """The new text after `ids` (the whole output so far); `finish` from the last update."""
+        if finish is not None:
+            full = final_text(self.tokenizer, ids, finish.get("matched"), self.skip_special_tokens)
+            delta = full[self.sent :] if full.startswith(self.text[: self.sent]) else ""
+            self.sent = len(full)
+            return delta
+        if len(ids) > self.read_offset:
+            prefix = self._decode(ids[self.prefix_offset : self.read_offset])
+            window = self._decode(ids[self.prefix_offset :])
+            if len(window) > len(prefix) and not window.endswith("\ufffd"):
+                self.text += window[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        end = max(self.sent, len(self.text) - self.holdback)
+        delta, self.sent = self.text[self.sent : end], end
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""

@@ -1,0 +1,289 @@
+"""The engine process: an `Engine` driven by messages from the HTTP front end.
+
+    python -m rollout.engine_loop --config '<EngineConfig as JSON>' --recv ipc://... --send ipc://...
+
+The loop: take every message waiting on the socket (blocking only while there is nothing
+to step), run one `engine.step()`, send what it produced in one `out` message (see
+rollout.protocol).
+
+Control calls (abort, stats, server info, and the weight-update ops) all go through one
+dispatch: `EngineLoop.handlers` maps an op name to `handler(args: dict) -> result`. A
+handler raises to fail the call: `ValueError`/`TypeError`/`KeyError` answer 400, an
+exception with a `status` attribute (e.g. weight_sync.errors.WeightSyncError) answers that
+status, anything else 500. A handler that finishes later returns a
+`concurrent.futures.Future`; the loop replies when it resolves (checking every
+`BUSY_POLL_MS` while any is pending) and goes on stepping meanwhile.
+
+Seams for weight updates: `handlers` (ops), `before_step()` (runs between steps, e.g. to
+swap in received weights), `may_step()` (a pause gate), `admit()` (hold new requests
+while paused), `version_label` (the string a weight version is reported as).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict
+from typing import Any
+
+import zmq
+
+from rollout import protocol
+from rollout.config import EngineConfig, SamplingParams, SpecConfig
+from rollout.engine import Engine
+from rollout.sequence import Request, Sequence
+
+log = logging.getLogger("rollout.engine_loop")
+
+IDLE_POLL_MS = 1000  # an idle engine wakes this often to check that its parent is alive
+BUSY_POLL_MS = 5  # how often a paused or idle loop checks its pending control calls
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, recv: zmq.Socket, send: zmq.Socket, parent_pid: int | None = None):
+        self.engine = engine
+        self.recv = recv
+        self.send = send
+        self.parent_pid = parent_pid
+        self.running = True
+        self.orphaned = False  # the front end died without stopping us
+        self.version_label: Callable[[int], str] = str
+        self.pending_calls: list[tuple[int, str, Future]] = []  # (cid, op, future) of handlers that answer later
+        self.streams: dict[str, list[int]] = {}  # rid -> tokens already sent, per sample (streaming requests)
+        self.handlers: dict[str, Callable[[dict], Any]] = {
+            "ping": self.op_ping,
+            "abort_request": self.op_abort_request,
+            "stats": self.op_stats,
+            "get_server_info": self.op_get_server_info,
+        }
+
+    # ---------------- the loop ----------------
+    def run(self) -> None:
+        while self.running:
+            self._drain(block=not self._should_step())
+            self.before_step()
+            if self.pending_calls:
+                self._reply_finished_calls()
+            if self._should_step():
+                self._publish(self.engine.step())
+
+    def before_step(self) -> None:
+        """Runs once per loop iteration, between steps (a weight swap belongs here)."""
+
+    def may_step(self) -> bool:
+        """False holds generation in place (a pause for weight updates)."""
+        return True
+
+    def admit(self, add: dict) -> dict | None:
+        """Queue one request (an Add of rollout.protocol); returns a ReqOut error if the engine refuses it."""
+        rid = add["rid"]
+        try:
+            params = SamplingParams.from_dict(add["params"])
+            req = self.engine.add_request(add["input_ids"], params, rid=rid, return_logprob=add["return_logprob"])
+        except (ValueError, TypeError) as e:
+            return {"rid": rid, "error": str(e)}
+        if add["stream"]:
+            self.streams[rid] = [0] * len(req.sequences)
+        return None
+
+    def _should_step(self) -> bool:
+        return self.engine.has_work and self.may_step()
+
+    def _drain(self, block: bool) -> None:
+        timeout = (BUSY_POLL_MS if self.pending_calls else IDLE_POLL_MS) if block else 0
+        while self.running and self.recv.poll(timeout):
+            self._handle(protocol.unpack(self.recv.recv()))
+            timeout = 0
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            log.error("the front end (pid %d) is gone; stopping", self.parent_pid)
+            self.running = False
+            self.orphaned = True
+
+    def _handle(self, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == protocol.BATCH:
+            refused = [r for r in map(self.admit, msg["add"]) if r is not None]
+            for rid in msg["abort"]:
+                self.engine.abort(rid)
+            if refused:
+                self._emit(protocol.output(self.version_label(self.engine.weight_version), refused))
+        elif kind == protocol.CTL:
+            self._control(msg)
+        elif kind == protocol.SHUTDOWN:
+            self.running = False
+        else:
+            log.error("dropping a message of unknown type %r", kind)
+
+    def _publish(self, updated: list[Request]) -> None:
+        reqs = []
+        for req in updated:
+            sent = self.streams.get(req.rid)
+            if sent is None:  # not streaming: everything at once, when the whole request is done
+                if req.finished:
+                    reqs.append({"rid": req.rid, "seqs": [_seq_out(seq, 0) for seq in req.sequences]})
+                continue
+            seqs = []
+            for seq in req.sequences:
+                start = sent[seq.sample_index]
+                if start >= 0 and (seq.finished or seq.num_output > start):
+                    seqs.append(_seq_out(seq, start))
+                    sent[seq.sample_index] = -1 if seq.finished else seq.num_output  # -1: finish sent
+            if req.finished:
+                del self.streams[req.rid]
+            if seqs:
+                reqs.append({"rid": req.rid, "seqs": seqs})
+        if reqs:
+            self._emit(protocol.output(self.version_label(self.engine.weight_version), reqs))
+
+    def _emit(self, msg: dict) -> None:
+        self.send.send(protocol.pack(msg))
+
+    # ---------------- control ----------------
+    def _control(self, msg: dict) -> None:
+        cid, op = msg["cid"], msg["op"]
+        handler = self.handlers.get(op)
+        if handler is None:
+            self.reply(cid, error=f"unknown control op {op!r}; known: {', '.join(sorted(self.handlers))}", status=404)
+            return
+        try:
+            result = handler(msg.get("args") or {})
+        except Exception as e:  # a failed call must not kill the loop
+            self._reply_error(cid, op, e)
+            return
+        if isinstance(result, Future):
+            self.pending_calls.append((cid, op, result))
+        else:
+            self.reply(cid, result)
+
+    def _reply_finished_calls(self) -> None:
+        still = []
+        for cid, op, fut in self.pending_calls:
+            if not fut.done():
+                still.append((cid, op, fut))
+            elif fut.exception() is not None:
+                self._reply_error(cid, op, fut.exception())
+            else:
+                self.reply(cid, fut.result())
+        self.pending_calls = still
+
+    def _reply_error(self, cid: int, op: str, e: BaseException) -> None:
+        status = getattr(e, "status", None) or (400 if isinstance(e, (ValueError, TypeError, KeyError)) else 500)
+        if status >= 500:
+            log.error("control op %s failed", op, exc_info=e)
+        self.reply(cid, error=f"{op}: {e}", status=status)
+
+    def reply(self, cid: int, result: Any = None, error: str | None = None, status: int = 200) -> None:
+        self._emit(protocol.control_reply(cid, result, error, status))
+
+    def op_ping(self, args: dict) -> dict:
+        return {"weight_version": self.version_label(self.engine.weight_version)}
+
+    def op_abort_request(self, args: dict) -> dict:
+        """{"rid": str} or {"abort_all": true}; answers the rids that were in flight."""
+        if args.get("abort_all"):
+            rids = list(self.engine.requests)
+        else:
+            rid = args.get("rid")
+            if not isinstance(rid, str):
+                raise ValueError("rid must be a string (or pass abort_all: true)")
+            rids = [rid]
+        return {"aborted": [rid for rid in rids if self.engine.abort(rid)]}
+
+    def op_stats(self, args: dict) -> dict:
+        stats = self.engine.stats()
+        stats["rollout/num_requests"] = len(self.engine.requests)
+        return stats
+
+    def op_get_server_info(self, args: dict) -> dict:
+        info = engine_info(self.engine)
+        info["weight_version"] = self.version_label(self.engine.weight_version)
+        return {**info, "stats": self.op_stats(args)}
+
+
+def _seq_out(seq: Sequence, start: int) -> dict:
+    """A SeqOut (rollout.protocol) with the sample's tokens from `start` on."""
+    finish = {"type": seq.finish_reason or "abort", "matched": seq.matched_stop} if seq.finished else None
+    return {
+        "i": seq.sample_index,
+        "ids": seq.output_ids[start:],
+        "lp": seq.logprobs[start:] if seq.request.return_logprob else None,
+        "wv": seq.weight_versions[start:],
+        "finish": finish,
+        "spec": seq.spec.as_dict(),
+    }
+
+
+def engine_info(engine: Engine) -> dict:
+    return {
+        "engine_config": asdict(engine.config),
+        "model_path": str(engine.model_path),
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.model_config.vocab_size,
+        "kv_cache_tokens": engine.pool.num_slots - 1,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "weight_version": engine.weight_version,
+        "engine_pid": os.getpid(),
+    }
+
+
+def config_from_json(text: str) -> EngineConfig:
+    raw = json.loads(text)
+    raw["spec"] = SpecConfig(**raw.get("spec", {}))
+    return EngineConfig(**raw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m rollout.engine_loop", description="the engine process of `rollout serve`")
+    p.add_argument("--config", required=True, help="EngineConfig as JSON")
+    p.add_argument("--recv", required=True, help="ZMQ address to pull requests from")
+    p.add_argument("--send", required=True, help="ZMQ address to push outputs to")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [engine] %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(args.recv)
+    send = ctx.socket(zmq.PUSH)
+    send.setsockopt(zmq.SNDHWM, 0)
+    send.setsockopt(zmq.SNDTIMEO, 10_000)  # a send only blocks when the front end is gone: then give up
+    send.connect(args.send)
+    code = 0
+    try:
+        engine = Engine(config=config_from_json(args.config))
+        send.send(protocol.pack(protocol.ready(engine_info(engine))))
+        log.info("engine ready: %s on %s", engine.model_path, engine.device)
+        loop = EngineLoop(engine, recv, send, args.parent_pid)
+        # Weight updates (issue 7) install themselves on `loop` here: handlers, before_step, may_step, admit, version_label.
+        loop.run()
+        if loop.orphaned and args.recv.startswith("ipc://"):  # nobody else will remove the socket directory
+            shutil.rmtree(os.path.dirname(args.recv.removeprefix("ipc://")), ignore_errors=True)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    except BaseException as e:  # tell the front end why, then die: it fails requests and /health
+        log.exception("the engine process failed")
+        try:
+            send.send(protocol.pack(protocol.fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")))
+        except zmq.ZMQError:
+            pass
+        code = 1
+    finally:
+        recv.close(linger=0)
+        send.close(linger=2000)
+        ctx.term()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The front end's shared core: tokenize, submit to the engine, wait or stream, detokenize.
+
+Both APIs (SGLang's native in rollout.server, OpenAI's in rollout.openai_api) sit on
+`Frontend`: `submit` checks lengths and hands token ids to the EngineClient; `wait`
+returns when every request is done (aborting them if the HTTP client hangs up);
+`updates` yields a streaming request's progress with text deltas; `texts` decodes
+finished outputs in one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from rollout.config import SamplingParams
+from rollout.detokenizer import StreamDetokenizer, trim_at_stop
+from rollout.engine_client import EngineClient, RequestState
+from rollout.http_guard import ApiError, check_text
+
+DEFAULT_PORT = 30000
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    admin_key: str | None = None
+    served_model_name: str = "default"
+    max_request_bytes: int = 64 << 20
+    incremental_streaming_output: bool = False  # SGLang's default: stream chunks carry everything so far
+    health_timeout: float = 20.0  # /health fails when the engine loop has not answered for this long
+    log_level: str = "info"
+    access_log: bool = False
+
+    def public(self) -> dict:
+        """For /get_server_info: never the keys themselves."""
+        d = asdict(self)
+        d["api_key"] = self.api_key is not None
+        d["admin_key"] = self.admin_key is not None
+        return d
+
+
+class JSON(JSONResponse):
+    """JSON that survives a -inf logprob (as -Infinity, which Python and JS parsers read)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its result was ready; its requests were aborted."""
+
+
+@dataclass
+class Update:
+    """New output of one sample: tokens `state.samples[i].ids[start:]`, their text, and whether it finished."""
+
+    state: RequestState
+    i: int
+    start: int
+    text: str
+    finished: bool
+
+
+class Frontend:
+    """What the routes share: the engine client, the tokenizer, the settings."""
+
+    def __init__(self, engine: EngineClient, tokenizer, settings: ServerSettings, model_path: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.model_path = model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info["max_model_len"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.info["vocab_size"]
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(check_text(text, param), add_special_tokens=add_special_tokens)
+        if not ids:
+            raise ApiError(400, f"{param}: the prompt is empty after tokenization", param)
+        return ids
+
+    def submit(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        return_logprob: bool,
+        rids: list[str] | None = None,
+        stream: bool = False,
+        prompt_param: str = "input_ids",
+        tokens_param: str = "sampling_params.max_new_tokens",
+    ) -> list[RequestState]:
+        """Check lengths, then queue one engine request per prompt (n samples each)."""
+        kv_tokens = self.engine.info["kv_cache_tokens"]
+        for k, ids in enumerate(prompts):
+            param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]"
+            if len(ids) >= self.max_model_len:
+                raise ApiError(400, f"{param}: the prompt has {len(ids)} tokens; the context holds {self.max_model_len}", param)
+            if len(ids) + params.max_new_tokens > self.max_model_len:
+                raise ApiError(
+                    400,
+                    f"{tokens_param} ({params.max_new_tokens}) + prompt ({len(ids)} tokens) exceeds the context length "
+                    f"{self.max_model_len}; ask for at most {self.max_model_len - len(ids)} new tokens",
+                    tokens_param,
+                )
+            if len(ids) + params.n * params.max_new_tokens > kv_tokens:
+                raise ApiError(
+                    400,
+                    f"n x {tokens_param} + prompt needs more KV slots than the pool holds ({kv_tokens}); lower one of them",
+                    tokens_param,
+                )
+        queue = asyncio.Queue() if stream else None
+        raw = asdict(params)
+        states: list[RequestState] = []
+        try:
+            for k, ids in enumerate(prompts):
+                rid = rids[k] if rids else uuid.uuid4().hex
+                states.append(self.engine.submit(rid, ids, raw, return_logprob, queue))
+        except ValueError as e:  # a rid already in flight
+            self.abort(states)
+            raise ApiError(400, str(e), "rid") from None
+        return states
+
+    def abort(self, states: list[RequestState]) -> None:
+        for s in states:
+            if not s.finished:
+                self.engine.abort(s.rid)
+
+    async def wait(self, states: list[RequestState], request: Request) -> None:
+        """Until every state is done; aborts them all if the client leaves or one fails."""
+        all_done = _all_done([s.done for s in states])
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({all_done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not all_done.done():
+            self.abort(states)
+            raise ClientGone()
+        if all_done.exception() is not None:
+            self.abort(states)
+            raise all_done.exception()
+
+    async def updates(self, states: list[RequestState], params: SamplingParams) -> AsyncIterator[Update]:
+        """A streaming request's progress, one `Update` per sample per engine step.
+
+        Raises what failed the request (EngineDead, EngineRefused). Closing the iterator
+        early (the client left) aborts whatever is unfinished, freeing the engine's KV.
+        """
+        queue = states[0].stream
+        detok = {(st.rid, i): StreamDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+                 for st in states for i in range(st.n)}  # fmt: skip
+        sent = dict.fromkeys(detok, 0)  # tokens already reported per sample; -1 once its finish is reported
+        left = len(detok)
+        try:
+            while left:
+                st, i = await queue.get()
+                if i is None:
+                    raise st.done.exception()
+                key, s = (st.rid, i), st.samples[i]
+                start = sent[key]
+                if start < 0 or (start == len(s.ids) and s.finish is None):
+                    continue
+                finished = s.finish is not None
+                sent[key] = -1 if finished else len(s.ids)
+                left -= finished
+                yield Update(st, i, start, detok[key].update(s.ids, s.finish), finished)
+        finally:
+            self.abort(states)
+
+    def texts(self, states: list[RequestState], params: SamplingParams) -> list[list[str]]:
+        """Final texts, [request][sample], decoded in one batch."""
+        flat = [s for st in states for s in st.samples]
+        decoded = self.tokenizer.batch_decode([s.ids for s in flat], skip_special_tokens=params.skip_special_tokens)
+        out, k = [], 0
+        for st in states:
+            out.append([trim_at_stop(decoded[k + i], (s.finish or {}).get("matched")) for i, s in enumerate(st.samples)])
+            k += st.n
+        return out
+
+
+def _all_done(futures: list[asyncio.Future]) -> asyncio.Future:
+    """One future for many: result None when all succeed, the first exception otherwise."""
+    out = asyncio.get_running_loop().create_future()
+    left = [len(futures)]
+
+    def on_done(f: asyncio.Future) -> None:
+        if out.done():
+            return
+        if not f.cancelled() and f.exception() is not None:
+            out.set_exception(f.exception())
+            return
+        left[0] -= 1
+        if left[0] == 0:
+            out.set_result(None)
+
+    if not futures:
+        out.set_result(None)
+    for f in futures:
+        f.add_done_callback(on_done)
+    return out
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read, so only a disconnect can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def frontend(request: Request) -> Frontend:
+    return request.app.state.frontend
+
+
+def sse_event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

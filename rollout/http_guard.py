@@ -1,0 +1,214 @@
+"""What stands between untrusted HTTP and the engine: keys, size limits, JSON, field checks.
+
+Every refusal is an `ApiError`, answered as `{"error": {"message", "type", "param", "code"}}`
+(OpenAI's shape, so the `openai` client shows the message) with a 4xx status; the message
+names the offending field. Nothing here evaluates or unpickles client data: bodies are
+parsed with `json` only.
+
+Keys (`Authorization: Bearer <key>`, compared in constant time):
+  `require_api_key`  generation and read-only routes; accepts the API key or the admin key.
+  `require_admin`    control and weight routes. With `--admin-key` they need that key; without
+                     it they answer only clients on the loopback interface (a weight push
+                     rewrites the model: never open to the network).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from rollout.config import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "request_too_large", 503: "service_unavailable"}.get(status, "server_error")  # fmt: skip
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+# ---------------- keys ----------------
+@dataclass(frozen=True)
+class Keys:
+    api_key: str | None = None
+    admin_key: str | None = None
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(token: str | None, key: str | None) -> bool:
+    return token is not None and key is not None and hmac.compare_digest(token.encode(), key.encode())
+
+
+def _is_loopback(request: Request) -> bool:
+    if request.client is None:  # a Unix socket: local by construction
+        return True
+    host = request.client.host.removeprefix("::ffff:")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def require_api_key(request: Request) -> None:
+    keys: Keys = request.app.state.keys
+    if keys.api_key is None:
+        return
+    token = _bearer(request)
+    if not (_matches(token, keys.api_key) or _matches(token, keys.admin_key)):
+        raise ApiError(401, "this route needs the server's API key: send 'Authorization: Bearer <api key>'")
+
+
+async def require_admin(request: Request) -> None:
+    keys: Keys = request.app.state.keys
+    if keys.admin_key is None:
+        if _is_loopback(request):
+            return
+        raise ApiError(403, "control routes answer only local clients unless the server runs with --admin-key")
+    if not _matches(_bearer(request), keys.admin_key):
+        raise ApiError(401, "this control route needs the server's admin key: send 'Authorization: Bearer <admin key>'")
+
+
+# ---------------- bodies ----------------
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The body as a JSON object, or an ApiError (413 when larger than `max_bytes`)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the request body ({declared} bytes) exceeds the limit of {max_bytes} bytes (--max-request-bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body exceeds the limit of {max_bytes} bytes (--max-request-bytes)")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def check_fields(body: dict, known: set[str] | frozenset[str], where: str = "") -> None:
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ApiError(
+            400, f"unknown field(s) {', '.join(prefix + u for u in unknown)}; known: {', '.join(sorted(known))}", prefix + unknown[0]
+        )
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{name} must be true or false (got {_show(v)})", name)
+    return v
+
+
+def check_text(text: Any, param: str) -> str:
+    if not isinstance(text, str):
+        raise ApiError(400, f"{param} must be a string (got {_show(text)})", param)
+    if not text:
+        raise ApiError(400, f"{param}: the prompt is empty", param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate escape)", param) from None
+    return text
+
+
+def check_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise ApiError(400, f"{param} must be a non-empty list of token ids", param)
+    if not all(type(t) is int for t in ids):
+        raise ApiError(400, f"{param} must hold integers only", param)
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        raise ApiError(400, f"{param}: token ids must be in [0, {vocab_size}) (got {lo if lo < 0 else hi})", param)
+    return ids
+
+
+# name -> (check, what it must be)
+_SAMPLING_TYPES = {
+    "n": (is_int, "an integer"),
+    "temperature": (is_number, "a number"),
+    "top_p": (is_number, "a number"),
+    "top_k": (is_int, "an integer"),
+    "min_p": (is_number, "a number"),
+    "max_new_tokens": (is_int, "an integer"),
+    "stop": (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+             "a string or a list of strings"),
+    "stop_token_ids": (lambda v: v is None or (isinstance(v, list) and all(is_int(t) for t in v)), "a list of integers"),
+    "seed": (lambda v: v is None or (is_int(v) and -(2**63) <= v < 2**63), "a 64-bit integer"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+}  # fmt: skip
+
+
+def parse_sampling_params(raw: Any, where: str = "sampling_params", rename: dict[str, str] | None = None) -> SamplingParams:
+    """Checked SamplingParams from client JSON; ApiError naming the field otherwise.
+
+    `where` prefixes field names in messages ("" for top-level fields); `rename` maps a
+    SamplingParams field to the name the client used (e.g. max_new_tokens -> max_tokens).
+    """
+    rename = rename or {}
+    prefix = f"{where}." if where else ""
+    show = lambda name: prefix + rename.get(name, name)  # noqa: E731
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"{where} must be a JSON object (got {_show(raw)})", where)
+    unknown = sorted(set(raw) - set(_SAMPLING_TYPES))
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {', '.join(map(show, unknown))}; known: {', '.join(sorted(_SAMPLING_TYPES))}", show(unknown[0]))
+    for name, value in raw.items():
+        check, what = _SAMPLING_TYPES[name]
+        if not check(value):
+            raise ApiError(400, f"{show(name)} must be {what} (got {_show(value)})", show(name))
+    try:
+        return SamplingParams.from_dict(raw)
+    except ValueError as e:  # "sampling_params.<name> <why> (got ...)"
+        message = str(e)
+        m = re.match(r"sampling_params\.(\w+) ", message)
+        if m is None:
+            raise ApiError(400, message, where or None) from None
+        raise ApiError(400, show(m.group(1)) + message[m.end(1):], show(m.group(1))) from None
+
+
+def _show(v: Any) -> str:
+    s = json.dumps(v) if isinstance(v, (dict, list, str, int, float, bool, type(None))) else repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."

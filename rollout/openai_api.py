@@ -1,0 +1,291 @@
+"""OpenAI's API on the same engine: /v1/completions, /v1/chat/completions, /v1/models.
+
+Requests map onto SamplingParams (`max_tokens` -> `max_new_tokens`; SGLang/vLLM extensions
+`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` are accepted too).
+OpenAI fields the engine cannot honour are accepted only at their neutral values (e.g.
+`presence_penalty: 0`), so nothing is silently ignored. Logprobs are those of the sampled
+tokens; top alternatives are not computed (`top_logprobs` comes back empty).
+
+Choices are prompt-major: choice `k * n + i` is sample i of prompt k.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from rollout.config import SamplingParams
+from rollout.engine_client import EngineDead, EngineRefused, RequestState
+from rollout.http_guard import (
+    ApiError,
+    check_fields,
+    check_token_ids,
+    error_body,
+    get_bool,
+    is_int,
+    parse_sampling_params,
+    read_json,
+    require_api_key,
+)
+from rollout.frontend import JSON, SSE_HEADERS, Frontend, frontend, sse_event
+
+openai_router = APIRouter(dependencies=[Depends(require_api_key)])
+
+SAMPLING = {"temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens"}
+COMMON = SAMPLING | {"model", "max_tokens", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
+                        "tool_choice", "parallel_tool_calls"}  # fmt: skip
+# accepted only at these values: anything else would change the output in a way the engine does not do
+NEUTRAL = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
+}  # fmt: skip
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _check_common(body: dict, known: set[str]) -> None:
+    check_fields(body, known)
+    for name, allowed in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in allowed:
+            raise ApiError(400, f"{name} is not supported by this server (got {body[name]!r}); leave it out", name)
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, "model must be a string", "model")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "user must be a string", "user")
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict) and set(opts) <= {"include_usage"}):
+        raise ApiError(400, "stream_options must be an object with at most include_usage", "stream_options")
+
+
+def _params(body: dict, max_tokens: int) -> SamplingParams:
+    raw = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    raw["max_new_tokens"] = max_tokens
+    return parse_sampling_params(raw, where="", rename={"max_new_tokens": "max_tokens"})
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
+    for name in names:
+        v = body.get(name)
+        if v is not None:
+            if not is_int(v) or v < 1:
+                raise ApiError(400, f"{name} must be an integer >= 1 (got {v!r})", name)
+            return v
+    return default
+
+
+def _room(fe: Frontend, prompts: list[list[int]], n: int) -> int:
+    """The most new tokens every prompt can take, within the context and the KV pool."""
+    kv = fe.engine.info["kv_cache_tokens"]
+    return max(1, min(min(fe.max_model_len - len(p), (kv - len(p)) // max(n, 1)) for p in prompts))
+
+
+def _finish(state: RequestState, i: int) -> str | None:
+    f = state.samples[i].finish
+    return None if f is None else f["type"]
+
+
+def _usage(states: list[RequestState]) -> dict:
+    prompt = sum(st.prompt_tokens for st in states)
+    completion = sum(len(s.ids) for st in states for s in st.samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_strings(fe: Frontend, ids: list[int]) -> list[str]:
+    return fe.tokenizer.batch_decode([[t] for t in ids])
+
+
+def _completion_logprobs(fe: Frontend, state: RequestState, i: int, start: int, offset: int) -> dict:
+    s = state.samples[i]
+    tokens = _token_strings(fe, s.ids[start:])
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": s.logprobs[start:], "top_logprobs": None, "text_offset": offsets}
+
+
+def _chat_logprobs(fe: Frontend, state: RequestState, i: int, start: int) -> dict:
+    s = state.samples[i]
+    tokens = _token_strings(fe, s.ids[start:])
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(tokens, s.logprobs[start:])
+        ]
+    }
+
+
+# ---------------- /v1/completions ----------------
+def _completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [fe.encode(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [fe.encode(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
+        if all(isinstance(p, list) for p in prompt):
+            return [check_token_ids(p, fe.vocab_size, f"prompt[{k}]") for k, p in enumerate(prompt)]
+        return [check_token_ids(prompt, fe.vocab_size, "prompt")]
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids, or a list of such lists", "prompt")
+
+
+@openai_router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    fe = frontend(request)
+    body = await read_json(request, fe.settings.max_request_bytes)
+    _check_common(body, COMPLETION_FIELDS)
+    if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
+        raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= 20):
+        raise ApiError(400, "logprobs must be an integer in [0, 20]", "logprobs")
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required", "prompt")
+    prompts = _completion_prompts(fe, body["prompt"])
+    params = _params(body, _max_tokens(body, ("max_tokens",), 16))
+    stream = get_bool(body, "stream")
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    states = fe.submit(prompts, params, logprobs is not None, [f"{rid}-{k}" for k in range(len(prompts))], stream, "prompt", "max_tokens")
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.settings.served_model_name}
+    if stream:
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream_completion(fe, states, params, head, usage), media_type="text/event-stream", headers=SSE_HEADERS)
+    await fe.wait(states, request)
+    texts = fe.texts(states, params)
+    choices = [
+        {
+            "index": k * params.n + i,
+            "text": texts[k][i],
+            "logprobs": _completion_logprobs(fe, st, i, 0, 0) if logprobs is not None else None,
+            "finish_reason": _finish(st, i),
+        }
+        for k, st in enumerate(states)
+        for i in range(st.n)
+    ]
+    return JSON({**head, "choices": choices, "usage": _usage(states)})
+
+
+async def _stream_completion(fe, states, params, head: dict, include_usage: bool) -> AsyncIterator[str]:
+    first = {st.rid: k * st.n for k, st in enumerate(states)}
+    offset = {(st.rid, i): 0 for st in states for i in range(st.n)}
+    try:
+        async with aclosing(fe.updates(states, params)) as updates:
+            async for u in updates:
+                st, i = u.state, u.i
+                lp = _completion_logprobs(fe, st, i, u.start, offset[st.rid, i]) if st.return_logprob else None
+                offset[st.rid, i] += len(u.text)
+                choice = {"index": first[st.rid] + i, "text": u.text, "logprobs": lp, "finish_reason": _finish(st, i)}
+                yield sse_event({**head, "choices": [choice]})
+    except (EngineDead, EngineRefused) as e:
+        yield sse_event(error_body(400 if isinstance(e, EngineRefused) else 503, str(e)))
+        return
+    if include_usage:
+        yield sse_event({**head, "choices": [], "usage": _usage(states)})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------- /v1/chat/completions ----------------
+def _messages(raw: Any) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for k, m in enumerate(raw):
+        where = f"messages[{k}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object with role and content", where)
+        check_fields(m, {"role", "content", "name"}, where)
+        if m.get("role") not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(ROLES))}", f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"{where}.content parts must be text parts ({{type: text, text: ...}})", f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where}.content is not valid Unicode", f"{where}.content") from None
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+@openai_router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    fe = frontend(request)
+    body = await read_json(request, fe.settings.max_request_bytes)
+    _check_common(body, CHAT_FIELDS)
+    logprobs = get_bool(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= 20):
+        raise ApiError(400, "top_logprobs must be an integer in [0, 20]", "top_logprobs")
+    if "messages" not in body:
+        raise ApiError(400, "messages is required", "messages")
+    messages = _messages(body["messages"])
+    if not getattr(fe.tokenizer, "chat_template", None):
+        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions or /generate", "messages")
+    try:
+        text = fe.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # the template's own checks (e.g. roles must alternate)
+        raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
+    prompt = fe.encode(text, "messages", add_special_tokens=False)
+    n = body.get("n") if is_int(body.get("n")) and body["n"] >= 1 else 1
+    params = _params(body, _max_tokens(body, ("max_completion_tokens", "max_tokens"), _room(fe, [prompt], n)))
+    stream = get_bool(body, "stream")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    states = fe.submit([prompt], params, logprobs, [rid], stream, "messages", "max_tokens")
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.settings.served_model_name}
+    if stream:
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream_chat(fe, states, params, head, usage), media_type="text/event-stream", headers=SSE_HEADERS)
+    await fe.wait(states, request)
+    texts = fe.texts(states, params)
+    st = states[0]
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[0][i]},
+            "logprobs": _chat_logprobs(fe, st, i, 0) if logprobs else None,
+            "finish_reason": _finish(st, i),
+        }
+        for i in range(st.n)
+    ]
+    return JSON({**head, "choices": choices, "usage": _usage(states)})
+
+
+async def _stream_chat(fe, states, params, head: dict, include_usage: bool) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    st = states[0]
+    for i in range(st.n):
+        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield sse_event({**head, "choices": [role]})
+    try:
+        async with aclosing(fe.updates(states, params)) as updates:
+            async for u in updates:
+                lp = _chat_logprobs(fe, st, u.i, u.start) if st.return_logprob else None
+                delta = {"content": u.text} if u.text else {}
+                choice = {"index": u.i, "delta": delta, "logprobs": lp, "finish_reason": _finish(st, u.i)}
+                yield sse_event({**head, "choices": [choice]})
+    except (EngineDead, EngineRefused) as e:
+        yield sse_event(error_body(400 if isinstance(e, EngineRefused) else 503, str(e)))
+        return
+    if include_usage:
+        yield sse_event({**head, "choices": [], "usage": _usage(states)})
+    yield "data: [DONE]\n\n"
+
+
+@openai_router.get("/v1/models")
+async def models(request: Request) -> Response:
+    fe = frontend(request)
+    card = {"id": fe.settings.served_model_name, "object": "model", "created": 0, "owned_by": "rollout",
+            "root": fe.model_path, "max_model_len": fe.max_model_len}  # fmt: skip
+    return JSON({"object": "list", "data": [card]})

@@ -1,0 +1,80 @@
+"""Messages between the HTTP front end and the engine process: msgpack maps, never pickle.
+
+Two ZMQ PUSH/PULL pipes over ipc:// sockets in a private (0700) directory; the front end
+binds both, the engine process connects. Every message is a map with a "type".
+
+front end -> engine
+    batch     {"type": "batch", "add": [Add, ...], "abort": [rid, ...]}
+              everything the front end queued in one event-loop tick; adds before aborts
+    ctl       {"type": "ctl", "cid": int, "op": str, "args": {...}}
+              a control call; the engine answers with one ctl_reply carrying the same cid
+    shutdown  {"type": "shutdown"}
+
+    Add     = {"rid": str, "input_ids": [int], "params": {SamplingParams fields},
+               "return_logprob": bool, "stream": bool}
+
+engine -> front end
+    ready      {"type": "ready", "info": {...}}          once, after the model has loaded
+    out        {"type": "out", "weight_version": str, "reqs": [ReqOut, ...]}
+               at most one per engine step, for every request that has something to say;
+               weight_version: the engine's current version as reported (a string, as SGLang)
+    ctl_reply  {"type": "ctl_reply", "cid": int, "ok": bool, "result": any,
+                "error": str | None, "status": int}      status: the HTTP status that fits
+    fatal      {"type": "fatal", "error": str}           the engine loop died; the process exits
+
+    ReqOut  = {"rid": str, "error": str}                 the engine refused the request
+            | {"rid": str, "seqs": [SeqOut, ...]}
+    SeqOut  = {"i": sample index,
+               "ids": [int], "lp": [float] | None, "wv": [int],   new since the last SeqOut
+               "finish": None | {"type": "stop" | "length" | "abort", "matched": int | str | None},
+               "spec": {SpecCounters.as_dict()}}        totals so far
+
+Streaming requests get a SeqOut after every step that produced tokens; the others get a
+single SeqOut per sample, when the whole request has finished.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+# message types
+BATCH, CTL, SHUTDOWN = "batch", "ctl", "shutdown"
+READY, OUT, CTL_REPLY, FATAL = "ready", "out", "ctl_reply", "fatal"
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict:
+    return msgpack.unpackb(data, raw=False)
+
+
+def batch(add: list[dict], abort: list[str]) -> dict:
+    return {"type": BATCH, "add": add, "abort": abort}
+
+
+def add_request(rid: str, input_ids: list[int], params: dict, return_logprob: bool, stream: bool) -> dict:
+    return {"rid": rid, "input_ids": input_ids, "params": params, "return_logprob": return_logprob, "stream": stream}
+
+
+def control(cid: int, op: str, args: dict | None = None) -> dict:
+    return {"type": CTL, "cid": cid, "op": op, "args": args or {}}
+
+
+def control_reply(cid: int, result: Any = None, error: str | None = None, status: int = 200) -> dict:
+    return {"type": CTL_REPLY, "cid": cid, "ok": error is None, "result": result, "error": error, "status": status}
+
+
+def ready(info: dict) -> dict:
+    return {"type": READY, "info": info}
+
+
+def output(weight_version: str, reqs: list[dict]) -> dict:
+    return {"type": OUT, "weight_version": weight_version, "reqs": reqs}
+
+
+def fatal(error: str) -> dict:
+    return {"type": FATAL, "error": error}

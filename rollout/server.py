@@ -1,0 +1,387 @@
+"""`rollout serve`: the HTTP front end (FastAPI + uvicorn) in this process, the engine in another.
+
+A request's path: a route parses and checks the JSON (rollout.http_guard), tokenizes,
+and `Frontend.submit` hands token ids to `EngineClient` (rollout.engine_client), which
+ships them to the engine process over ZMQ. Results come back as token ids; the route
+detokenizes and answers in SGLang's native shape (here) or OpenAI's (rollout.openai_api).
+
+Routes here: /generate, /abort_request, /health, /get_model_info, /get_server_info, /metrics;
+the shared core (Frontend) is rollout.frontend.
+Weight and pause routes (issue 7) are an APIRouter of their own, included in `create_app`
+with `dependencies=[Depends(require_admin)]`, talking to the engine through
+`Frontend.engine.control(op, args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import re
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rollout.config import SamplingParams
+from rollout.engine_client import ControlError, EngineClient, EngineDead, EngineRefused, RequestState
+from rollout.frontend import DEFAULT_PORT, JSON, SSE_HEADERS, ClientGone, Frontend, ServerSettings, frontend, sse_event
+from rollout.http_guard import (
+    ApiError,
+    Keys,
+    check_fields,
+    check_token_ids,
+    error_body,
+    get_bool,
+    parse_sampling_params,
+    read_json,
+    require_admin,
+    require_api_key,
+)
+
+log = logging.getLogger("rollout.server")
+
+
+# ---------------- SGLang's native API ----------------
+native = APIRouter()
+
+GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "return_logprob", "stream", "rid"})
+
+
+def parse_prompts(body: dict, fe: Frontend) -> tuple[list[list[int]], bool, str]:
+    """Token ids per prompt, whether the request was a single prompt, and the field they came from."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError(400, "send exactly one of text (string or list of strings) or input_ids (list, or list of lists)", "text")
+    if text is not None:
+        if isinstance(text, str):
+            return [fe.encode(text, "text")], True, "text"
+        if isinstance(text, list) and text:
+            return [fe.encode(t, f"text[{k}]") for k, t in enumerate(text)], False, "text"
+        raise ApiError(400, "text must be a non-empty string or a non-empty list of strings", "text")
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        return [check_token_ids(x, fe.vocab_size, f"input_ids[{k}]") for k, x in enumerate(ids)], False, "input_ids"
+    return [check_token_ids(ids, fe.vocab_size, "input_ids")], True, "input_ids"
+
+
+def parse_rids(raw: Any, num_prompts: int, single: bool) -> list[str] | None:
+    if raw is None:
+        return None
+    rids = [raw] if single and isinstance(raw, str) else raw
+    if not isinstance(rids, list) or len(rids) != num_prompts or not all(isinstance(r, str) and r for r in rids):
+        want = "a non-empty string" if single else f"a list of {num_prompts} non-empty strings, one per prompt"
+        raise ApiError(400, f"rid must be {want}", "rid")
+    if len(set(rids)) != len(rids):
+        raise ApiError(400, "rid: request ids in one batch must differ", "rid")
+    return rids
+
+
+def finish_reason(s, max_new_tokens: int) -> dict | None:
+    """SGLang's finish_reason object: stop (with `matched`), length (with `length`), abort."""
+    if s.finish is None:
+        return None
+    kind = s.finish["type"]
+    if kind == "stop":
+        return {"type": "stop", "matched": s.finish["matched"]}
+    if kind == "length":
+        return {"type": "length", "length": max_new_tokens}
+    return {"type": "abort", "message": "aborted"}
+
+
+def meta_info(state: RequestState, i: int, start: int = 0) -> dict:
+    """SGLang's meta_info for sample i; per-token lists from token `start` on."""
+    s = state.samples[i]
+    spec = s.spec
+    meta = {
+        "id": state.rid,
+        "finish_reason": finish_reason(s, state.max_new_tokens),
+        "prompt_tokens": state.prompt_tokens,
+        "completion_tokens": len(s.ids),
+        "weight_version": s.weight_version,
+        "output_token_weight_versions": s.versions[start:],
+        "spec_verify_ct": spec.get("verify_steps", 0),
+        "spec_accept_length": spec.get("accept_length", 0.0),
+        "spec_draft_tokens": spec.get("draft_tokens", 0),
+        "spec_accepted_tokens": spec.get("accepted_tokens", 0),
+    }
+    if state.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs[start:], s.ids[start:])]
+    return meta
+
+
+@native.post("/generate", dependencies=[Depends(require_api_key)])
+async def generate(request: Request) -> Response:
+    fe = frontend(request)
+    body = await read_json(request, fe.settings.max_request_bytes)
+    check_fields(body, GENERATE_FIELDS)
+    params = parse_sampling_params(body.get("sampling_params"))
+    return_logprob = get_bool(body, "return_logprob")
+    stream = get_bool(body, "stream")
+    prompts, single, prompt_param = parse_prompts(body, fe)
+    rids = parse_rids(body.get("rid"), len(prompts), single)
+    states = fe.submit(prompts, params, return_logprob, rids, stream, prompt_param)
+    if stream:
+        return StreamingResponse(_stream_generate(fe, states, params), media_type="text/event-stream", headers=SSE_HEADERS)
+    await fe.wait(states, request)
+    texts = fe.texts(states, params)
+    results = [
+        {"text": texts[k][i], "output_ids": st.samples[i].ids, "meta_info": meta_info(st, i)}
+        for k, st in enumerate(states)
+        for i in range(st.n)
+    ]
+    return JSON(results[0] if single and params.n == 1 else results)
+
+
+async def _stream_generate(fe: Frontend, states: list[RequestState], params: SamplingParams) -> AsyncIterator[str]:
+    """SSE chunks; `index` is the sample's place in the flat (prompt-major) result list."""
+    first = {st.rid: k * st.n for k, st in enumerate(states)}
+    text = {(st.rid, i): "" for st in states for i in range(st.n)}
+    try:
+        async with aclosing(fe.updates(states, params)) as updates:
+            async for u in updates:
+                st, i, start = u.state, u.i, u.start
+                text[st.rid, i] += u.text
+                if fe.settings.incremental_streaming_output:
+                    chunk = {"text": u.text, "output_ids": st.samples[i].ids[start:], "meta_info": meta_info(st, i, start)}
+                else:
+                    chunk = {"text": text[st.rid, i], "output_ids": st.samples[i].ids, "meta_info": meta_info(st, i)}
+                chunk["index"] = first[st.rid] + i
+                yield sse_event(chunk)
+    except (EngineDead, EngineRefused) as e:
+        yield sse_event(error_body(400 if isinstance(e, EngineRefused) else 503, str(e)))
+        return
+    yield "data: [DONE]\n\n"
+
+
+@native.post("/abort_request", dependencies=[Depends(require_admin)])
+async def abort_request(request: Request) -> Response:
+    fe = frontend(request)
+    body = await read_json(request, fe.settings.max_request_bytes)
+    check_fields(body, {"rid", "abort_all"})
+    abort_all = get_bool(body, "abort_all")
+    rid = body.get("rid")
+    if not abort_all and not (isinstance(rid, str) and rid):
+        raise ApiError(400, "rid must be a non-empty string (or send abort_all: true)", "rid")
+    result = await fe.engine.control("abort_request", {"rid": rid, "abort_all": abort_all})
+    return JSON(result)
+
+
+@native.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine process is alive and answers between two steps; 503 otherwise."""
+    fe = frontend(request)
+    try:
+        result = await fe.engine.control("ping", timeout=fe.settings.health_timeout)
+    except EngineDead as e:
+        return JSON(error_body(503, str(e)), status_code=503)
+    except asyncio.TimeoutError:
+        why = f"the engine process has not answered for {fe.settings.health_timeout:.0f} s (--health-timeout)"
+        return JSON(error_body(503, why), status_code=503)
+    return JSON({"status": "ok", **result})
+
+
+@native.get("/get_model_info", dependencies=[Depends(require_api_key)])
+async def get_model_info(request: Request) -> Response:
+    fe = frontend(request)
+    return JSON(
+        {
+            "model_path": fe.model_path,
+            "tokenizer_path": fe.model_path,
+            "served_model_name": fe.settings.served_model_name,
+            "is_generation": True,
+            "max_model_len": fe.max_model_len,
+            "vocab_size": fe.vocab_size,
+        }
+    )
+
+
+@native.get("/get_server_info", dependencies=[Depends(require_api_key)])
+async def get_server_info(request: Request) -> Response:
+    fe = frontend(request)
+    engine_info = await fe.engine.control("get_server_info", timeout=30)
+    return JSON({**fe.settings.public(), **engine_info, "frontend": fe.engine.counters()})
+
+
+@native.get("/metrics", dependencies=[Depends(require_api_key)])
+async def metrics(request: Request) -> Response:
+    fe = frontend(request)
+    stats = {}
+    if fe.engine.alive:
+        try:
+            stats = await fe.engine.control("stats", timeout=10)
+        except (EngineDead, ControlError, asyncio.TimeoutError):
+            pass
+    return PlainTextResponse(render_metrics(stats, fe.engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def render_metrics(stats: dict, engine: EngineClient) -> str:
+    """Prometheus text: engine stats as gauges (`rollout/x` -> `rollout_x`, `rollout/x/ngram` ->
+    `rollout_x_by_source{source="ngram"}`), then the front end's counters."""
+    samples: dict[str, list[tuple[str, float]]] = {}
+    for key, value in stats.items():
+        if not isinstance(value, (int, float)):
+            continue
+        parts = key.split("/")
+        labels = f'{{source="{parts[2]}"}}' if len(parts) == 3 else ""
+        name = re.sub(r"[^a-zA-Z0-9_:]", "_", "_".join(parts[:2])) + ("_by_source" if labels else "")
+        samples.setdefault(name, []).append((labels, value))
+    lines = []
+    for name in sorted(samples):
+        lines.append(f"# TYPE {name} gauge")
+        lines += [f"{name}{labels} {float(v)!r}" for labels, v in samples[name]]
+    c = engine.counters()
+    counters = [
+        ("rollout_requests_total", "requests (prompts) received", [("", c["requests_total"])]),
+        ("rollout_prompt_tokens_total", "prompt tokens received", [("", c["prompt_tokens_total"])]),
+        ("rollout_generation_tokens_total", "tokens generated", [("", c["generation_tokens_total"])]),
+        ("rollout_samples_finished_total", "samples finished, by reason",
+         [(f'{{finish_reason="{r}"}}', v) for r, v in sorted(c["samples_finished_total"].items())]),
+    ]  # fmt: skip
+    for name, help_, values in counters:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
+        lines += [f"{name}{labels} {v}" for labels, v in values]
+    gauges = [
+        ("rollout_requests_in_flight", "requests submitted and not finished", c["requests_in_flight"]),
+        ("rollout_queue_depth", "sequences waiting for prefill in the engine", stats.get("rollout/num_waiting", 0)),
+        ("rollout_engine_up", "1 while the engine process is alive", int(engine.alive)),
+    ]
+    for name, help_, v in gauges:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {v}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------- the app ----------------
+def create_app(engine: EngineClient, settings: ServerSettings, tokenizer) -> FastAPI:
+    """The ASGI app; its lifespan waits for the engine process (spawning it if needed) and stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        info = await engine.start()
+        log.info("engine ready (pid %d): %s, context %d", info["engine_pid"], info["model_path"], info["max_model_len"])
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.frontend = Frontend(engine, tokenizer, settings, engine.config.model)
+    app.state.keys = Keys(settings.api_key, settings.admin_key)
+    _add_error_handlers(app)
+
+    from rollout.openai_api import openai_router
+
+    app.include_router(native)
+    app.include_router(openai_router)
+    # Weight-update and pause routes (issue 7): app.include_router(<router>, dependencies=[Depends(require_admin)])
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def handler(status: int | None, log_it: bool = False):
+        async def handle(request: Request, exc: Exception) -> Response:
+            code = status or getattr(exc, "status", 500)
+            if log_it:
+                log.error("%s %s failed: %r", request.method, request.url.path, exc, exc_info=exc)
+            message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            return JSON(error_body(code, message, getattr(exc, "param", None)), status_code=code)
+
+        return handle
+
+    app.add_exception_handler(ApiError, handler(None))
+    app.add_exception_handler(EngineRefused, handler(400))
+    app.add_exception_handler(EngineDead, handler(503))
+    app.add_exception_handler(ControlError, handler(None))
+    app.add_exception_handler(asyncio.TimeoutError, handler(504))
+    app.add_exception_handler(ClientGone, handler(499))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return JSON(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, handler(500, log_it=True))
+
+
+# ---------------- the command ----------------
+def add_serve_parser(sub) -> None:
+    from rollout.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="serve the SGLang-native and OpenAI HTTP APIs")
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    h.add_argument("--port", type=int, default=DEFAULT_PORT)
+    h.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
+                   help="key for generation routes (default: $ROLLOUT_API_KEY; none = open)")
+    h.add_argument("--admin-key", default=os.environ.get("ROLLOUT_ADMIN_KEY"),
+                   help="key for weight and control routes (default: $ROLLOUT_ADMIN_KEY; none = loopback clients only)")
+    h.add_argument("--served-model-name", default=None, help="the model name /v1/models reports")
+    h.add_argument("--max-request-bytes", type=int, default=ServerSettings.max_request_bytes)
+    h.add_argument("--incremental-streaming-output", action="store_true",
+                   help="/generate stream chunks carry only what is new (default: everything so far, as SGLang)")
+    h.add_argument("--health-timeout", type=float, default=ServerSettings.health_timeout,
+                   help="seconds /health waits for the engine to answer before reporting 503")
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    h.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)  # fmt: skip
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from rollout.cli import engine_config
+    from rollout.model_loader import resolve_model_path
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(message)s")
+    config = engine_config(args)
+    model_path = resolve_model_path(config.model)  # the default model is fetched and converted once, here
+    config.model = str(model_path)
+    name = args.served_model_name or (
+        "SmolLM2-135M-Instruct" if args.model == "default" else Path(args.model.rstrip("/")).name
+    )
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        admin_key=args.admin_key or None,
+        served_model_name=name,
+        max_request_bytes=args.max_request_bytes,
+        incremental_streaming_output=args.incremental_streaming_output,
+        health_timeout=args.health_timeout,
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    if not _is_loopback_host(args.host) and settings.api_key is None:
+        log.warning("serving on %s without --api-key: anyone who reaches this port can generate", args.host)
+    log.info("starting the engine process for %s", model_path)
+    engine = EngineClient(config, settings.log_level)
+    engine.spawn()  # loads the model while this process loads the tokenizer
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        app = create_app(engine, settings, tokenizer)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        engine.kill_now()
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,207 @@
+"""A process group of our own between a trainer (rank 0) and its engines, outside torch's default group.
+
+Built directly from a TCPStore (the trainer hosts it) and a backend object: gloo on CPU,
+NCCL on GPU. Nothing here calls `init_process_group`, so the trainer's own default group
+(FSDP, DDP, ...) and any group the engine uses internally are left alone, and a group can
+be dropped and rebuilt as often as needed.
+
+Every wait has a deadline and a cancel check: a trainer that dies or hangs mid-broadcast
+costs at most the timeout, never a stuck engine. NCCL notes: two ranks cannot share one GPU
+(NCCL refuses duplicate devices; a colocated trainer pushes by IPC instead). The watchdog's
+default reaction to a failed collective is to kill the process, so our groups are built with
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, keep the process), their
+watchdog timeout is set past our own deadline, and we abort the communicator ourselves
+when our deadline passes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+
+from weight_sync.errors import WeightSyncError
+
+log = logging.getLogger("rollout.weight_sync")
+
+HANDSHAKE = (0x77_73_79_6E_63, 1)  # "wsync", protocol version
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_ENV_LOCK = threading.Lock()
+GLOO_OP_TIMEOUT_S = 60.0
+_LIVE: "weakref.WeakSet[WeightGroup]" = weakref.WeakSet()
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    backend = (backend or "auto").lower()
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise WeightSyncError(f"backend {backend!r}: choose gloo, nccl or auto")
+    if backend == "nccl" and device.type != "cuda":
+        raise WeightSyncError("backend nccl needs a CUDA device on this side; use gloo on CPU")
+    return backend
+
+
+class WeightGroup:
+    def __init__(self, name: str, backend: str, pg, store, rank: int, world_size: int, device: torch.device):
+        self.name = name
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        # Where broadcast buffers live: gloo moves host memory, NCCL device memory.
+        self.device = device if backend == "nccl" else torch.device("cpu")
+        self._pg = pg
+        self._store = store  # the trainer's side hosts the store; it must outlive the group
+        self._opts = BroadcastOptions()
+        self._opts.rootRank = 0
+        self._opts.rootTensor = 0
+        _LIVE.add(self)
+
+    @classmethod
+    def connect(
+        cls,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        device: torch.device,
+        timeout_s: float,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> "WeightGroup":
+        """Rendezvous and shake hands; blocks until every rank has joined (or raises after `timeout_s`).
+
+        Rank 0 hosts the store and waits, cancellably, until every other rank has announced
+        itself in it before building the group: a peer that never comes (an HTTP call that was
+        refused) costs a cancel, not a thread stuck in the backend's constructor."""
+        if not 0 <= rank < world_size:
+            raise WeightSyncError(f"rank {rank} is outside the group's world_size {world_size}")
+        backend = resolve_backend(backend, device)
+        deadline = time.monotonic() + timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            store = TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+            prefixed = PrefixStore(f"weight_sync/{group_name}/", store)
+            if rank == 0:
+                _wait_for_peers(prefixed, world_size, deadline, cancelled, group_name)
+            else:
+                prefixed.set(f"joined/{rank}", "1")
+            if backend == "gloo":
+                opts = ProcessGroupGloo._Options()
+                # Per operation; also bounds how long closing a group with a transfer stuck in it can take.
+                opts._timeout = timedelta(seconds=min(timeout_s, GLOO_OP_TIMEOUT_S))
+                host = "127.0.0.1" if master_address in _LOOPBACK else ""
+                opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+                pg = ProcessGroupGloo(prefixed, rank, world_size, opts)
+            else:
+                pg = _nccl_group(prefixed, rank, world_size, timedelta(seconds=timeout_s + 60))
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch raises bare RuntimeErrors with the useful text
+            raise WeightSyncError(
+                f"could not join weight-update group {group_name!r} at {master_address}:{master_port} "
+                f"as rank {rank} of {world_size} ({backend}): {e}",
+                status=504 if "timeout" in str(e).lower() or "timed out" in str(e).lower() else 500,
+            ) from e
+        group = cls(group_name, backend, pg, store, rank, world_size, device)
+        try:
+            hello = torch.tensor(HANDSHAKE if rank == 0 else (0, 0), dtype=torch.int64, device=group.device)
+            group.broadcast(hello, deadline)
+            if tuple(hello.tolist()) != HANDSHAKE:
+                raise WeightSyncError(f"the peer of group {group_name!r} does not speak this weight-sync protocol (got {hello.tolist()})")
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def broadcast(self, tensor: torch.Tensor, deadline: float, cancelled: Callable[[], bool] | None = None) -> None:
+        """Rank 0 sends `tensor`, the others receive into it; blocks until done, the deadline, or cancel."""
+        self.wait(self.start_broadcast(tensor), deadline, cancelled)
+
+    def start_broadcast(self, tensor: torch.Tensor):
+        """Start a broadcast and return its work handle for `wait` (the tensor must stay untouched until then)."""
+        if self._pg is None:
+            raise WeightSyncError(f"weight-update group {self.name!r} is closed", status=500)
+        try:
+            return self._pg.broadcast([tensor], self._opts)
+        except Exception as e:  # noqa: BLE001
+            raise WeightSyncError(f"broadcast on group {self.name!r} failed: {e}", status=500) from e
+
+    def wait(self, work, deadline: float, cancelled: Callable[[], bool] | None = None) -> None:
+        while True:
+            if cancelled is not None and cancelled():
+                raise WeightSyncError(f"weight-update group {self.name!r} was closed during a transfer", status=500)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WeightSyncError(f"timed out waiting for the trainer on group {self.name!r}", status=504)
+            try:
+                if self.backend == "gloo":
+                    work.wait(timedelta(seconds=min(remaining, 0.1)))
+                    return
+                if work.is_completed():
+                    work.wait()  # raises if the collective failed; orders the current stream after it
+                    return
+                time.sleep(0.0005)
+            except Exception as e:  # noqa: BLE001
+                if "timed out" in str(e).lower():
+                    continue  # our slice ended, not the peer: check the deadline and cancel flag again
+                raise WeightSyncError(f"broadcast on group {self.name!r} failed (did the trainer stop?): {e}", status=500) from e
+
+    def close(self) -> None:
+        """Abort the group; pending transfers fail on both sides. With gloo this waits for a transfer
+        still in flight to fail or time out (at most min(timeout_s, 60 s); at once when the peer is gone)."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception as e:  # noqa: BLE001
+                log.debug("aborting group %s: %s", self.name, e)
+        self._store = None
+
+    @property
+    def closed(self) -> bool:
+        return self._pg is None
+
+
+@atexit.register
+def _close_live_groups() -> None:
+    """A backend still open when the interpreter tears down can abort the process ("terminate called")."""
+    for group in list(_LIVE):
+        group.close()
+
+
+def _wait_for_peers(store, world_size: int, deadline: float, cancelled, group_name: str) -> None:
+    keys = [f"joined/{r}" for r in range(1, world_size)]
+    while not store.check(keys):
+        if cancelled is not None and cancelled():
+            raise WeightSyncError(f"rendezvous of group {group_name!r} cancelled", status=500)
+        if time.monotonic() > deadline:
+            raise WeightSyncError(f"timed out waiting for the engines to join group {group_name!r}", status=504)
+        time.sleep(0.002)
+
+
+def _nccl_group(store, rank: int, world_size: int, watchdog_timeout: timedelta):
+    from torch._C._distributed_c10d import ProcessGroupNCCL  # only in CUDA builds
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = watchdog_timeout
+    # Read once, in the constructor: set it for this group only.
+    with _ENV_LOCK:
+        old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            return ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if old is None:
+                del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old

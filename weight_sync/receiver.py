@@ -1,0 +1,577 @@
+"""Engine side of weight sync: receive in the background, swap in at a step boundary.
+
+The receiver lives in the engine process next to the Engine and is driven by the engine
+loop, the only thread that touches the engine. Every operation returns a
+`concurrent.futures.Future` at once; the loop replies when it is done (result: a dict;
+failure: `WeightSyncError`, whose `.status` is the HTTP status to answer). The loop:
+
+    rx = WeightReceiver(engine, on_ready=wake_loop)   # on_ready: called from worker threads
+    while serving:
+        for msg in incoming():
+            if msg is a generate request and rx.gate.paused: rx.gate.hold(msg); continue
+            control routes -> fut = rx.init_group(**body) / rx.update_from_distributed(**body) /
+                rx.update_from_disk(**body) / rx.update_from_tensor(**body) / rx.destroy_group(**body) /
+                rx.gate.pause(mode) / rx.flush_cache(); remember (fut, reply address)
+            /continue_generation -> for held in rx.gate.resume(): admit(held)
+        rx.at_step_boundary()                  # applies finished receives, resolves pauses
+        if rx.gate.may_step and engine.has_work: engine.step()
+        reply to every remembered future that is done; output tokens carry rx.version_label(v)
+        if idle: sleep until a new message or on_ready (or poll every few ms while rx.busy)
+    rx.close()                                 # at shutdown: closes the groups
+
+What blocks where:
+- The loop thread validates each update whole (names, shapes, dtypes against the model;
+  version monotone) before anything is received, and later applies staged tensors with
+  `engine.update_weights` between two steps. Only the apply pauses generation: a memcpy of
+  the model (device to device, or host to device with host staging).
+- One worker thread per group rendezvouses and receives broadcasts into staging buffers;
+  a single I/O thread reads safetensors and opens IPC handles. They never touch the engine,
+  so generation goes on while a push is in flight.
+- A failed, timed-out or cancelled receive fails its future, frees its staging and closes
+  the group (the peer's state is unknown; a fresh `init_group` works, with the same name or
+  another). Validation failures on a distributed update close the group too: the trainer is
+  already broadcasting, and a closed connection is what stops it cleanly.
+
+Versions: the engine counts weight versions as ints (every output token records one); HTTP
+speaks strings, as SGLang. An integer-like `weight_version` ("12") is that int and must be
+above the current (and any pending) version; any other string is a label for the next int
+(current + 1); none means current + 1. `version_label(v)` gives back the string for outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rollout.weights import WeightError, check_weights, checkpoint_files, iter_checkpoint
+from weight_sync.buckets import Bucket, TensorSpec, bucket_buffer, header, parse_specs, plan_buckets, unpack
+from weight_sync.errors import WeightSyncError
+from weight_sync.group import WeightGroup, resolve_backend
+from weight_sync.ipc import decode_fields, open_cuda_tensor
+from weight_sync.pause import PauseGate
+
+log = logging.getLogger("rollout.weight_sync")
+
+DEFAULT_TIMEOUT_S = 300.0
+_INT_VERSION = re.compile(r"\s*\d{1,18}\s*")
+
+
+@dataclass(eq=False)
+class _GroupSlot:
+    name: str
+    executor: ThreadPoolExecutor
+    group: WeightGroup | None = None
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class _Update:
+    method: str
+    version: int
+    label: str
+    flush_cache: bool
+    num_tensors: int
+    nbytes: int
+    future: Future = field(default_factory=Future)
+    state: str = "receiving"  # receiving | ready | failed
+    tensors: list[tuple[str, torch.Tensor]] | None = None
+    buckets_done: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    received_s: float = 0.0
+
+
+class WeightReceiver:
+    def __init__(
+        self,
+        engine,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        staging: str = "auto",
+        on_ready: Callable[[], None] | None = None,
+    ):
+        """`timeout_s`: how long one update (or a rendezvous) may take before it is abandoned.
+        `staging` (GPU engines; NCCL and disk updates): `device` stages the received tensors on
+        the GPU (fast swap, a second copy of the pushed weights in GPU memory), `cpu` in pinned
+        host memory (the swap is a host-to-device copy), `auto` picks device when free memory allows.
+        `on_ready`: called from worker threads when something finished (wake the loop)."""
+        if staging not in ("auto", "device", "cpu"):
+            raise ValueError(f"staging {staging!r}: choose auto, device or cpu")
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.staging = staging
+        self.on_ready = on_ready
+        self.gate = PauseGate(engine)
+        self._groups: dict[str, _GroupSlot] = {}
+        self._groups_lock = threading.Lock()
+        self._pending: deque[_Update] = deque()
+        self._labels: dict[int, str] = {}
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-io")
+        self._stream = None
+        self.last_update: dict = {}
+        self.last_error = ""
+
+    # ---------------- groups ----------------
+    def init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_sync",
+        backend: str = "auto",
+    ) -> Future:
+        """Join the trainer's group as rank `rank_offset`; the rendezvous runs in the group's worker thread."""
+        try:
+            _check(isinstance(master_address, str) and master_address, "master_address must be a host name or address")
+            _check(_is_int(master_port) and 0 < master_port < 65536, "master_port must be an integer in 1..65535")
+            _check(_is_int(world_size) and world_size >= 2, "world_size must be an integer >= 2 (the trainer plus engines)")
+            _check(_is_int(rank_offset) and 1 <= rank_offset < world_size, "rank_offset must be in 1..world_size-1 (rank 0 is the trainer)")
+            _check(isinstance(group_name, str) and group_name, "group_name must be a non-empty string")
+            _check(isinstance(backend, str), "backend must be gloo, nccl or auto")
+            resolve_backend(backend, self.engine.device)
+        except WeightSyncError as e:
+            return _failed(e)
+        old = self._take_group(group_name)
+        if old is not None:
+            log.warning("weight-update group %r is being replaced by a new one", group_name)
+            self._close_slot(old)
+        slot = _GroupSlot(group_name, ThreadPoolExecutor(1, thread_name_prefix=f"weight-sync-{group_name}"))
+        with self._groups_lock:
+            self._groups[group_name] = slot
+        fut: Future = Future()
+
+        def connect() -> None:
+            try:
+                group = WeightGroup.connect(
+                    master_address, master_port, rank_offset, world_size, group_name, backend, self.engine.device, self.timeout_s
+                )
+            except BaseException as e:  # noqa: BLE001
+                self._drop_group(slot)
+                fut.set_exception(_as_sync_error(e))
+            else:
+                if slot.closed:  # destroyed while we were connecting
+                    group.close()
+                    fut.set_exception(WeightSyncError(f"weight-update group {group_name!r} was destroyed while connecting", 409))
+                else:
+                    slot.group = group
+                    fut.set_result({"success": True, "message": f"joined group {group_name!r} as rank {rank_offset} ({group.backend})"})
+            self._notify()
+
+        slot.executor.submit(connect)
+        return fut
+
+    def destroy_group(self, group_name: str = "weight_sync") -> Future:
+        slot = self._take_group(group_name)
+        if slot is None:
+            return _failed(WeightSyncError(f"no weight-update group named {group_name!r}", 404))
+        self._close_slot(slot)
+        return _done({"success": True, "message": f"group {group_name!r} destroyed"})
+
+    # ---------------- updates ----------------
+    def update_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_sync",
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        bucket_bytes: int = 0,
+        abort_all_requests: bool = False,
+        timeout_s: float | None = None,
+    ) -> Future:
+        """Tensors by broadcast from rank 0: one per name (`bucket_bytes` 0, SGLang's way) or packed in buckets."""
+        with self._groups_lock:
+            slot = self._groups.get(group_name)
+        if slot is None:
+            return _failed(WeightSyncError(f"no weight-update group named {group_name!r}: call /init_weights_update_group first", 404))
+        try:
+            _check(_is_int(bucket_bytes) and bucket_bytes >= 0, "bucket_bytes must be an integer >= 0")
+            specs = parse_specs(names, dtypes, shapes)
+            self._validate(specs)
+            _check_flags(flush_cache, abort_all_requests)
+            version, label = self._next_version(weight_version)
+        except WeightSyncError as e:
+            # The trainer is broadcasting already: closing the group is what stops it.
+            self._close_slot(self._take_group(group_name) or slot)
+            e.args = (f"{e.args[0]}; group {group_name!r} was closed, init it again to push (WeightPusher does)",)
+            return _failed(e)
+        layout = plan_buckets(specs, bucket_bytes)
+        upd = self._submit("distributed", specs, version, label, flush_cache, abort_all_requests)
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        slot.executor.submit(self._receive_broadcast, slot, upd, specs, layout, timeout)
+        return upd.future
+
+    def update_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> Future:
+        """A directory of safetensors files (config.json optional), validated from the headers first."""
+        try:
+            _check(isinstance(model_path, str) and model_path, "model_path must be a directory path")
+            specs = _checkpoint_specs(Path(model_path).expanduser())
+            self._validate(specs)
+            _check_flags(flush_cache, abort_all_requests)
+            version, label = self._next_version(weight_version)
+        except WeightSyncError as e:
+            return _failed(e)
+        upd = self._submit("disk", specs, version, label, flush_cache, abort_all_requests)
+
+        def load() -> None:
+            # safetensors maps the files lazily: read them here, not in the swap on the loop thread.
+            try:
+                stage_dev = self._staging_device(self.engine.device, upd.nbytes)
+                with self._recv_stream(stage_dev):
+                    upd.tensors = [(n, t.to(stage_dev, copy=True)) for n, t in iter_checkpoint(Path(model_path).expanduser())]
+                    if self._stream is not None and stage_dev.type == "cuda":
+                        self._stream.synchronize()
+                self._ready(upd)
+            except BaseException as e:  # noqa: BLE001
+                self._fail(upd, e)
+
+        self._io.submit(load)
+        return upd.future
+
+    def update_from_tensor(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        handles: list[dict],
+        bucket_bytes: int = 0,
+        weight_version: str | int | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> Future:
+        """CUDA IPC handles from a trainer on the same GPU: one per bucket of the layout (see `buckets`).
+
+        The trainer's buffers are the staging: nothing is copied until the swap, so the
+        trainer must keep them alive until this future resolves (WeightPusher does)."""
+        try:
+            if self.engine.device.type != "cuda":
+                raise WeightSyncError("update_weights_from_tensor needs a CUDA engine on the trainer's GPU; this engine runs on CPU")
+            _check(_is_int(bucket_bytes) and bucket_bytes >= 0, "bucket_bytes must be an integer >= 0")
+            specs = parse_specs(names, dtypes, shapes)
+            self._validate(specs)
+            layout = plan_buckets(specs, bucket_bytes)
+            _check(isinstance(handles, list) and len(handles) == len(layout),
+                   f"expected {len(layout)} IPC handle(s) for this layout, got {len(handles) if isinstance(handles, list) else handles!r}")
+            for bucket, h in zip(layout, handles):
+                f = decode_fields(h)
+                if bucket.typed:
+                    spec = specs[bucket.slots[0].index]
+                    _check(f["size"] == spec.shape and f["dtype"] == spec.dtype,
+                           f"{spec.name}: IPC handle holds {f['dtype']} {list(f['size'])}, metadata says {spec.dtype} {list(spec.shape)}")
+                else:
+                    _check(f["dtype"] == torch.uint8 and f["size"] == (bucket.nbytes,),
+                           f"an IPC bucket handle must hold uint8 [{bucket.nbytes}] (got {f['dtype']} {list(f['size'])})")
+            _check_flags(flush_cache, abort_all_requests)
+            version, label = self._next_version(weight_version)
+        except WeightSyncError as e:
+            return _failed(e)
+        upd = self._submit("tensor", specs, version, label, flush_cache, abort_all_requests)
+
+        def open_handles() -> None:
+            try:
+                tensors = []
+                for bucket, h in zip(layout, handles):
+                    tensors.extend(unpack(bucket, open_cuda_tensor(h, self.engine.device), specs))
+                upd.tensors = tensors
+                self._ready(upd)
+            except BaseException as e:  # noqa: BLE001
+                self._fail(upd, e)
+
+        self._io.submit(open_handles)
+        return upd.future
+
+    def flush_cache(self) -> Future:
+        """Drop all cached KV; running sequences are recomputed (the n-gram trie is untouched)."""
+        self.engine.invalidate_kv()
+        return _done({"success": True, "message": "KV cache flushed"})
+
+    # ---------------- the step boundary ----------------
+    def at_step_boundary(self) -> None:
+        """Call from the engine loop between steps: swaps in every update whose tensors have all arrived, in order."""
+        while self._pending and self._pending[0].state != "receiving":
+            upd = self._pending.popleft()
+            if upd.state == "ready":
+                self._apply(upd)
+        self.gate.tick()
+
+    @property
+    def busy(self) -> bool:
+        """Something is in flight that a later `at_step_boundary()` will finish."""
+        return bool(self._pending) or self.gate.pending
+
+    def progress(self) -> list[dict]:
+        """Updates in flight, oldest first (for /get_server_info and tests)."""
+        return [{"method": u.method, "weight_version": u.label, "state": u.state, "buckets_done": u.buckets_done} for u in self._pending]
+
+    # ---------------- versions ----------------
+    def version_label(self, version: int) -> str:
+        return self._labels.get(version, str(version))
+
+    @property
+    def weight_version(self) -> str:
+        return self.version_label(self.engine.weight_version)
+
+    def get_weight_version(self) -> dict:
+        return {"weight_version": self.weight_version}
+
+    def stats(self) -> dict:
+        u = self.last_update
+        return {
+            "rollout/weight_version": self.engine.weight_version,
+            "rollout/weight_sync_s": u.get("total_s", 0.0),
+            "rollout/weight_sync_apply_s": u.get("apply_s", 0.0),
+        }
+
+    def close(self) -> None:
+        with self._groups_lock:
+            slots, self._groups = list(self._groups.values()), {}
+        for slot in slots:
+            self._close_slot(slot)
+        for upd in self._pending:
+            self._fail(upd, WeightSyncError("the receiver was closed", 500))
+        self._pending.clear()
+        self._io.shutdown(wait=False)
+
+    # ---------------- internals ----------------
+    def _validate(self, specs: list[TensorSpec]) -> None:
+        try:
+            check_weights(self.engine.model.weight_targets(), [(s.name, s.shape, s.dtype) for s in specs], require_all=False)
+        except WeightError as e:
+            raise WeightSyncError(str(e), 400) from e
+
+    def _next_version(self, requested: str | int | None) -> tuple[int, str]:
+        floor = max([self.engine.weight_version] + [u.version for u in self._pending if u.state != "failed"])
+        if requested is None or requested == "":
+            return floor + 1, str(floor + 1)
+        if isinstance(requested, bool) or not isinstance(requested, (int, str)):
+            raise WeightSyncError(f"weight_version must be a string (got {requested!r})")
+        if isinstance(requested, int) or _INT_VERSION.fullmatch(requested):
+            v = int(requested)
+            if v <= floor:
+                raise WeightSyncError(f"weight_version {v} is not above the current version {floor}; versions must increase", 409)
+            return v, str(requested).strip()
+        if len(requested) > 256:
+            raise WeightSyncError("weight_version labels are at most 256 characters")
+        return floor + 1, requested
+
+    def _submit(self, method: str, specs, version: int, label: str, flush_cache: bool, abort_all: bool) -> _Update:
+        """Queue a validated update (flags were checked by `_check_flags`)."""
+        if abort_all:
+            self.gate.abort_all()
+        upd = _Update(method, version, label, bool(flush_cache), len(specs), sum(s.nbytes for s in specs))
+        self._pending.append(upd)
+        return upd
+
+    def _receive_broadcast(self, slot: _GroupSlot, upd: _Update, specs: list[TensorSpec], layout: list[Bucket], timeout: float) -> None:
+        """Group worker thread: all buckets into staging, or fail and close the group."""
+        try:
+            group = slot.group
+            if group is None or slot.closed:
+                raise WeightSyncError(f"weight-update group {slot.name!r} is not connected", 404)
+            deadline = time.monotonic() + timeout
+            cancelled = lambda: slot.closed  # noqa: E731
+            stage_dev = self._staging_device(group.device, upd.nbytes)
+            tensors: list[tuple[str, torch.Tensor]] = []
+            with self._recv_stream(group.device):
+                if not layout[0].typed:
+                    expected = header(specs, layout)
+                    got = torch.zeros(len(expected), dtype=torch.int64, device=group.device)
+                    group.broadcast(got, deadline, cancelled)
+                    if got.tolist() != expected:
+                        raise WeightSyncError(f"the trainer's broadcast does not match the update's metadata (header {got.tolist()} != {expected})")
+                scratch = None
+                for bucket in layout:
+                    if stage_dev == group.device:
+                        buf = bucket_buffer(bucket, specs, group.device)
+                        staged = buf
+                    else:  # receive on the GPU, keep in pinned host memory
+                        buf = bucket_buffer(bucket, specs, group.device, out=scratch)
+                        scratch = buf if not bucket.typed and (scratch is None or buf.numel() > scratch.numel()) else scratch
+                        staged = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+                    group.broadcast(buf, deadline, cancelled)
+                    if staged is not buf:
+                        staged.copy_(buf, non_blocking=True)
+                    tensors.extend(unpack(bucket, staged, specs))
+                    upd.buckets_done += 1
+                if self._stream is not None:
+                    self._stream.synchronize()
+            upd.tensors = tensors
+            self._ready(upd)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(upd, e)
+            with self._groups_lock:
+                if self._groups.get(slot.name) is slot:
+                    del self._groups[slot.name]
+            slot.closed = True
+            if slot.group is not None:
+                slot.group.close()
+                slot.group = None
+            slot.executor.shutdown(wait=False)
+
+    def _staging_device(self, recv_device: torch.device, nbytes: int) -> torch.device:
+        if recv_device.type != "cuda" or self.staging == "device":
+            return recv_device
+        if self.staging == "cpu":
+            return torch.device("cpu")
+        free, _ = torch.cuda.mem_get_info(recv_device)
+        return recv_device if nbytes * 1.05 + (1 << 30) < free else torch.device("cpu")
+
+    def _recv_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return nullcontext()
+        torch.cuda.set_device(device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._stream)
+
+    def _apply(self, upd: _Update) -> None:
+        t0 = time.perf_counter()
+        try:
+            if upd.version <= self.engine.weight_version:
+                raise WeightSyncError(f"weight_version {upd.version} is no longer above the current {self.engine.weight_version}", 409)
+            self.engine.update_weights(upd.tensors, version=upd.version, recompute_kv=upd.flush_cache)
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)  # the trainer may reuse its buffers once we answer
+        except BaseException as e:  # noqa: BLE001
+            upd.future.set_exception(_as_sync_error(e))
+            return
+        finally:
+            upd.tensors = None
+        self._labels[upd.version] = upd.label
+        apply_s = time.perf_counter() - t0
+        self.last_update = {
+            "success": True,
+            "message": f"weights updated by {upd.method} to version {upd.label}",
+            "weight_version": upd.label,
+            "version": upd.version,
+            "num_tensors": upd.num_tensors,
+            "bytes": upd.nbytes,
+            "receive_s": upd.received_s,
+            "apply_s": apply_s,
+            "total_s": time.perf_counter() - upd.started,
+        }
+        log.info("%s", self.last_update["message"])
+        upd.future.set_result(dict(self.last_update))
+
+    def _ready(self, upd: _Update) -> None:
+        upd.received_s = time.perf_counter() - upd.started
+        upd.state = "ready"
+        self._notify()
+
+    def _fail(self, upd: _Update, e: BaseException) -> None:
+        upd.tensors = None
+        upd.state = "failed"
+        err = _as_sync_error(e)
+        self.last_error = f"update to version {upd.label} by {upd.method} failed: {err}"
+        if not upd.future.done():
+            upd.future.set_exception(err)
+        log.warning("weight update to version %s failed: %s", upd.label, e)
+        self._notify()
+
+    def _take_group(self, name: str) -> _GroupSlot | None:
+        with self._groups_lock:
+            return self._groups.pop(name, None)
+
+    def _drop_group(self, slot: _GroupSlot) -> None:
+        with self._groups_lock:
+            if self._groups.get(slot.name) is slot:
+                del self._groups[slot.name]
+        slot.closed = True
+        slot.executor.shutdown(wait=False)
+
+    def _close_slot(self, slot: _GroupSlot) -> None:
+        """Cancel what runs on the group (within ~0.1 s) and close it, in its own worker thread."""
+        slot.closed = True
+
+        def close() -> None:
+            if slot.group is not None:
+                slot.group.close()
+                slot.group = None
+
+        try:
+            slot.executor.submit(close)
+        except RuntimeError:  # executor already shut down: the worker closed the group itself
+            pass
+        slot.executor.shutdown(wait=False)
+
+    def _notify(self) -> None:
+        if self.on_ready is not None:
+            try:
+                self.on_ready()
+            except Exception as e:  # noqa: BLE001
+                log.debug("on_ready callback failed: %s", e)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _checkpoint_specs(path: Path) -> list[TensorSpec]:
+    """Names, shapes and dtypes from the safetensors headers (no tensor data read)."""
+    from safetensors import safe_open
+
+    try:
+        specs = []
+        for file in checkpoint_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise WeightSyncError(f"{file.name}: {name} has dtype {sl.get_dtype()}, which cannot be loaded into the model")
+                    specs.append(TensorSpec(name, tuple(sl.get_shape()), dtype))
+        return specs
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise WeightSyncError(f"cannot read checkpoint {str(path)!r}: {e}") from e
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise WeightSyncError(message)
+
+
+def _check_flags(flush_cache, abort_all_requests) -> None:
+    _check(isinstance(flush_cache, bool), f"flush_cache must be true or false (got {flush_cache!r})")
+    _check(isinstance(abort_all_requests, bool), f"abort_all_requests must be true or false (got {abort_all_requests!r})")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _failed(e: WeightSyncError) -> Future:
+    fut: Future = Future()
+    fut.set_exception(e)
+    return fut
+
+
+def _done(result: dict) -> Future:
+    fut: Future = Future()
+    fut.set_result(result)
+    return fut
+
+
+def _as_sync_error(e: BaseException) -> WeightSyncError:
+    if isinstance(e, WeightSyncError):
+        return e
+    if isinstance(e, WeightError):
+        return WeightSyncError(str(e), 400)
+    return WeightSyncError(f"{type(e).__name__}: {e}", 500)
