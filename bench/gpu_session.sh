@@ -10,7 +10,7 @@
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | speed | spec | big}
+stage=${1:?stage: kernels | engine | profile | speed | spec | big}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -27,7 +27,7 @@ import torch, triton
 x = torch.empty(2**30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
 for _ in range(3): y.copy_(x)
 ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
-print(f"device-to-device copy: {2 * x.numel() / ms / 1e9:.0f} GB/s (read + write, median of do_bench)")
+print(f"device-to-device copy: {2 * x.numel() / ms / 1e9:.2f} TB/s (read + write, median of do_bench)")
 EOF
   timeout 480 python3 -m pytest -q -m gpu -x tests/test_fused_kernels.py tests/test_triton_attention.py 2>&1 | tee "$OUT/kernels.log" | tail -15
   ;;
@@ -36,9 +36,14 @@ engine)
   timeout 300 python3 -m pytest -q -m gpu -x tests/test_engine_gpu.py 2>&1 | tee "$OUT/engine.log" | tail -15
   bench --workload decode --spec-modes off --batch-sizes 1,8,64 --prompt-len 64 --output-len 256 --baseline-hf
   ;;
+profile)
+  for b in 1 64; do python3 bench/profile_step.py --batch $b; done
+  python3 bench/profile_step.py --batch 1 --spec ngram
+  ;;
 speed)
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256
   bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256
+  bench --workload grpo --spec-modes ngram --keep-history --batch-sizes 1,512 --n 8 --temperature 1.0 --output-len 256
   ;;
 spec)
   for t in 0 0.6 1.0; do bench --workload grpo --spec-modes off,ngram --batch-sizes 64 --n 8 --temperature $t --output-len 256; done

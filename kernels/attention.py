@@ -3,7 +3,8 @@
 The KV cache is one pool of slots per layer, `k_cache[num_slots, num_kv_heads, head_dim]`.
 A sequence owns a row of the slot table; the KV of sequence b is
 `k_cache[slot_table[seq_rows[b], :kv_lens[b]]]`: its cached tokens, then this step's new
-tokens. A layer first writes the new tokens' K/V at `out_slots`, then attends.
+tokens. A layer first writes the new tokens' K/V at `out_slots` (`forward` does both; the model
+writes them in its fused RoPE kernel and calls `attend`), then attends.
 
 Within the new tokens, attention is causal (prefill chunks, plain decode) or follows a
 draft tree (`tree_mask`): bit j of `tree_mask[t]` says query t may attend the j-th new
@@ -55,6 +56,18 @@ class AttentionBackend(Protocol):
         scale: float,
         out: torch.Tensor | None = None,  # [T, num_heads, head_dim] to write into; allocated when None
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v at meta.out_slots, then `attend`."""
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,  # this step's K/V already written (the model fuses that into RoPE)
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ...
 
 

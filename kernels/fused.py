@@ -1,4 +1,4 @@
-"""Fused elementwise kernels for the decoder: RMSNorm (+ residual add), RoPE, SiLU-and-mul.
+"""Fused elementwise kernels for the decoder: RMSNorm (+ residual add), RoPE (+ KV write), SiLU-and-mul.
 
 On the GPU a small model's decode step is launch-bound: the torch versions of these take
 5-10 kernels each, per layer. Each function here is one Triton kernel on CUDA and the
@@ -71,16 +71,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, summed)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [T, heads, head_dim] with cos/sin [T, head_dim]; a new tensor."""
-    if not use_triton(x):
-        return rope_ref(x, cos, sin)
-    tokens, heads, dim = x.shape
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+def rope_and_store(
+    q: torch.Tensor,  # [T, num_heads, head_dim], may be a strided view into the qkv projection
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, head_dim] float32, at the tokens' positions
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    out_slots: torch.Tensor,  # [T] int64
+) -> torch.Tensor:
+    """RoPE on q and k, and the rotated k with v written into the KV cache: one kernel on the GPU.
+
+    Returns the rotated q [T, num_heads, head_dim].
+    """
+    if not use_triton(q):
+        k_cache.index_copy_(0, out_slots, rope_ref(k, cos, sin).to(k_cache.dtype))
+        v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
+        return rope_ref(q, cos, sin)
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     if tokens:
-        _rope_kernel[(tokens,)](
-            x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), heads,
-            HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads), num_warps=4,
+        _rope_store_kernel[(tokens,)](
+            q, k, v, cos, sin, out, k_cache, v_cache, out_slots,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            heads, kv_heads, HALF=dim // 2,
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads), num_warps=4,
         )
     return out
 
@@ -123,26 +141,49 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, y.to(dtype), mask=ok)
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_h, stride_c, heads,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, BLOCK_H)[:, None]
+    def _rotate(x_ptrs, ok, c, s, HALF: tl.constexpr):
+        """Rotated halves of the [heads, 2 * HALF] tile at x_ptrs, rounded like the eager
+        `x * cos + rotate_half(x) * sin`: each product to x's dtype, then the sum."""
         d = tl.arange(0, HALF)[None, :]
-        ok = h < heads
-        base = x_ptr + t * stride_t + h * stride_h
-        x1 = tl.load(base + d, mask=ok, other=0.0)
-        x2 = tl.load(base + HALF + d, mask=ok, other=0.0)
+        x1 = tl.load(x_ptrs + d, mask=ok, other=0.0)
+        x2 = tl.load(x_ptrs + HALF + d, mask=ok, other=0.0)
         dtype = x1.dtype
-        # cos/sin repeat after HALF (emb = cat(freqs, freqs)); rounded to x's dtype as in transformers
-        c = tl.load(cos_ptr + t * stride_c + d).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + t * stride_c + d).to(dtype).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        # each product rounded, then the sum: the eager x * cos + rotate_half(x) * sin
+        c, s = c.to(dtype).to(tl.float32), s.to(dtype).to(tl.float32)
         lo = (a * c).to(dtype).to(tl.float32) + (-b * s).to(dtype).to(tl.float32)
         hi = (b * c).to(dtype).to(tl.float32) + (a * s).to(dtype).to(tl.float32)
-        obase = out_ptr + t * heads * 2 * HALF + h * 2 * HALF
-        tl.store(obase + d, lo.to(dtype), mask=ok)
-        tl.store(obase + HALF + d, hi.to(dtype), mask=ok)
+        return lo.to(dtype), hi.to(dtype)
+
+    @triton.jit
+    def _rope_store_kernel(
+        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, slots_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+        stride_kcs, stride_kch, stride_vcs, stride_vch,
+        heads, kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        d = tl.arange(0, HALF)[None, :]
+        # cos/sin repeat after HALF (emb = cat(freqs, freqs))
+        c = tl.load(cos_ptr + t * stride_c + d)
+        s = tl.load(sin_ptr + t * stride_c + d)
+
+        h = tl.arange(0, BLOCK_H)[:, None]
+        ok = h < heads
+        lo, hi = _rotate(q_ptr + t * stride_qt + h * stride_qh, ok, c, s, HALF)
+        q_out = q_out_ptr + t * heads * 2 * HALF + h * 2 * HALF
+        tl.store(q_out + d, lo, mask=ok)
+        tl.store(q_out + HALF + d, hi, mask=ok)
+
+        g = tl.arange(0, BLOCK_KV)[:, None]
+        ok = g < kv_heads
+        lo, hi = _rotate(k_ptr + t * stride_kt + g * stride_kh, ok, c, s, HALF)
+        k_out = kc_ptr + slot * stride_kcs + g * stride_kch
+        tl.store(k_out + d, lo.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(k_out + HALF + d, hi.to(kc_ptr.dtype.element_ty), mask=ok)
+        dd = tl.arange(0, 2 * HALF)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + g * stride_vh + dd, mask=ok, other=0.0)
+        tl.store(vc_ptr + slot * stride_vcs + g * stride_vch + dd, v.to(vc_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, stride_r, inter, BLOCK: tl.constexpr):

@@ -58,6 +58,9 @@ class TorchAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         k_cache.index_copy_(0, meta.out_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.out_slots, v.to(v_cache.dtype))
+        return self.attend(q, k_cache, v_cache, meta, scale, out)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k_cache.shape[1]
         q_pad = q.new_zeros(meta.num_seqs, self._q_rows, num_heads, head_dim)

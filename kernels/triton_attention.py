@@ -375,15 +375,40 @@ class TritonAttention:
         scale: float,
         out: torch.Tensor | None = None,  # [T, num_heads, head_dim], q's dtype; allocated when None
     ) -> torch.Tensor:
+        """Write this step's K/V at meta.out_slots, then attend (`attend`)."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         if num_heads % num_kv_heads or k_cache.shape[2] != head_dim or k.shape[1:] != k_cache.shape[1:]:
             raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, k_cache {tuple(k_cache.shape)}")
-        for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, t in (("k", k), ("v", v)):
             if t.stride(-1) != 1:
                 raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)}); call .contiguous()")
         if meta.out_slots.shape[0] != num_tokens:
             raise ValueError(f"meta.out_slots has {meta.out_slots.shape[0]} slots for {num_tokens} new tokens")
+        if num_tokens:
+            _store_kv_kernel[(num_tokens,)](
+                k, v, k_cache, v_cache, meta.out_slots,
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+            )
+        return self.attend(q, k_cache, v_cache, meta, scale, out)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], this step's K/V already written
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)}); call .contiguous()")
         config = self.launch_config(num_heads, num_kv_heads, head_dim, q.dtype, q.device)
         if out is None:
             out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -392,14 +417,6 @@ class TritonAttention:
         if num_tokens == 0:
             return out
         block_d = triton.next_power_of_2(head_dim)
-
-        _store_kv_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, meta.out_slots,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d,
-        )
 
         split = config.num_splits > 1
         if split:

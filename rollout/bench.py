@@ -90,13 +90,13 @@ def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]],
     return [chat_prompt_ids(tokenizer, t)[-args.max_prompt_len :] for t in texts], 1
 
 
-def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch_size: int) -> Row:
+def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch_size: int, seed: int) -> Row:
     from rollout.config import SamplingParams
 
     params = [
         SamplingParams(
             n=n, temperature=args.temperature, max_new_tokens=args.output_len,
-            ignore_eos=args.workload == "decode", seed=args.seed + i,
+            ignore_eos=args.workload == "decode", seed=seed + i,
         )
         for i in range(len(prompts))
     ]
@@ -198,11 +198,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.spec = spec
         engine = Engine(config=engine_config(args))
         tokenizer = engine.tokenizer
-        warm, n = workload_prompts(args, tokenizer, 1)
-        run_rollout(engine, args, warm, n, spec, 1)  # compile kernels, capture graphs, fill caches
         for b in batch_sizes:
             prompts, n = workload_prompts(args, tokenizer, b)
-            rows.append(run_rollout(engine, args, prompts, n, spec, b))
+            # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it is
+            # also the previous epoch whose samples the drafter remembers
+            run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
+            rows.append(run_rollout(engine, args, prompts, n, spec, b, seed=args.seed))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
         del engine
         gc.collect()  # the engine holds reference cycles; free its KV pool before the next one

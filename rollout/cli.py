@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-seqs", type=int, default=256)
     g.add_argument("--max-prefill-tokens", type=int, default=4096)
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=EngineConfig.kv_cache_memory_fraction,
+                   help="share of free GPU memory the KV pool takes when --kv-cache-tokens is not given")
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculation")
@@ -43,6 +45,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_running_seqs=args.max_running_seqs,
         max_prefill_tokens=args.max_prefill_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         cuda_graphs=not args.no_cuda_graphs,
         seed=args.seed,
         spec=SpecConfig(

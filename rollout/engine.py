@@ -381,6 +381,7 @@ class Engine:
             "rollout/spec_draft_tokens": t.draft_tokens,
             "rollout/spec_accepted_tokens": t.accepted_tokens,
             "rollout/spec_verify_steps": t.verify_steps,
+            "rollout/spec_emitted_tokens": t.emitted_tokens,
             "rollout/tokens_per_s": self._output_tokens / self._busy_s if self._busy_s else 0.0,
             "rollout/output_tokens": self._output_tokens,
             "rollout/steps": len(self.step_times_ms),
@@ -394,6 +395,7 @@ class Engine:
         }
         for source, c in t.by_source.items():
             out[f"rollout/spec_draft_tokens/{source}"] = c["draft_tokens"]
+            out[f"rollout/spec_accepted_tokens/{source}"] = c["accepted_tokens"]
             out[f"rollout/spec_accept_rate/{source}"] = (
                 c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0
             )

@@ -42,15 +42,24 @@ def test_rms_norm_with_and_without_residual_matches_reference(dtype, rows, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,dim", [(1, 9, 64), (33, 3, 64), (7, 32, 128), (5, 8, 128)])
-def test_rope_on_a_strided_view_matches_reference(dtype, tokens, heads, dim):
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (33, 9, 3, 64), (7, 32, 8, 128), (5, 8, 8, 128)])
+def test_rope_and_store_on_qkv_views_matches_reference(dtype, tokens, heads, kv_heads, dim):
     g = torch.Generator(device=DEVICE).manual_seed(tokens * heads)
-    qkv = torch.randn(tokens, (heads + 2) * dim, generator=g, device=DEVICE).to(dtype)
-    x = qkv[:, : heads * dim].view(tokens, heads, dim)  # as the model slices q out of qkv
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device=DEVICE).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # views, as in the model
+    q, k, v = (x.view(tokens, -1, dim) for x in (q, k, v))
     pos = torch.randint(0, 4000, (tokens,), generator=g, device=DEVICE)
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
     emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
-    close(fused.rope(x, emb.cos(), emb.sin()), fused.rope_ref(x, emb.cos(), emb.sin()), dtype)
+    slots = torch.randperm(64, generator=g, device=DEVICE)[:tokens]
+    caches = [torch.full((64, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    out = fused.rope_and_store(q, k, v, emb.cos(), emb.sin(), caches[0], caches[1], slots)
+    close(out, fused.rope_ref(q, emb.cos(), emb.sin()), dtype)
+    close(caches[0][slots], fused.rope_ref(k, emb.cos(), emb.sin()), dtype)
+    assert torch.equal(caches[1][slots], v)
+    untouched = torch.ones(64, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.isnan(caches[0][untouched]).all() and torch.isnan(caches[1][untouched]).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

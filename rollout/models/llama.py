@@ -82,10 +82,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = fused.rope(q, ctx.cos, ctx.sin), fused.rope(k, ctx.cos, ctx.sin)
-        out = ctx.backend.forward(
-            q, k, v, ctx.k_caches[self.layer], ctx.v_caches[self.layer], ctx.meta, self.scale, out=ctx.attn_out
-        )  # [T, num_heads, head_dim]
+        k_cache, v_cache = ctx.k_caches[self.layer], ctx.v_caches[self.layer]
+        q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots)
+        out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, out=ctx.attn_out)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -1,0 +1,82 @@
+"""Where a decode step's time goes: GPU graph replay alone vs the engine's host phases.
+
+    python bench/profile_step.py [--batch 1] [--spec off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from rollout import Engine, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--spec", default="off")
+    ap.add_argument("--model", default="default")
+    args = ap.parse_args()
+    eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000)
+    prompts = [[100 + i, 200, 300, 400] * 16 for i in range(args.batch)]
+    params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+    eng.generate(prompts, params)  # warm up: compile, capture
+
+    # host phases of the engine step, by wrapping the pieces it calls
+    spent = defaultdict(float)
+
+    def timed(obj, name, label):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            spent[label] += time.perf_counter() - t
+            return out
+
+        setattr(obj, name, wrapper)
+
+    timed(eng.scheduler, "schedule", "schedule")
+    timed(eng.runner, "_layout", "layout")
+    timed(eng.runner.graphs, "run", "graph run + copy back")
+    timed(eng.runner, "_sample", "eager sample + copy back")
+    timed(eng.runner, "_emit", "emit")
+    timed(eng, "_append", "append (stops, drafter)")
+    timed(eng, "_draft", "draft")
+    reqs = [eng.add_request(p, params) for p in prompts]
+    t0 = time.perf_counter()
+    steps = 0
+    while not all(r.finished for r in reqs):
+        eng.step()
+        steps += 1
+    total = time.perf_counter() - t0
+    print(f"batch {args.batch} spec {args.spec}: {steps} steps, {total / steps * 1e3:.3f} ms/step")
+    for k, v in spent.items():
+        print(f"  {k:28s} {v / steps * 1e3:.3f} ms/step")
+
+    # the graph alone, replayed back to back
+    g = next(iter(eng.runner.graphs._graphs.values()))
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(200):
+        g.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"  graph replay alone           {start.elapsed_time(end) / 200:.3f} ms")
+
+    # kernels inside that graph, by total GPU time
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""GRPO on a verifiable arithmetic task, with the rollout server doing generation.
+
+Each step: sample groups of `n` completions per prompt through `RolloutClient`, score them,
+normalise rewards within each group (the advantages), recompute the completions' logprobs
+in the trainer and report how far they are from the rollout's, take one policy-gradient
+step, and push the new weights to the server with `WeightPusher`. Every step is logged to
+W&B (offline unless configured) with the rollout's acceptance statistics, and a PNG of
+reward and accept rate per step is written beside the run.
+
+    python recipes/grpo.py --steps 2 --prompts 2 --n 4 --max-new-tokens 32     # seconds on a CPU (CI)
+    python recipes/grpo.py --steps 30 --prompts 64 --n 8 --max-new-tokens 256  # an H100 run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout without installing
+
+from rollout.client import RolloutClient  # noqa: E402
+from rollout.datasets import arithmetic_tasks, chat_prompt_ids  # noqa: E402
+from rollout.model_loader import resolve_model_path  # noqa: E402
+from rollout.wandb_log import WandbLogger  # noqa: E402
+from weight_sync import WeightPusher  # noqa: E402
+
+
+@dataclass
+class StepRecord:
+    step: int
+    reward: float
+    mismatch_mean: float
+    mismatch_max: float
+    rollout_s: float
+    tokens_per_s: float
+    weight_version: int
+    weight_sync_s: float
+    spec: dict  # rollout/spec_* for this step's rollout only
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--server", default=None, help="URL of a running rollout server (default: start one)")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--push", default="auto", choices=["auto", "distributed", "disk", "ipc"],
+                    help="auto: ipc when trainer and server share a GPU, else distributed (gloo)")
+    ap.add_argument("--spec", default="auto", choices=["off", "ngram", "auto"], help="the server's speculation")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--final-rollout", action="store_true", help="one more rollout after the last push")
+    ap.add_argument("--wandb-project", default="rollout-grpo")
+    ap.add_argument("--out", default="recipes/runs", help="where W&B runs and the plot go")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+@contextlib.contextmanager
+def rollout_server(args: argparse.Namespace):
+    """The given server, or one started for this run (stopped at the end)."""
+    if args.server:
+        yield args.server
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "rollout", "serve", "--model", args.model, "--port", str(port),
+           "--device", args.device, "--spec", args.spec, "--log-level", "warning"]
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        cmd += ["--kv-cache-tokens", "32768"]
+    else:
+        cmd += ["--kv-cache-memory-fraction", "0.5"]  # the trainer shares the GPU
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        RolloutClient(url).wait_until_ready(timeout=900)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def group_advantages(rewards: list[float], n: int) -> list[float]:
+    """(r - group mean) / (group std + eps), each group being the n samples of one prompt."""
+    out = []
+    for g in range(0, len(rewards), n):
+        group = rewards[g : g + n]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
+        out += [(r - mean) / (std + 1e-4) for r in group]
+    return out
+
+
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float):
+    """Per-token logprobs of each completion under the trainer's model: a list of 1-D tensors."""
+    device = next(model.parameters()).device
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / max(temperature, 1e-6)
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return [logprobs[i, len(p) - 1 : len(p) - 1 + len(c)] for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
+def spec_delta(before: dict, after: dict) -> dict:
+    """This rollout's speculation statistics from two snapshots of the server's counters."""
+    d = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731
+    drafted, accepted = d("rollout/spec_draft_tokens"), d("rollout/spec_accepted_tokens")
+    steps, emitted = d("rollout/spec_verify_steps"), d("rollout/spec_emitted_tokens")
+    out = {
+        "rollout/spec_draft_tokens": drafted,
+        "rollout/spec_accept_rate": accepted / drafted if drafted else 0.0,
+        "rollout/spec_accept_length": emitted / steps if steps else 0.0,
+    }
+    for key in after:
+        if key.startswith("rollout/spec_draft_tokens/"):
+            source = key.rsplit("/", 1)[1]
+            src_drafted, src_accepted = d(key), d(f"rollout/spec_accepted_tokens/{source}")
+            out[f"rollout/spec_draft_tokens/{source}"] = src_drafted
+            out[f"rollout/spec_accept_rate/{source}"] = src_accepted / src_drafted if src_drafted else 0.0
+    return out
+
+
+def run(args: argparse.Namespace) -> tuple[list[StepRecord], torch.nn.Module, str]:
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    torch.manual_seed(args.seed)
+    model_dir = resolve_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    push = args.push if args.push != "auto" else ("ipc" if device == "cuda" else "distributed")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    logger = WandbLogger(args.wandb_project, config=vars(args), directory=args.out)
+    records: list[StepRecord] = []
+
+    with rollout_server(args) as url, RolloutClient(url) as client:
+        pusher = WeightPusher(url, method=push, dtype=torch.bfloat16 if device == "cuda" else None)
+        rollouts = args.steps + (1 if args.final_rollout else 0)
+        for step in range(1, rollouts + 1):
+            tasks = arithmetic_tasks(args.prompts, seed=args.seed * 1000 + step)
+            prompts = [chat_prompt_ids(tokenizer, t.question) for t in tasks]
+            before = client.server_info()["stats"]
+            t0 = time.perf_counter()
+            groups = client.generate(
+                prompts, {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                          "seed": args.seed * 1000 + step}, n=args.n, return_logprob=True,
+            )
+            rollout_s = time.perf_counter() - t0
+            after = client.server_info()["stats"]
+            samples = [s for g in groups for s in g]
+            versions = {v for s in samples for v in s.weight_versions}
+            expected = str(step - 1)
+            assert versions <= {expected}, f"step {step} sampled with weight versions {versions}, expected {expected}"
+            rewards = [task.reward(s.text) for task, g in zip(tasks, groups) for s in g]
+            tokens = sum(len(s.token_ids) for s in samples)
+
+            # the trainer's view of the same tokens
+            sample_prompts = [p for p, g in zip(prompts, groups) for _ in g]
+            completions = [s.token_ids for s in samples]
+            policy.train()
+            new_lp = completion_logprobs(policy, sample_prompts, completions, args.temperature)
+            diffs = torch.cat([lp.detach().cpu() - torch.tensor(s.logprobs) for lp, s in zip(new_lp, samples)])
+            mismatch_mean = diffs.abs().mean().item() if len(diffs) else 0.0
+            mismatch_max = diffs.abs().max().item() if len(diffs) else 0.0
+
+            sync_s, version = 0.0, step - 1
+            if step <= args.steps:  # one policy-gradient step (on-policy, so the PPO ratio is 1), then push
+                advantages = group_advantages(rewards, args.n)
+                num_tokens = max(1, sum(len(c) for c in completions))
+                # token-level policy gradient: the ratio exp(lp - lp_old) is 1 here, its gradient is grad lp
+                ratios = [(lp - lp.detach()).exp() for lp in new_lp]
+                loss = -sum(a * r.sum() for a, r in zip(advantages, ratios)) / num_tokens
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                policy.eval()
+                t1 = time.perf_counter()
+                pusher.push(policy.named_parameters(), version=step)
+                sync_s = time.perf_counter() - t1
+                version = step
+            rec = StepRecord(
+                step=step, reward=sum(rewards) / len(rewards), mismatch_mean=mismatch_mean, mismatch_max=mismatch_max,
+                rollout_s=rollout_s, tokens_per_s=tokens / rollout_s, weight_version=version, weight_sync_s=sync_s,
+                spec=spec_delta(before, after),
+            )
+            records.append(rec)
+            logger.log(
+                {"grpo/reward": rec.reward, "grpo/logprob_mismatch_mean": mismatch_mean,
+                 "grpo/logprob_mismatch_max": mismatch_max, "grpo/rollout_s": rollout_s,
+                 "rollout/tokens_per_s": rec.tokens_per_s, "rollout/weight_version": version,
+                 "rollout/weight_sync_s": sync_s, **rec.spec},
+                step=step,
+            )
+            print_row(rec, header=step == 1)
+        pusher.close()
+    plot(records, logger.run_dir / "grpo.png")
+    logger.finish()
+    print(f"W&B run: {logger.run_dir}  plot: {logger.run_dir / 'grpo.png'}")
+    return records, policy, url
+
+
+def print_row(r: StepRecord, header: bool) -> None:
+    if header:
+        print("| step | reward | rollout s | tok/s | accept rate | accept len | drafted | mismatch | version | sync s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    s = r.spec
+    print(f"| {r.step} | {r.reward:.3f} | {r.rollout_s:.2f} | {r.tokens_per_s:.1f} | {s['rollout/spec_accept_rate']:.3f} | "
+          f"{s['rollout/spec_accept_length']:.2f} | {s['rollout/spec_draft_tokens']} | {r.mismatch_mean:.2e} | "
+          f"{r.weight_version} | {r.weight_sync_s:.2f} |", flush=True)
+
+
+def plot(records: list[StepRecord], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r.reward for r in records], marker="o", label="reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r.spec["rollout/spec_accept_rate"] for r in records], marker="s", color="tab:orange",
+             label="n-gram accept rate")
+    ax2.set_ylabel("accept rate")
+    fig.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run(parse_args())
