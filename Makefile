@@ -17,11 +17,13 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+# The main job: a GRPO-style rollout of the default model with n-gram speculation, one weight
+# push, a rollout under the pushed weights, and a table of accept rates (CPU, or the GPU if any).
 demo: $(STAMP)
-	$(BIN)/python recipes/demo.py
+	$(BIN)/python recipes/grpo.py --steps 1 --final-rollout --prompts 4 --n 8 --max-new-tokens 96
 
 test: $(STAMP)
 	WANDB_MODE=offline $(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) bench/results/*.json bench/results/*.md bench/results/*.png
+	rm -rf $(VENV)

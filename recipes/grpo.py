@@ -137,7 +137,14 @@ def spec_delta(before: dict, after: dict) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> tuple[list[StepRecord], torch.nn.Module, str]:
+@dataclass
+class GrpoRun:
+    records: list[StepRecord]
+    policy: torch.nn.Module  # the trainer's model after the last step
+    run_dir: Path  # the W&B run (offline-run-* unless W&B is set up), with grpo.png
+
+
+def run(args: argparse.Namespace) -> GrpoRun:
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     torch.manual_seed(args.seed)
     model_dir = resolve_model_path(args.model)
@@ -213,7 +220,7 @@ def run(args: argparse.Namespace) -> tuple[list[StepRecord], torch.nn.Module, st
     plot(records, logger.run_dir / "grpo.png")
     logger.finish()
     print(f"W&B run: {logger.run_dir}  plot: {logger.run_dir / 'grpo.png'}")
-    return records, policy, url
+    return GrpoRun(records, policy, logger.run_dir)
 
 
 def print_row(r: StepRecord, header: bool) -> None:

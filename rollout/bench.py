@@ -101,8 +101,8 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         for i in range(len(prompts))
     ]
     engine.reset_stats()
-    if engine.drafter is not None and not args.keep_history:
-        engine.drafter.clear_history()  # no drafting from the warm-up or from other batch sizes
+    if not args.keep_history:
+        engine.clear_speculation_history()  # no drafting from the warm-up or from other batch sizes
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     _sync(engine.device)

@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-max-match", type=int, default=SpecConfig.max_match)
     s.add_argument("--spec-max-trie-nodes", type=int, default=SpecConfig.max_trie_nodes)
     s.add_argument("--spec-no-sibling-sharing", action="store_true")
+    s.add_argument("--spec-no-adaptive", action="store_true",
+                   help="draft the full budget every step instead of learning when drafting pays")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -55,6 +57,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_match=args.spec_max_match,
             max_trie_nodes=args.spec_max_trie_nodes,
             share_siblings=not args.spec_no_sibling_sharing,
+            adaptive=not args.spec_no_adaptive,
         ),
     )
 

@@ -79,6 +79,7 @@ class SpecConfig:
     max_match: int = 6
     max_trie_nodes: int = 4_000_000  # ~270 bytes each: about 1 GB at the limit
     share_siblings: bool = True
+    adaptive: bool = True  # learn when drafting pays (spec/budget.py); off: every sequence drafts its cap each step
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram", "auto"):

@@ -77,8 +77,8 @@ class CudaGraphs:
             return None
         return b, t, tree, mode
 
-    def run(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str]):
-        """(tokens, logprobs) as numpy arrays, one per logits row of the layout, by graph replay."""
+    def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str]) -> torch.Tensor:
+        """Replay the graph for this layout; returns its [2, n] (tokens, logprobs) output on the device."""
         g = self._graphs.get(shape) or self._capture(*shape)
         b, t, tree, _ = shape
         n = len(lay.logits_rows)
@@ -99,8 +99,7 @@ class CudaGraphs:
         for dst, src in zip((g.i64, g.i32, g.f32), g.host):
             dst.copy_(src, non_blocking=True)
         g.graph.replay()
-        out = g.out[:, :n].cpu().numpy()
-        return out[0].astype(np.int64), out[1]
+        return g.out[:, :n]
 
     def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str) -> _Graph:
         from rollout.model_runner import DrawInputs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from functools import partial
 import random
 import time
 from collections.abc import Iterable
@@ -109,7 +110,7 @@ class Engine:
                     share_siblings=spec_cfg.share_siblings,
                 )
             )
-            self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens)
+            self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens, spec_cfg.adaptive)
 
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -117,6 +118,7 @@ class Engine:
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self._drafter_ops: list = []  # drafter updates queued until the next device wait (see step)
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._rids = itertools.count()
@@ -157,9 +159,9 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(leader)
         if self.drafter is not None:
-            self.drafter.add_group(rid, prompt_ids)
+            self._drafter_ops.append(partial(self.drafter.add_group, rid, prompt_ids))
             for seq in req.sequences:
-                self.drafter.add_sequence(rid, seq.seq_id)
+                self._drafter_ops.append(partial(self.drafter.add_sequence, rid, seq.seq_id))
         return req
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -204,7 +206,9 @@ class Engine:
         if self.drafter is not None and not batch.is_prefill:
             trees = self._draft([item.seq for item in batch.items])
             self._draft_s += time.perf_counter() - t0
-        emitted = self.runner.run(batch, trees)
+        in_flight = self.runner.launch(batch, trees)
+        self._flush_drafter()  # trie upkeep overlaps with the device's work on this step
+        emitted = self.runner.collect(in_flight)
         for item in batch.items:
             if item.samples and item.seq.status is Status.WAITING:
                 self.scheduler.on_prefill_done(item.seq)
@@ -224,11 +228,25 @@ class Engine:
             if req.finished and self.requests.get(req.rid) is req:
                 del self.requests[req.rid]
                 if self.drafter is not None:
-                    self.drafter.remove_group(req.rid)
+                    self._drafter_ops.append(partial(self.drafter.remove_group, req.rid))
         return list(updated.values())
+
+    def _flush_drafter(self) -> None:
+        """Apply queued drafter updates (new groups, emitted tokens, finished sequences), in order."""
+        ops, self._drafter_ops = self._drafter_ops, []
+        for op in ops:
+            op()
+
+    def clear_speculation_history(self) -> None:
+        """Forget earlier requests' outputs (benchmarks: no drafting from a previous run)."""
+        if self.drafter is not None:
+            self._flush_drafter()
+            self.drafter.clear_history()
 
     def _draft(self, seqs: list[Sequence]) -> dict:
         wanted = self.budget.for_batch(seqs)
+        if wanted:
+            self._flush_drafter()  # proposals match against every token emitted so far
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
         trees = {}
         for seq in seqs:
@@ -261,7 +279,7 @@ class Engine:
         if self.drafter is not None:
             if e.drafted:
                 self.budget.observe(seq.seq_id, e.accepted)
-            self.drafter.extend(seq.seq_id, seq.tokens[-appended:])
+            self._drafter_ops.append(partial(self.drafter.extend, seq.seq_id, seq.tokens[-appended:]))
         if reason is not None:
             self._finish(seq, reason)
         return appended
@@ -285,7 +303,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         if self.drafter is not None:
-            self.drafter.remove_sequence(seq.seq_id)
+            self._drafter_ops.append(partial(self.drafter.remove_sequence, seq.seq_id))
             self.budget.forget(seq.seq_id)
 
     # ---------------- the synchronous API ----------------

@@ -118,10 +118,35 @@ class DeviceStep:
         self.max_kv_len = int(lay.kv_lens.max()) if b else 0
 
 
-def results_to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """One device-to-host copy (and the step's one intended sync)."""
-    out = torch.stack([tokens.double(), logprobs.double()]).cpu().numpy()
-    return out[0].astype(np.int64), out[1]
+class HostCopy:
+    """The step's results on their way to the host: one asynchronous copy, waited for once."""
+
+    def __init__(self, out: torch.Tensor):  # [2, n] float64: drawn tokens, their logprobs
+        self.event = None
+        if out.is_cuda:
+            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self.host.copy_(out, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = out
+
+    def wait(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.event is not None:
+            self.event.synchronize()  # the step's one intended host sync
+        out = self.host.numpy()
+        return out[0].astype(np.int64), out[1]
+
+
+@dataclass
+class StepInFlight:
+    """A launched step: what `collect` needs once the device is done."""
+
+    batch: Batch
+    trees: dict[int, DraftTree]
+    item_slots: list[np.ndarray]
+    draws: list[tuple[Sequence, int, int]]
+    result: HostCopy
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -174,9 +199,13 @@ class ModelRunner:
             self.pool.commit_rows(np.concatenate(self._dirty_rows), np.concatenate(self._dirty_cols))
             self._dirty_rows, self._dirty_cols = [], []
 
-    @torch.inference_mode()
     def run(self, batch: Batch, trees: dict[int, DraftTree]) -> list[Emitted]:
         """Run one step. `trees` maps seq_id to its draft tree (decode items only; root = last token)."""
+        return self.collect(self.launch(batch, trees))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, trees: dict[int, DraftTree]) -> StepInFlight:
+        """Lay out, upload and queue the step on the device; returns without waiting for it."""
         lay, draws, item_slots = self._layout(batch, trees)
         self._commit_rows()
         inputs = DrawInputs.of(draws)
@@ -184,11 +213,16 @@ class ModelRunner:
         if self.graphs is not None and not batch.is_prefill:  # one draw per logits row, in order
             shape = self.graphs.shape(lay, inputs.mode)
         if shape is not None:
-            tokens, logprobs = self.graphs.run(lay, inputs, shape)
+            out = self.graphs.launch(lay, inputs, shape)
         else:
             logits = self.forward(DeviceStep(self._pad_for_cpu(lay), self.device))
-            tokens, logprobs = self._sample(logits, inputs)
-        return self._emit(batch, trees, item_slots, draws, tokens, logprobs)
+            out = self._sample(logits, inputs)
+        return StepInFlight(batch, trees, item_slots, draws, HostCopy(out))
+
+    def collect(self, step: StepInFlight) -> list[Emitted]:
+        """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
+        tokens, logprobs = step.result.wait()
+        return self._emit(step.batch, step.trees, step.item_slots, step.draws, tokens, logprobs)
 
     def forward(self, step: DeviceStep, attn_out: torch.Tensor | None = None) -> torch.Tensor:
         """The model on one uploaded step: logits [L, vocab] float32 for step.logits_rows."""
@@ -295,12 +329,13 @@ class ModelRunner:
                 padded.tree_mask[-extra:] = np.left_shift(np.int64(1), np.arange(extra, dtype=np.int64)).cumsum()
         return padded
 
-    def _sample(self, logits: torch.Tensor, inputs: DrawInputs) -> tuple[np.ndarray, np.ndarray]:
+    def _sample(self, logits: torch.Tensor, inputs: DrawInputs) -> torch.Tensor:
+        """[2, S] float64 on the device: drawn tokens and their logprobs."""
         if inputs.i64.shape[1] == 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.float64)
+            return torch.zeros(2, 0, dtype=torch.float64, device=self.device)
         i64, f32 = _to_device(inputs.i64, self.device), _to_device(inputs.f32, self.device)
         tokens, logprobs = sample(logits[i64[0]], inputs.tensors(i64, f32))
-        return results_to_host(tokens, logprobs)
+        return torch.stack([tokens.double(), logprobs.double()])
 
     def _emit(self, batch, trees, item_slots, draws, tokens, logprobs) -> list[Emitted]:
         by_seq: dict[int, list[int]] = {}  # seq_id -> its draw indices, in row order

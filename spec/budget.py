@@ -29,9 +29,10 @@ MIN_ACCEPTED = 0.2  # accepted drafts per step below which a sequence pauses dra
 
 
 class DraftBudget:
-    def __init__(self, max_draft_tokens: int, max_verify_tokens: int):
+    def __init__(self, max_draft_tokens: int, max_verify_tokens: int, adaptive: bool = True):
         self.max_draft_tokens = max_draft_tokens
         self.max_verify_tokens = max_verify_tokens
+        self.adaptive = adaptive
         self._accepted_ema: dict[int, float] = {}
         self._rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second
         self._seen: dict[tuple[int, bool], int] = {}
@@ -49,6 +50,8 @@ class DraftBudget:
         self._choice = None
         if cap == 0:
             return {}
+        if not self.adaptive:
+            return {seq.seq_id: cap for seq in seqs}
         bucket = len(seqs).bit_length()
         drafting = self._choose(bucket)
         self._choice = (bucket, drafting)

@@ -68,3 +68,16 @@ def test_silu_mul_matches_reference(dtype, rows, inter):
     g = torch.Generator(device=DEVICE).manual_seed(rows + inter)
     gate_up = (torch.randn(rows, 2 * inter, generator=g, device=DEVICE) * 3).to(dtype)
     close(fused.silu_mul(gate_up), fused.silu_mul_ref(gate_up), dtype)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 960, 576, False), (7, 3072, 576, True), (16, 576, 1536, False), (3, 100, 70, True)])
+def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
+    from kernels.skinny_gemm import skinny_linear
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g, device=DEVICE).to(dtype) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    close(skinny_linear(x, w, b), ref, dtype)

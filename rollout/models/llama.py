@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused
+from kernels import fused, skinny_gemm
 from kernels.attention import AttentionBackend, AttentionMetadata
 from rollout.model_config import ModelConfig
 
@@ -48,6 +47,13 @@ class WeightTarget:
         return self.param.data if self.rows is None else self.param.data[self.rows]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products (decode) may take the skinny-GEMM kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_gemm.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -66,8 +72,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -92,8 +98,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
@@ -151,7 +157,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
-        return F.linear(x, self.lm_head_weight).float()
+        return skinny_gemm.linear(x, self.lm_head_weight).float()
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model accepts, mapped to where it is stored."""

@@ -1,0 +1,93 @@
+"""Matrix products with few rows (decode and verify steps): y = x @ w.T (+ b) for x [M <= 16, K].
+
+At decode, a linear layer reads its whole weight to produce a handful of rows, so it should
+run at memory bandwidth; for small layers what matters is the fixed cost of a launch. The
+Triton kernel below streams the weight once through one tile of 16 rows. Whether it or
+cuBLAS is faster depends on the shape, so the first call for each (N, K, dtype) times both
+and keeps the faster: this path is never slower than `F.linear` beyond timing noise. That
+first call must happen outside CUDA-graph capture (the runner's warm-up does it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+MAX_ROWS = 16
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_use_triton: dict[tuple, bool] = {}  # (N, K, dtype, has_bias) -> Triton beat cuBLAS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    usable = (
+        triton is not None and (x.is_cuda or INTERPRET) and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
+    )  # float32 stays with cuBLAS: tl.dot would round its inputs to tf32
+    if not usable:
+        return F.linear(x, weight, bias)
+    key = (weight.shape[0], weight.shape[1], x.dtype, bias is not None)
+    choice = _use_triton.get(key)
+    if choice is None:
+        choice = _use_triton[key] = INTERPRET or _triton_is_faster(x, weight, bias)
+    return skinny_linear(x, weight, bias) if choice else F.linear(x, weight, bias)
+
+
+def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    probe = torch.randn(MAX_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
+    ours = triton.testing.do_bench(lambda: skinny_linear(probe, weight, bias), warmup=5, rep=20, return_mode="median")
+    theirs = triton.testing.do_bench(lambda: F.linear(probe, weight, bias), warmup=5, rep=20, return_mode="median")
+    return ours < theirs
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    if INTERPRET:  # the interpreter cannot time configurations
+        _skinny_gemm_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=32, BLOCK_K=64)
+    else:
+        _skinny_gemm_tuned[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS)
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=(rows[:, None] < m) & (kk[None, :] < k),
+                        other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < n) & (kk[None, :] < k),
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+    _skinny_gemm_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
+                                  (64, 64, 4, 4), (128, 64, 8, 3), (16, 512, 4, 2)]
+        ],
+        key=["n", "k"],
+    )(_skinny_gemm_kernel)

@@ -1,0 +1,48 @@
+"""The user's story end to end: GRPO steps through the server, a weight push after each."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import requests
+import torch
+from transformers import AutoTokenizer
+
+from server_process import running_server
+from wandb_records import history
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import grpo  # noqa: E402
+
+ACCEPTANCE_KEYS = ["rollout/spec_accept_rate", "rollout/spec_accept_length", "rollout/spec_draft_tokens",
+                   "rollout/spec_accept_rate/ngram", "rollout/spec_draft_tokens/ngram"]
+
+
+def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(default_model_dir, tmp_path):
+    with running_server(str(default_model_dir), "--kv-cache-tokens", "16384", "--spec", "ngram",
+                        "--spec-no-adaptive") as server:
+        args = grpo.parse_args(["--server", server.url, "--steps", "2", "--prompts", "2", "--n", "4",
+                                "--max-new-tokens", "24", "--device", "cpu", "--out", str(tmp_path), "--lr", "1e-4"])
+        result = grpo.run(args)
+
+        assert requests.get(server.url + "/get_weight_version").json()["weight_version"] == "2"
+        assert [r.weight_version for r in result.records] == [1, 2]
+        assert all(r.mismatch_mean < 1e-3 for r in result.records)  # fp32 on both sides
+
+        rows = history(result.run_dir)
+        assert [row["_step"] for row in rows] == [1, 2]
+        for row in rows:
+            for key in ACCEPTANCE_KEYS + ["grpo/reward", "rollout/weight_sync_s", "rollout/tokens_per_s"]:
+                assert key in row, key
+        assert sum(row["rollout/spec_draft_tokens"] for row in rows) > 0
+        assert (result.run_dir / "grpo.png").stat().st_size > 0
+
+        # what the server now generates comes from the trainer's latest weights
+        prompt = "What is 12 + 30?"
+        out = requests.post(server.url + "/generate", json={
+            "text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}).json()
+        assert out["meta_info"]["output_token_weight_versions"] == [2] * len(out["output_ids"])
+        ids = torch.tensor([AutoTokenizer.from_pretrained(default_model_dir).encode(prompt)])
+        expected = result.policy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        assert out["output_ids"] == expected[0, ids.shape[1]:].tolist()

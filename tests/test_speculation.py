@@ -1,0 +1,162 @@
+"""Speculation is lossless, helps where it should, and reports what it did."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rollout import Engine, SamplingParams, SpecConfig
+from rollout.datasets import arithmetic_tasks, chat_prompt_ids
+from rollout.sampler import SamplingTensors, sample, sequence_key
+from rollout.wandb_log import WandbLogger
+from spec.tree import DraftTree
+from spec.verify import accept_path
+from wandb_records import history
+
+QUESTIONS = [
+    "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
+    "Write a Python function that returns the sum of a list, then the same for the product.",
+    arithmetic_tasks(1, seed=3)[0].question,
+    "List the days of the week.",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_engine(default_model_dir):
+    return Engine(model=str(default_model_dir), spec=SpecConfig(method="ngram", adaptive=False), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(default_engine):
+    return [chat_prompt_ids(default_engine.tokenizer, q) for q in QUESTIONS]
+
+
+def run(engine, prompts, params):
+    return [o for group in engine.generate(prompts, params, return_logprob=True) for o in group]
+
+
+def test_spec_on_matches_spec_off_greedy_with_groups_and_stop_strings(default_engine, spec_engine, prompts):
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=40),
+        SamplingParams(temperature=0, max_new_tokens=40, n=2),
+        SamplingParams(temperature=0, max_new_tokens=40, stop=["\n\n", "5"]),
+        SamplingParams(temperature=0, max_new_tokens=40, stop=[","], n=2),
+    ]
+    off, on = run(default_engine, prompts, params), run(spec_engine, prompts, params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+    assert [o.text for o in on] == [o.text for o in off]
+    for a, b in zip(off, on):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+    drafted = sum(o.spec["draft_tokens"] for o in on)
+    accepted = sum(o.spec["accepted_tokens"] for o in on)
+    assert drafted > 0 and accepted > 0  # not vacuous: drafts were made and taken
+
+
+def test_sampled_outputs_spec_on_equal_spec_off_for_every_seed(default_engine, spec_engine, prompts):
+    """With counter-based randomness each token is drawn with the same key either way, so the
+    first-k-token distributions agree because the draws agree, seed by seed."""
+    params = SamplingParams(n=8, temperature=1.0, top_p=0.95, max_new_tokens=12, seed=11)
+    off, on = run(default_engine, prompts[:2], params), run(spec_engine, prompts[:2], params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert len({tuple(o.token_ids[:4]) for o in off}) > 4  # really sampling
+    assert sum(o.spec["accepted_tokens"] for o in on) > 0
+
+
+def node_logits(prefix: tuple[int, ...], vocab: int) -> torch.Tensor:
+    """A fixed toy target model: logits after `prefix`, different for every prefix."""
+    g = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.randn(vocab, generator=g) * 1.5
+
+
+def test_tree_verification_emits_exactly_the_target_distribution():
+    """Monte Carlo over 200k keys: the first two tokens emitted through a draft tree (plus the
+    next plain step when the walk stops at the root) follow p(x) p(y | x) of the target."""
+    vocab, trials = 5, 200_000
+    # root -> {1, 3}; 1 -> {0}; 3 -> {2, 4}
+    tree = DraftTree(np.array([7, 1, 3, 0, 2, 4]), np.array([-1, 0, 0, 1, 2, 2]))
+    prefixes = [(), (1,), (3,), (1, 0), (3, 2), (3, 4)]
+    depths = tree.depths()
+    keys = torch.tensor([sequence_key(99, i) for i in range(trials)], dtype=torch.int64)
+
+    def draw(logits_rows: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+        n = len(logits_rows)
+        st = SamplingTensors(
+            temperature=torch.full((n,), 0.8), top_k=torch.full((n,), -1, dtype=torch.int64),
+            top_p=torch.ones(n), min_p=torch.zeros(n), keys=keys[:n], positions=positions,
+            all_greedy=False, any_truncation=False,
+        )
+        return sample(logits_rows, st)[0].numpy()
+
+    targets = np.stack(
+        [draw(node_logits(p, vocab).expand(trials, vocab), torch.full((trials,), int(d))) for p, d in zip(prefixes, depths)],
+        axis=1,
+    )  # [trials, nodes]
+    first, second = np.empty(trials, np.int64), np.full(trials, -1, np.int64)
+    for t in range(trials):
+        path, bonus = accept_path(tree, targets[t])
+        emitted = [int(x) for x in tree.tokens[path[1:]]] + [bonus]
+        first[t] = emitted[0]
+        if len(emitted) > 1:
+            second[t] = emitted[1]
+    stopped = second < 0  # the walk emitted only the bonus: the next plain step draws at position 1
+    cont = torch.stack([node_logits((int(x),), vocab) for x in first[stopped]])
+    second[stopped] = draw_at(cont, keys[stopped], position=1)
+
+    p1 = torch.softmax(node_logits((), vocab) / 0.8, -1).double()
+    expected = np.array([[p1[x] * torch.softmax(node_logits((x,), vocab) / 0.8, -1).double()[y] for y in range(vocab)]
+                         for x in range(vocab)]).ravel() * trials
+    observed = np.bincount(first * vocab + second, minlength=vocab * vocab)
+    expected *= observed.sum() / expected.sum()  # float32 softmax sums to 1 only within rounding
+    assert chisquare(observed, expected).pvalue > 0.001
+
+
+def draw_at(logits_rows: torch.Tensor, keys: torch.Tensor, position: int) -> np.ndarray:
+    n = len(logits_rows)
+    st = SamplingTensors(
+        temperature=torch.full((n,), 0.8), top_k=torch.full((n,), -1, dtype=torch.int64), top_p=torch.ones(n),
+        min_p=torch.zeros(n), keys=keys, positions=torch.full((n,), position), all_greedy=False, any_truncation=False,
+    )
+    return sample(logits_rows, st)[0].numpy()
+
+
+def test_greedy_walk_accepts_the_longest_matching_path():
+    tree = DraftTree(np.array([7, 1, 3, 0, 2, 4]), np.array([-1, 0, 0, 1, 2, 2]))
+    path, bonus = accept_path(tree, np.array([3, 9, 4, 9, 9, 8]))  # root draws 3, node 2 draws 4, node 5 draws 8
+    assert path.tolist() == [0, 2, 5] and bonus == 8
+    path, bonus = accept_path(tree, np.array([2, 0, 0, 0, 0, 0]))
+    assert path.tolist() == [0] and bonus == 2
+
+
+def test_sibling_sharing_raises_accept_length(default_model_dir, capsys):
+    task = arithmetic_tasks(1, seed=0)[0]
+    lengths = {}
+    for share in (True, False):
+        eng = Engine(model=str(default_model_dir), device="cpu",
+                     spec=SpecConfig(method="ngram", share_siblings=share, adaptive=False), kv_cache_tokens=8192)
+        prompt = chat_prompt_ids(eng.tokenizer, task.question)
+        eng.generate([prompt], SamplingParams(n=8, temperature=0.7, max_new_tokens=48, seed=5))
+        lengths[share] = eng.stats()["rollout/spec_accept_length"]
+    with capsys.disabled():
+        print(f"\naccept length, 8 samples at T=0.7: with sibling sharing {lengths[True]:.3f}, "
+              f"without {lengths[False]:.3f}")
+    assert lengths[True] > lengths[False]
+
+
+def test_acceptance_statistics_reach_stats_and_wandb(spec_engine, prompts, tmp_path):
+    spec_engine.reset_stats()
+    outs = run(spec_engine, prompts[:2], SamplingParams(temperature=0, max_new_tokens=24))
+    stats = spec_engine.stats()
+    assert stats["rollout/spec_draft_tokens"] == sum(o.spec["draft_tokens"] for o in outs) > 0
+    assert stats["rollout/spec_draft_tokens/ngram"] == stats["rollout/spec_draft_tokens"]
+    assert 0 < stats["rollout/spec_accept_rate"] <= 1 and stats["rollout/spec_accept_length"] >= 1
+    logger = WandbLogger("rollout-test", directory=tmp_path)
+    logger.log(stats, step=1)
+    logger.finish()
+    (row,) = history(logger.run_dir)
+    for key in ["rollout/spec_accept_rate", "rollout/spec_accept_length", "rollout/spec_draft_tokens",
+                "rollout/spec_accept_rate/ngram", "rollout/spec_draft_tokens/ngram", "rollout/tokens_per_s",
+                "rollout/weight_version", "rollout/weight_sync_s"]:
+        assert row[key] == pytest.approx(stats[key])
