@@ -37,8 +37,9 @@ engine)
   bench --workload decode --spec-modes off --batch-sizes 1,8,64 --prompt-len 64 --output-len 256 --baseline-hf
   ;;
 profile)
-  for b in 1 64; do python3 bench/profile_step.py --batch $b; done
-  python3 bench/profile_step.py --batch 1 --spec ngram
+  for b in 1 64; do python3 bench/profile_step.py --batch $b; done > "$OUT/profile.log" 2>&1
+  python3 bench/profile_step.py --batch 1 --spec ngram >> "$OUT/profile.log" 2>&1
+  grep -E "batch|ms/step|replay alone" "$OUT/profile.log"
   ;;
 speed)
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256
@@ -55,4 +56,5 @@ big)
   bench --workload decode --random-model qwen3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 64
   ;;
 esac
+rm -f "$OUT"/*.png  # at most 8 files come back from a call; the tables and JSON matter
 ls "$OUT"

@@ -41,7 +41,7 @@ def main() -> None:
 
     timed(eng.scheduler, "schedule", "schedule")
     timed(eng.runner, "_layout", "layout")
-    timed(eng.runner.graphs, "run", "graph run + copy back")
+    timed(eng.runner.graphs, "launch", "graph replay (launch)")
     timed(eng.runner, "_sample", "eager sample + copy back")
     timed(eng.runner, "_emit", "emit")
     timed(eng, "_append", "append (stops, drafter)")

@@ -8,7 +8,8 @@ step's layout is padded to the graph's shape (empty sequences, tokens that belon
 none and write slot 0), copied in with three host-to-device copies, replayed, and its
 tokens and logprobs come back in one copy. The attention kernels read real lengths on
 the device, so one graph serves every context length up to the pool's, and every tree up
-to `max_tree_tokens` tokens per sequence. Graphs are captured on first use; prefill
+to `max_tree_tokens` tokens per sequence. `capture_all` captures the decode and verify shapes up
+front (the engine does so at start); any other shape is captured on first use. Prefill
 steps run eagerly.
 """
 
@@ -76,6 +77,24 @@ class CudaGraphs:
         if t > self.max_tokens or (tree and int(lay.q_lens.max()) > self.max_tree_tokens):
             return None
         return b, t, tree, mode
+
+    def capture_all(self, modes: tuple[str, ...] = ("greedy", "sample"), speculation: bool = True) -> int:
+        """Capture every decode shape (and verify shapes when speculating) ahead of time, so no
+        step pays a capture; returns how many graphs exist. Truncated sampling stays lazy."""
+        for b in self.batch_sizes:
+            shapes = [(b, b, False)]
+            if speculation:
+                longest = min(self.max_tokens, b * self.max_tree_tokens)
+                t = b
+                while t < longest:
+                    t *= 2
+                    if t <= self.max_tokens:
+                        shapes.append((b, t, True))
+            for num_seqs, num_tokens, tree in shapes:
+                for mode in modes:
+                    if (num_seqs, num_tokens, tree, mode) not in self._graphs:
+                        self._capture(num_seqs, num_tokens, tree, mode)
+        return len(self._graphs)
 
     def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str]) -> torch.Tensor:
         """Replay the graph for this layout; returns its [2, n] (tokens, logprobs) output on the device."""

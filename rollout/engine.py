@@ -98,6 +98,10 @@ class Engine:
             max_tree_tokens=cfg.spec.max_draft_tokens + 1,
         )
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens)
+        if self.runner.graphs is not None:
+            t0 = time.perf_counter()
+            count = self.runner.graphs.capture_all(speculation=cfg.spec.enabled)
+            log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
 
         spec_cfg = cfg.spec
         self.drafter = None
