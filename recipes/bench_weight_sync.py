@@ -4,10 +4,10 @@
     python recipes/bench_weight_sync.py --models default,8b      # GPU: adds a Llama-3.1-8B-shaped random model
     python recipes/bench_weight_sync.py --methods ipc --models 8b --bucket-mb 0,128
 
-The engine runs in this process behind `weight_sync.dev_server` (the weight routes of
-`rollout serve`); a trainer subprocess holds the weights (the default model's checkpoint,
-or random weights of the 8B shape) and pushes them with `WeightPusher`, as a training
-loop would. Reported per row: the trainer's wall time for `push()` (median of the
+The engine is a real `rollout serve` (started here, one per model, random weights for the
+8B shape); a trainer subprocess holds the weights (the default model's checkpoint, or
+random weights of the 8B shape) and pushes them with `WeightPusher` over HTTP, as a
+training loop would. Reported per row: the trainer's wall time for `push()` (median of the
 repeats after a warm-up push that also builds the group), the engine's receive and swap
 times, and the effective bandwidth (bytes sent / push time).
 
@@ -21,9 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -63,16 +70,51 @@ def run_trainer(args: argparse.Namespace) -> None:
         r = pusher.push(named)
         rx = r["responses"][0]
         print(json.dumps({"warmup": i == 0, "push_s": r["seconds"], "bytes": r["bytes"], "bucket_bytes": r["bucket_bytes"], "receive_s": rx["receive_s"],
-                          "apply_s": rx["apply_s"], "engine_total_s": rx["total_s"]}), flush=True)
+                          "apply_s": rx["apply_s"], "engine_total_s": rx["total_s"], "numel": sum(t.numel() for _, t in named)}), flush=True)
     pusher.close()
 
 
 # ---------------- engine side ----------------
+@contextmanager
+def serve(model_dir: str, device: str, dtype: str, random_weights: bool) -> Iterator[str]:
+    """`rollout serve` for one model on a free port; yields its URL, stops it (SIGTERM) at the end."""
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "rollout", "serve", "--model", model_dir, "--port", str(port), "--device", device,
+           "--dtype", dtype, "--spec", "off", "--kv-cache-tokens", "4096", "--log-level", "warning"]
+    if random_weights:
+        cmd += ["--load-format", "dummy"]
+    log = tempfile.NamedTemporaryFile(prefix="bench-weight-sync-serve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"rollout serve exited with {proc.returncode}; see {log.name}")
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        os.unlink(log.name)
+
+
 def bench(args: argparse.Namespace) -> None:
-    from rollout import Engine
     from rollout.bench import speed_model_dir
     from rollout.default_model import ensure_default_model
-    from weight_sync.dev_server import DevServer, EngineLoop
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     engine_device = "cuda:0" if cuda else "cpu"
@@ -86,12 +128,7 @@ def bench(args: argparse.Namespace) -> None:
         else:
             raise SystemExit(f"--models: default or 8b, not {model!r}")
         dtype = "bfloat16" if cuda else "float32"
-        engine = Engine(model=model_dir, spec="off", device=engine_device, dtype=dtype, kv_cache_tokens=4096,
-                        load_format="dummy" if random_weights else "auto")
-        loop = EngineLoop(engine, timeout_s=600)
-        server = DevServer(loop)
-        nparams = sum(p.numel() for p in engine.model.parameters())
-        try:
+        with serve(model_dir, "cuda" if cuda else "cpu", dtype, random_weights) as url:
             for method in args.methods.split(","):
                 if method == "ipc" and not cuda:
                     print(f"skip ipc for {model}: needs a GPU", file=sys.stderr)
@@ -102,7 +139,7 @@ def bench(args: argparse.Namespace) -> None:
                 sizes = args.bucket_mb.split(",") if method != "disk" else ["auto"]  # buckets mean nothing on disk
                 for bucket_mb in sizes:
                     bucket_bytes = "auto" if bucket_mb == "auto" else str(int(float(bucket_mb) * (1 << 20)))
-                    cmd = [sys.executable, __file__, "--role", "trainer", "--url", server.url, "--model-dir", model_dir,
+                    cmd = [sys.executable, __file__, "--role", "trainer", "--url", url, "--model-dir", model_dir,
                            "--method", method, "--bucket-bytes", bucket_bytes, "--backend", backend,
                            "--trainer-device", trainer_device, "--dtype", dtype, "--repeats", str(args.repeats)]
                     if random_weights:
@@ -115,19 +152,13 @@ def bench(args: argparse.Namespace) -> None:
                     timed = [r for r in runs if not r["warmup"]] or runs
                     med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
                     rows.append({
-                        "model": model, "params_m": nparams / 1e6, "mb": timed[0]["bytes"] / 1e6, "dtype": dtype,
+                        "model": model, "params_m": timed[0]["numel"] / 1e6, "mb": timed[0]["bytes"] / 1e6, "dtype": dtype,
                         "method": method, "backend": backend if method == "distributed" else "-",
                         "bucket_mb": f"{timed[0]['bucket_bytes'] / (1 << 20):g}" if method != "disk" else "-", "push_s": med("push_s"),
                         "receive_s": med("receive_s"), "apply_s": med("apply_s"),
                         "gb_per_s": timed[0]["bytes"] / med("push_s") / 1e9, "repeats": len(timed),
                     })
                     print(json.dumps(rows[-1]), flush=True)
-        finally:
-            server.close()
-            loop.close()
-            del engine, loop
-            if cuda:
-                torch.cuda.empty_cache()
     device_name = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"\nweight push on {device_name} ({torch.get_num_threads()} CPU threads)\n")
     print("| model | params (M) | MB sent | method | backend | bucket MB | push s | receive s | swap s | GB/s |")

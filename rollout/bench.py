@@ -2,7 +2,7 @@
 
 Workloads (all requests submitted at once, timed from submission to the last token):
   decode    B sequences of random prompt tokens, fixed output length (EOS ignored)
-  grpo      B sequences = B/n prompts x n samples; arithmetic and HumanEval chat prompts
+  grpo      B sequences = B/n prompts x n samples; arithmetic and/or HumanEval chat prompts
   sharegpt  B first-turn ShareGPT prompts
 Each row is one (spec mode, batch size); `--baseline-hf` adds HF transformers `generate`
 on the same prompts in the same run. Results: JSON, a Markdown table and a PNG plot.
@@ -82,9 +82,9 @@ def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]],
     if args.workload == "grpo":
         n = min(args.n, batch_size)
         num_prompts = max(1, batch_size // n)
-        half = (num_prompts + 1) // 2
-        texts = [t.question for t in arithmetic_tasks(half, seed=args.seed)]
-        texts += humaneval_prompts(num_prompts - half) if num_prompts > 1 else []
+        arithmetic = {"arithmetic": num_prompts, "humaneval": 0}.get(args.prompt_set, (num_prompts + 1) // 2)
+        texts = [t.question for t in arithmetic_tasks(arithmetic, seed=args.seed)]
+        texts += humaneval_prompts(num_prompts - arithmetic) if num_prompts > arithmetic else []
         return [chat_prompt_ids(tokenizer, t) for t in texts], n
     texts = sharegpt_prompts(batch_size, seed=args.seed, path=args.sharegpt_file)
     return [chat_prompt_ids(tokenizer, t)[-args.max_prompt_len :] for t in texts], 1
@@ -249,6 +249,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--spec-modes", default="off,ngram", help="comma-separated spec modes to compare")
     b.add_argument("--batch-sizes", default="1,8", help="comma-separated numbers of concurrent sequences")
     b.add_argument("--n", type=int, default=8, help="grpo: samples per prompt")
+    b.add_argument("--prompt-set", choices=["mixed", "arithmetic", "humaneval"], default="mixed",
+                   help="grpo: arithmetic and HumanEval prompts half and half, or one of them")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")

@@ -35,7 +35,7 @@ class Sample:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None  # of each token in token_ids (None unless return_logprob)
-    weight_versions: list[int]  # the weight version that produced each token
+    weight_versions: list[str]  # the weight version that produced each token (the trainer's label, as weight_version)
     finish_reason: str  # stop | length | abort
     matched_stop: int | str | None  # the stop token id or string that ended it
     prompt_tokens: int

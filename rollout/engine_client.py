@@ -48,7 +48,7 @@ class ControlError(RuntimeError):
 class SampleState:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
-    versions: list[int] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # per token, as reported (weight_version labels)
     finish: dict | None = None  # {"type": stop|length|abort, "matched": ...} once finished
     spec: dict = field(default_factory=dict)
     weight_version: str = "0"  # the engine's version (as reported) at this sample's latest update

@@ -16,7 +16,8 @@ status, anything else 500. A handler that finishes later returns a
 
 Seams for weight updates: `handlers` (ops), `before_step()` (runs between steps, e.g. to
 swap in received weights), `may_step()` (a pause gate), `admit()` (hold new requests
-while paused), `version_label` (the string a weight version is reported as).
+while paused), `abort()` (reach requests held there), `version_label` (the string a weight
+version is reported as, in every output and per token). weight_sync.install fills them in.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rollout import protocol
 from rollout.config import EngineConfig, SamplingParams, SpecConfig
 from rollout.engine import Engine
 from rollout.sequence import Request, Sequence
+from weight_sync.install import install as install_weight_sync
 
 log = logging.getLogger("rollout.engine_loop")
 
@@ -94,6 +96,18 @@ class EngineLoop:
             self.streams[rid] = [0] * len(req.sequences)
         return None
 
+    def abort(self, rid: str) -> bool:
+        """Stop one request; it reports on the next step, finished by abort. False if it is unknown."""
+        return self.engine.abort(rid)
+
+    def take_batch(self, adds: list[dict], aborts: list[str]) -> None:
+        """Admit new requests (answering refusals at once), then abort others: one batch message."""
+        refused = [r for r in map(self.admit, adds) if r is not None]
+        for rid in aborts:
+            self.abort(rid)
+        if refused:
+            self._emit(protocol.output(self.version_label(self.engine.weight_version), refused))
+
     def _should_step(self) -> bool:
         return self.engine.has_work and self.may_step()
 
@@ -110,11 +124,7 @@ class EngineLoop:
     def _handle(self, msg: dict) -> None:
         kind = msg.get("type")
         if kind == protocol.BATCH:
-            refused = [r for r in map(self.admit, msg["add"]) if r is not None]
-            for rid in msg["abort"]:
-                self.engine.abort(rid)
-            if refused:
-                self._emit(protocol.output(self.version_label(self.engine.weight_version), refused))
+            self.take_batch(msg["add"], msg["abort"])
         elif kind == protocol.CTL:
             self._control(msg)
         elif kind == protocol.SHUTDOWN:
@@ -128,13 +138,13 @@ class EngineLoop:
             sent = self.streams.get(req.rid)
             if sent is None:  # not streaming: everything at once, when the whole request is done
                 if req.finished:
-                    reqs.append({"rid": req.rid, "seqs": [_seq_out(seq, 0) for seq in req.sequences]})
+                    reqs.append({"rid": req.rid, "seqs": [_seq_out(seq, 0, self.version_label) for seq in req.sequences]})
                 continue
             seqs = []
             for seq in req.sequences:
                 start = sent[seq.sample_index]
                 if start >= 0 and (seq.finished or seq.num_output > start):
-                    seqs.append(_seq_out(seq, start))
+                    seqs.append(_seq_out(seq, start, self.version_label))
                     sent[seq.sample_index] = -1 if seq.finished else seq.num_output  # -1: finish sent
             if req.finished:
                 del self.streams[req.rid]
@@ -195,7 +205,7 @@ class EngineLoop:
             if not isinstance(rid, str):
                 raise ValueError("rid must be a string (or pass abort_all: true)")
             rids = [rid]
-        return {"aborted": [rid for rid in rids if self.engine.abort(rid)]}
+        return {"aborted": [rid for rid in rids if self.abort(rid)]}
 
     def op_stats(self, args: dict) -> dict:
         stats = self.engine.stats()
@@ -208,14 +218,14 @@ class EngineLoop:
         return {**info, "stats": self.op_stats(args)}
 
 
-def _seq_out(seq: Sequence, start: int) -> dict:
-    """A SeqOut (rollout.protocol) with the sample's tokens from `start` on."""
+def _seq_out(seq: Sequence, start: int, label: Callable[[int], str]) -> dict:
+    """A SeqOut (rollout.protocol) with the sample's tokens from `start` on; versions as `label` reports them."""
     finish = {"type": seq.finish_reason or "abort", "matched": seq.matched_stop} if seq.finished else None
     return {
         "i": seq.sample_index,
         "ids": seq.output_ids[start:],
         "lp": seq.logprobs[start:] if seq.request.return_logprob else None,
-        "wv": seq.weight_versions[start:],
+        "wv": [label(v) for v in seq.weight_versions[start:]],
         "finish": finish,
         "spec": seq.spec.as_dict(),
     }
@@ -265,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         send.send(protocol.pack(protocol.ready(engine_info(engine))))
         log.info("engine ready: %s on %s", engine.model_path, engine.device)
         loop = EngineLoop(engine, recv, send, args.parent_pid)
-        # Weight updates (issue 7) install themselves on `loop` here: handlers, before_step, may_step, admit, version_label.
-        loop.run()
+        with install_weight_sync(loop):  # weight-update ops, pause gate, version labels; closed at shutdown
+            loop.run()
         if loop.orphaned and args.recv.startswith("ipc://"):  # nobody else will remove the socket directory
             shutil.rmtree(os.path.dirname(args.recv.removeprefix("ipc://")), ignore_errors=True)
     except (KeyboardInterrupt, SystemExit):

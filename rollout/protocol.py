@@ -25,7 +25,8 @@ engine -> front end
     ReqOut  = {"rid": str, "error": str}                 the engine refused the request
             | {"rid": str, "seqs": [SeqOut, ...]}
     SeqOut  = {"i": sample index,
-               "ids": [int], "lp": [float] | None, "wv": [int],   new since the last SeqOut
+               "ids": [int], "lp": [float] | None, "wv": [str],   new since the last SeqOut
+                                                 (wv: each token's weight version, as reported)
                "finish": None | {"type": "stop" | "length" | "abort", "matched": int | str | None},
                "spec": {SpecCounters.as_dict()}}        totals so far
 

@@ -7,9 +7,9 @@ detokenizes and answers in SGLang's native shape (here) or OpenAI's (rollout.ope
 
 Routes here: /generate, /abort_request, /health, /get_model_info, /get_server_info, /metrics;
 the shared core (Frontend) is rollout.frontend.
-Weight and pause routes (issue 7) are an APIRouter of their own, included in `create_app`
-with `dependencies=[Depends(require_admin)]`, talking to the engine through
-`Frontend.engine.control(op, args)`.
+Weight and pause routes are an APIRouter of their own (weight_sync.routes), included in
+`create_app` behind `require_admin`, talking to the engine through
+`Frontend.engine.control(op, args)`; the engine side is weight_sync.install.
 """
 
 from __future__ import annotations
@@ -275,10 +275,11 @@ def create_app(engine: EngineClient, settings: ServerSettings, tokenizer) -> Fas
     _add_error_handlers(app)
 
     from rollout.openai_api import openai_router
+    from weight_sync.routes import router as weight_router
 
     app.include_router(native)
     app.include_router(openai_router)
-    # Weight-update and pause routes (issue 7): app.include_router(<router>, dependencies=[Depends(require_admin)])
+    app.include_router(weight_router, dependencies=[Depends(require_admin)])  # weight updates and pauses
     return app
 
 

@@ -42,7 +42,7 @@ def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(de
         prompt = "What is 12 + 30?"
         out = requests.post(server.url + "/generate", json={
             "text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 16}}).json()
-        assert out["meta_info"]["output_token_weight_versions"] == [2] * len(out["output_ids"])
+        assert out["meta_info"]["output_token_weight_versions"] == ["2"] * len(out["output_ids"])
         ids = torch.tensor([AutoTokenizer.from_pretrained(default_model_dir).encode(prompt)])
         expected = result.policy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
         assert out["output_ids"] == expected[0, ids.shape[1]:].tolist()

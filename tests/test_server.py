@@ -73,7 +73,7 @@ def test_generate_with_n4_and_logprobs_has_the_design_fields_and_equals_engine_g
         assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(exp.logprobs, abs=1e-5)
         assert meta["finish_reason"] == {"type": "length", "length": 12}
         assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 12
-        assert meta["weight_version"] == "0" and meta["output_token_weight_versions"] == [0] * 12
+        assert meta["weight_version"] == "0" and meta["output_token_weight_versions"] == ["0"] * 12
         assert meta["spec_verify_ct"] == exp.spec["verify_steps"] and meta["spec_draft_tokens"] == exp.spec["draft_tokens"]
     assert len({r["meta_info"]["id"] for r in results}) == 1  # one request, four samples
     assert len({tuple(r["output_ids"]) for r in results}) == 4

@@ -1,6 +1,6 @@
 """A trainer process for the weight-sync tests: changes weights, pushes them, says what HF makes of them.
 
-Run as `python weight_sync_trainer.py --url URL --model DIR [--hf]`; reads one JSON command
+Run as `python weight_sync_trainer.py --url URL --model DIR [--hf] [--admin-key KEY] [--timeout S]`; reads one JSON command
 per line on stdin and answers one JSON line on stdout:
   {"cmd": "push", "method": "distributed"|"disk"|"ipc", "perturb": "mlp"|"attn"|null, "version": "1",
    "bucket_bytes": N, "backend": "auto"|"gloo"|"nccl", "prompts": [[ids]], "max_new_tokens": N}
@@ -23,15 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 
 class TrainerProcess:
-    """The test's handle on a trainer subprocess running this file."""
+    """The test's handle on a trainer subprocess running this file (it loads while the test goes on)."""
 
-    def __init__(self, url: str, model: Path, hf: bool, device: str = "cpu"):
-        cmd = [sys.executable, __file__, "--url", url, "--model", str(model), "--device", device] + (["--hf"] if hf else [])
+    def __init__(self, url: str, model: Path, hf: bool, device: str = "cpu", admin_key: str | None = None, timeout_s: float = 60):
+        cmd = [sys.executable, __file__, "--url", url, "--model", str(model), "--device", device, "--timeout", str(timeout_s)]
+        cmd += (["--hf"] if hf else []) + (["--admin-key", admin_key] if admin_key else [])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        assert line and json.loads(line) == {"ready": True}, f"trainer did not start (exit code {self.proc.poll()})"
+        self.ready = False
 
     def send(self, **cmd) -> None:
+        if not self.ready:
+            line = self.proc.stdout.readline()
+            assert line and json.loads(line) == {"ready": True}, f"trainer did not start (exit code {self.proc.poll()})"
+            self.ready = True
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
@@ -67,6 +71,8 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--hf", action="store_true", help="hold an HF model (for reference generations)")
     ap.add_argument("--device", default="cpu", help="where the trainer's weights live (cuda:N for IPC / NCCL)")
+    ap.add_argument("--admin-key", default=None, help="the server's --admin-key")
+    ap.add_argument("--timeout", type=float, default=60, help="seconds a push may take (the server gives up after it too)")
     args = ap.parse_args()
     from weight_sync import WeightPusher, WeightSyncError
 
@@ -96,7 +102,8 @@ def main() -> None:
             perturb(named, cmd["perturb"])
         key = (cmd["method"], cmd.get("bucket_bytes", 1 << 20), cmd.get("backend", "auto"))
         if key not in pushers:
-            pushers[key] = WeightPusher(args.url, method=key[0], bucket_bytes=key[1], backend=key[2], timeout_s=60)
+            pushers[key] = WeightPusher(args.url, method=key[0], bucket_bytes=key[1], backend=key[2],
+                                        admin_key=args.admin_key, timeout_s=args.timeout)
         reply: dict = {"ok": True}
         try:
             reply["result"] = pushers[key].push(named.items(), version=cmd.get("version"))

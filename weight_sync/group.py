@@ -145,7 +145,8 @@ class WeightGroup:
                 raise WeightSyncError(f"timed out waiting for the trainer on group {self.name!r}", status=504)
             try:
                 if self.backend == "gloo":
-                    work.wait(timedelta(seconds=min(remaining, 0.1)))
+                    # At least 1 ms: gloo reads a shorter wait as 0, "no timeout given", and blocks for the op timeout.
+                    work.wait(timedelta(seconds=min(max(remaining, 0.001), 0.1)))
                     return
                 if work.is_completed():
                     work.wait()  # raises if the collective failed; orders the current stream after it

@@ -85,6 +85,8 @@ class HttpTransport:
             body = {"error": r.text[:500]}
         if r.status_code >= 400 or (isinstance(body, dict) and body.get("success") is False):
             message = body.get("error") or body.get("message") if isinstance(body, dict) else None
+            if isinstance(message, dict):  # rollout's (and OpenAI's) {"error": {"message": ...}}
+                message = message.get("message")
             raise WeightSyncError(f"{route} on {self.url}: {message or r.reason} (HTTP {r.status_code})", status=r.status_code)
         return body
 
@@ -118,6 +120,7 @@ class WeightPusher:
         Default: 128 MiB for NCCL (few large collectives), 0 for gloo (packing would be one more
         copy of the model on the host) and IPC (each tensor shared in place, no extra GPU memory).
         `master_address`: this machine's address as the engines can reach it (distributed).
+        `timeout_s`: how long one push may take; engines abandon a distributed update after it too.
         `transports`: objects with `post(route, payload, timeout) -> dict`, replacing HTTP (tests)."""
         if method not in METHODS:
             raise ValueError(f"method {method!r}: choose {', '.join(METHODS)}")
@@ -216,7 +219,7 @@ class WeightPusher:
         bucket_bytes = self.bucket_bytes if self.bucket_bytes is not None else (DEFAULT_BUCKET_BYTES if group.backend == "nccl" else 0)
         self._last_bucket_bytes = bucket_bytes
         layout = plan_buckets(specs, bucket_bytes)
-        payload = {**common, "group_name": self.group_name, "bucket_bytes": bucket_bytes}
+        payload = {**common, "group_name": self.group_name, "bucket_bytes": bucket_bytes, "timeout_s": self.timeout_s}
         futs = [self._pool.submit(tr.post, "/update_weights_from_distributed", payload, self.timeout_s + 60) for tr in self.transports]
         sent_error = None
         try:
