@@ -6,15 +6,16 @@
 #
 #   call 1: carry .devcache/smol.part.aa .devcache/sharegpt.jsonl .whl
 #           mkdir -p /root/mcache && cp .devcache/smol.part.aa .devcache/sharegpt.jsonl /root/mcache/ && bash bench/gpu_session.sh kernels
-#   call 2: carry .devcache/smol.part.ab .whl
+#   call 2: carry .devcache/smol.part.ab .whl .whl_server (fastapi, uvicorn, pyzmq, wandb and their needs)
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | speed | spec | big}
+stage=${1:?stage: kernels | engine | profile | speed | spec | big | sync}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+wheels=$(ls .whl/*.whl .whl_server/*.whl 2>/dev/null)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
 bench() { python3 -m rollout.cli bench --out "$OUT" "$@" 2>&1 | grep -v -e Warning -e warn; }
@@ -47,14 +48,26 @@ speed)
   bench --workload grpo --spec-modes ngram --keep-history --batch-sizes 1,512 --n 8 --temperature 1.0 --output-len 256
   ;;
 spec)
-  for t in 0 0.6 1.0; do bench --workload grpo --spec-modes off,ngram --batch-sizes 64 --n 8 --temperature $t --output-len 256; done
+  for t in 0 0.6 1.0; do
+    bench --workload grpo --prompt-set arithmetic --spec-modes off,ngram --batch-sizes 8,64 --temperature $t --output-len 256
+  done
+  bench --workload grpo --prompt-set humaneval --spec-modes off,ngram --batch-sizes 8,64 --temperature 0 --output-len 256
   bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1,64 --output-len 256
+  rm -f "$OUT"/*.json  # the tables are enough here, and at most 8 files come back
   ;;
 big)
   bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128
   bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 64
+  bench --workload grpo --random-model llama3-8b --spec-modes off,ngram --batch-sizes 64 --temperature 1.0 --output-len 128
   bench --workload decode --random-model qwen3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 64
   ;;
+sync)
+  timeout 300 python3 -m pytest -q -m gpu tests/test_weight_sync_gpu.py 2>&1 | tee "$OUT/sync_tests.log" | tail -4
+  timeout 240 python3 recipes/bench_weight_sync.py --models default,8b --methods distributed,ipc,disk 2>&1 | tee "$OUT/sync_bench.log" | tail -12
+  WANDB_MODE=offline timeout 420 python3 recipes/grpo.py --steps 20 --prompts 32 --n 8 --max-new-tokens 128 --lr 2e-6 \
+    --out "$OUT/grpo" 2>&1 | grep -v -e Warning -e warn | tee "$OUT/grpo.log" | tail -25
+  cp "$OUT"/grpo/wandb/*/grpo.png "$OUT/grpo.png" 2>/dev/null; rm -rf "$OUT/grpo"
+  ;;
 esac
-rm -f "$OUT"/*.png  # at most 8 files come back from a call; the tables and JSON matter
+find "$OUT" -maxdepth 1 -name "*.png" ! -name grpo.png -delete  # at most 8 files come back from a call
 ls "$OUT"
