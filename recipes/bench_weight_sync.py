@@ -88,7 +88,7 @@ def serve(model_dir: str, device: str, dtype: str, random_weights: bool) -> Iter
     if random_weights:
         cmd += ["--load-format", "dummy"]
     log = tempfile.NamedTemporaryFile(prefix="bench-weight-sync-serve-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     url = f"http://127.0.0.1:{port}"
     try:
         while True:

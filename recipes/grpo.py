@@ -36,6 +36,9 @@ from rollout.wandb_log import WandbLogger  # noqa: E402
 from weight_sync import WeightPusher  # noqa: E402
 
 
+MICRO_BATCH = 16  # sequences per trainer forward/backward
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -177,23 +180,29 @@ def run(args: argparse.Namespace) -> GrpoRun:
             rewards = [task.reward(s.text) for task, g in zip(tasks, groups) for s in g]
             tokens = sum(len(s.token_ids) for s in samples)
 
-            # the trainer's view of the same tokens
+            # the trainer's view of the same tokens, and one policy-gradient step on them
             sample_prompts = [p for p, g in zip(prompts, groups) for _ in g]
             completions = [s.token_ids for s in samples]
-            policy.train()
-            new_lp = completion_logprobs(policy, sample_prompts, completions, args.temperature)
-            diffs = torch.cat([lp.detach().cpu() - torch.tensor(s.logprobs) for lp, s in zip(new_lp, samples)])
+            advantages = group_advantages(rewards, args.n)
+            num_tokens = max(1, sum(len(c) for c in completions))
+            train = step <= args.steps
+            policy.train(train)
+            diffs = []
+            for i in range(0, len(samples), MICRO_BATCH):  # micro-batches keep the logits in memory
+                chunk = slice(i, i + MICRO_BATCH)
+                with torch.set_grad_enabled(train):
+                    new_lp = completion_logprobs(policy, sample_prompts[chunk], completions[chunk], args.temperature)
+                diffs += [lp.detach().cpu() - torch.tensor(s.logprobs) for lp, s in zip(new_lp, samples[chunk])]
+                if train:
+                    # on-policy, so the PPO ratio exp(lp - lp_old) is 1; its gradient is grad lp
+                    loss = -sum(a * (lp - lp.detach()).exp().sum() for a, lp in zip(advantages[chunk], new_lp))
+                    (loss / num_tokens).backward()
+            diffs = torch.cat(diffs) if diffs else torch.zeros(0)
             mismatch_mean = diffs.abs().mean().item() if len(diffs) else 0.0
             mismatch_max = diffs.abs().max().item() if len(diffs) else 0.0
 
             sync_s, version = 0.0, step - 1
-            if step <= args.steps:  # one policy-gradient step (on-policy, so the PPO ratio is 1), then push
-                advantages = group_advantages(rewards, args.n)
-                num_tokens = max(1, sum(len(c) for c in completions))
-                # token-level policy gradient: the ratio exp(lp - lp_old) is 1 here, its gradient is grad lp
-                ratios = [(lp - lp.detach()).exp() for lp in new_lp]
-                loss = -sum(a * r.sum() for a, r in zip(advantages, ratios)) / num_tokens
-                loss.backward()
+            if train:
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

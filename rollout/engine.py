@@ -436,10 +436,13 @@ class Engine:
 
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("device cuda was asked for but no CUDA GPU is available; use device='cpu' or 'auto'")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # always an explicit GPU, for set_device and friends
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
