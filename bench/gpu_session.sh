@@ -10,7 +10,7 @@
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | speed | spec | big | sync}
+stage=${1:?stage: kernels | engine | profile | speed | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -45,7 +45,8 @@ profile)
 speed)
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256
   bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256
-  bench --workload grpo --spec-modes ngram --keep-history --batch-sizes 1,512 --n 8 --temperature 1.0 --output-len 256
+  bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,8,512 --n 8 --temperature 0 --output-len 256
+  bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,512 --n 8 --temperature 1.0 --output-len 256
   ;;
 spec)
   for t in 0 0.6 1.0; do
@@ -64,10 +65,15 @@ big)
 sync)
   timeout 300 python3 -m pytest -q -m gpu tests/test_weight_sync_gpu.py 2>&1 | tee "$OUT/sync_tests.log" | tail -4
   timeout 240 python3 recipes/bench_weight_sync.py --models default,8b --methods distributed,ipc,disk 2>&1 | tee "$OUT/sync_bench.log" | tail -12
-  WANDB_MODE=offline timeout 420 python3 recipes/grpo.py --steps 20 --prompts 32 --n 8 --max-new-tokens 128 --lr 2e-6 \
-    --out "$OUT/grpo" 2>&1 | grep -v -e Warning -e warn | tee "$OUT/grpo.log" | tail -25
-  cp "$OUT"/grpo/wandb/*/grpo.png "$OUT/grpo.png" 2>/dev/null; rm -rf "$OUT/grpo"
+  ;;
+grpo)  # the same GRPO run with speculation on, then off (rollout time per step side by side)
+  for spec in ngram off; do
+    WANDB_MODE=offline timeout 280 python3 recipes/grpo.py --steps 20 --prompts 32 --n 8 --max-new-tokens 128 \
+      --dataset-size 64 --lr 1e-5 --spec $spec --out "$OUT/grpo-$spec" 2>&1 | grep -v -e Warning -e warn > "$OUT/grpo-$spec.log"
+    tail -24 "$OUT/grpo-$spec.log"
+    cp "$OUT"/grpo-$spec/wandb/*/grpo.png "$OUT/grpo-$spec.png" 2>/dev/null; rm -rf "$OUT/grpo-$spec"
+  done
   ;;
 esac
-find "$OUT" -maxdepth 1 -name "*.png" ! -name grpo.png -delete  # at most 8 files come back from a call
+find "$OUT" -maxdepth 1 -name "*.png" ! -name "grpo-*.png" -delete  # at most 8 files come back from a call
 ls "$OUT"

@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server", default=None, help="URL of a running rollout server (default: start one)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--dataset-size", type=int, default=0,
+                    help="draw each step's prompts in turn from this many fixed tasks, so later epochs re-sample "
+                         "earlier prompts (0: fresh tasks every step)")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (the GRPO group)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -140,6 +143,14 @@ def spec_delta(before: dict, after: dict) -> dict:
     return out
 
 
+def step_tasks(args: argparse.Namespace, step: int) -> list:
+    if not args.dataset_size:
+        return arithmetic_tasks(args.prompts, seed=args.seed * 1000 + step)
+    pool = arithmetic_tasks(args.dataset_size, seed=args.seed)
+    start = (step - 1) * args.prompts
+    return [pool[i % len(pool)] for i in range(start, start + args.prompts)]
+
+
 @dataclass
 class GrpoRun:
     records: list[StepRecord]
@@ -163,7 +174,7 @@ def run(args: argparse.Namespace) -> GrpoRun:
         pusher = WeightPusher(url, method=push, dtype=torch.bfloat16 if device == "cuda" else None)
         rollouts = args.steps + (1 if args.final_rollout else 0)
         for step in range(1, rollouts + 1):
-            tasks = arithmetic_tasks(args.prompts, seed=args.seed * 1000 + step)
+            tasks = step_tasks(args, step)
             prompts = [chat_prompt_ids(tokenizer, t.question) for t in tasks]
             before = client.server_info()["stats"]
             t0 = time.perf_counter()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from functools import partial
 import random
 import time
+from collections import deque
 from collections.abc import Iterable
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,11 @@ log = logging.getLogger("rollout")
 
 DEFAULT_CPU_KV_TOKENS = 16384
 DEFAULT_MAX_MODEL_LEN = 8192
+# Drafter updates pending beyond one per running sequence mean the trie fell behind the
+# device's shadow; a step then does not draft (catching up would stall the device) and the
+# shadow of later steps drains the backlog. See Engine.step.
+DRAFTER_BACKLOG_SLACK = 16
+SHADOW_POLL_EVERY = 8  # drafter updates between polls of the device's progress
 
 
 @dataclass
@@ -122,7 +128,7 @@ class Engine:
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
-        self._drafter_ops: list = []  # drafter updates queued until the next device wait (see step)
+        self._drafter_ops: deque = deque()  # drafter updates not yet applied (see step)
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._rids = itertools.count()
@@ -199,11 +205,19 @@ class Engine:
 
     # ---------------- the loop ----------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that progressed (check `.finished`)."""
+        """Run one batch; returns the requests that progressed (check `.finished`).
+
+        The drafter's trie upkeep (tokens emitted, samples started and finished) is queued
+        and applied in the device's shadow: after the step is launched and only while the
+        device is still busy, so it never delays a step that does not draft. A step that
+        drafts first applies what its proposals need (the last step's tokens), and that
+        cost is charged to drafting when the budget weighs it against not drafting.
+        """
         updated = {id(r): r for r in self._aborted}
         self._aborted = []
         batch = self.scheduler.schedule()
         if batch is None:
+            self._apply_drafter_ops()  # idle: catch up
             return self._collect(updated)
         t0 = time.perf_counter()
         trees = {}
@@ -211,7 +225,12 @@ class Engine:
             trees = self._draft([item.seq for item in batch.items])
             self._draft_s += time.perf_counter() - t0
         in_flight = self.runner.launch(batch, trees)
-        self._flush_drafter()  # trie upkeep overlaps with the device's work on this step
+        if in_flight.result.overlaps_host:
+            t1 = time.perf_counter()
+            self._apply_drafter_ops(until=in_flight.result.done)
+            self._shadow_s += time.perf_counter() - t1
+        else:
+            self._apply_drafter_ops()
         emitted = self.runner.collect(in_flight)
         for item in batch.items:
             if item.samples and item.seq.status is Status.WAITING:
@@ -233,24 +252,31 @@ class Engine:
                 del self.requests[req.rid]
                 if self.drafter is not None:
                     self._drafter_ops.append(partial(self.drafter.remove_group, req.rid))
+        if not self.has_work:
+            self._apply_drafter_ops()  # going idle: catch the trie up
         return list(updated.values())
 
-    def _flush_drafter(self) -> None:
-        """Apply queued drafter updates (new groups, emitted tokens, finished sequences), in order."""
-        ops, self._drafter_ops = self._drafter_ops, []
-        for op in ops:
-            op()
+    def _apply_drafter_ops(self, until=None) -> None:
+        """Apply queued drafter updates in order: all of them, or until `until()` says stop."""
+        ops = self._drafter_ops
+        while ops:
+            for _ in range(min(SHADOW_POLL_EVERY, len(ops))):
+                ops.popleft()()
+            if until is not None and until():
+                return
 
     def clear_speculation_history(self) -> None:
         """Forget earlier requests' outputs (benchmarks: no drafting from a previous run)."""
         if self.drafter is not None:
-            self._flush_drafter()
+            self._apply_drafter_ops()
             self.drafter.clear_history()
 
     def _draft(self, seqs: list[Sequence]) -> dict:
+        if len(self._drafter_ops) > len(seqs) + DRAFTER_BACKLOG_SLACK:
+            return {}  # the trie is behind; this step's shadow catches it up
         wanted = self.budget.for_batch(seqs)
         if wanted:
-            self._flush_drafter()  # proposals match against every token emitted so far
+            self._apply_drafter_ops()  # proposals match against every token emitted so far
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
         trees = {}
         for seq in seqs:
@@ -393,6 +419,7 @@ class Engine:
         self._output_tokens = 0
         self._busy_s = 0.0
         self._draft_s = 0.0
+        self._shadow_s = 0.0
         self.step_times_ms: list[float] = []
 
     def stats(self) -> dict:
@@ -408,6 +435,7 @@ class Engine:
             "rollout/output_tokens": self._output_tokens,
             "rollout/steps": len(self.step_times_ms),
             "rollout/draft_s": self._draft_s,
+            "rollout/drafter_shadow_s": self._shadow_s,
             "rollout/weight_version": self.weight_version,
             "rollout/weight_sync_s": self._weight_sync_s,
             "rollout/num_running": len(self.scheduler.running),

@@ -131,6 +131,14 @@ class HostCopy:
         else:
             self.host = out
 
+    @property
+    def overlaps_host(self) -> bool:
+        """Whether the device works while the host goes on (CUDA); on CPU the step is done at launch."""
+        return self.event is not None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
     def wait(self) -> tuple[np.ndarray, np.ndarray]:
         if self.event is not None:
             self.event.synchronize()  # the step's one intended host sync

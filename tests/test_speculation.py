@@ -160,3 +160,39 @@ def test_acceptance_statistics_reach_stats_and_wandb(spec_engine, prompts, tmp_p
                 "rollout/spec_accept_rate/ngram", "rollout/spec_draft_tokens/ngram", "rollout/tokens_per_s",
                 "rollout/weight_version", "rollout/weight_sync_s"]:
         assert row[key] == pytest.approx(stats[key])
+
+
+class _BusyDevice:
+    """Wraps a CPU step's result as if the device were still working: the shadow lasts `polls` polls."""
+
+    def __init__(self, result, polls: int):
+        self._result, self._polls = result, polls
+        self.overlaps_host = True
+
+    def done(self) -> bool:
+        self._polls -= 1
+        return self._polls < 0
+
+    def wait(self):
+        return self._result.wait()
+
+
+def test_trie_upkeep_stays_in_the_device_shadow_and_changes_no_output(default_engine, default_model_dir, prompts):
+    """A shadow too short for the upkeep leaves a backlog: steps then skip drafting instead of
+    stalling, the tokens are those of spec off, and an idle engine catches the trie up."""
+    engine = Engine(model=str(default_model_dir), spec=SpecConfig(method="ngram", adaptive=False), device="cpu")
+    launch, backlog = engine.runner.launch, []
+
+    def short_shadow_launch(batch, trees):
+        step = launch(batch, trees)
+        backlog.append(len(engine._drafter_ops))
+        step.result = _BusyDevice(step.result, polls=0)  # one poll: at most SHADOW_POLL_EVERY updates per step
+        return step
+
+    engine.runner.launch = short_shadow_launch
+    params = SamplingParams(temperature=0, max_new_tokens=24, n=4)
+    on, off = run(engine, prompts[:2], params), run(default_engine, prompts[:2], params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert max(backlog) > len(on)  # the trie fell behind, so some steps did not draft
+    assert not engine._drafter_ops  # and caught up once idle
+    assert engine.stats()["rollout/drafter_shadow_s"] > 0
