@@ -56,6 +56,7 @@ class Row:
     step_ms_median: float = 0.0
     draft_ms_per_step: float = 0.0  # drafter host time the step waits for: catch-up and proposals
     shadow_ms_per_step: float = 0.0  # trie upkeep done while the device computes (hidden)
+    unindexed: float = 0.0  # share of output tokens the trie never saw (no room in the shadow)
     accept_rate: float = 0.0
     accept_length: float = 0.0
 
@@ -116,6 +117,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         steps=st["rollout/steps"], step_ms_median=statistics.median(engine.step_times_ms or [0.0]),
         draft_ms_per_step=st["rollout/draft_s"] * 1e3 / max(st["rollout/steps"], 1),
         shadow_ms_per_step=st["rollout/drafter_shadow_s"] * 1e3 / max(st["rollout/steps"], 1),
+        unindexed=st["rollout/drafter_dropped_tokens"] / max(tokens, 1),
         accept_rate=st["rollout/spec_accept_rate"], accept_length=st["rollout/spec_accept_length"],
     )
 
@@ -151,15 +153,15 @@ def _sync(device: torch.device) -> None:
 
 
 def markdown(rows: list[Row]) -> str:
-    head = "| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | steps | step ms | draft ms/step | shadow ms/step | accept rate | accept len |"
-    lines = [head, "|" + "---|" * 15]
+    head = "| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | steps | step ms | draft ms/step | shadow ms/step | unindexed | accept rate | accept len |"
+    lines = [head, "|" + "---|" * 16]
     off = {r.batch_size: r.tokens_per_s for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
         ratio = f"{r.tokens_per_s / off[r.batch_size]:.2f}x" if r.batch_size in off and r.system == "rollout" else "-"
         lines.append(
             f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens} | "
             f"{r.wall_s:.2f} | {r.tokens_per_s:.1f} | {ratio} | {r.steps} | {r.step_ms_median:.2f} | "
-            f"{r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
+            f"{r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.unindexed:.0%} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -12,7 +12,6 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Iterable
 from functools import partial
 from dataclasses import dataclass
@@ -32,16 +31,12 @@ from rollout.sequence import Request, Sequence, SpecCounters, Status
 from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
 from spec.budget import DraftBudget
 from spec.ngram import NgramConfig, NgramDrafter
+from spec.upkeep import DrafterUpkeep
 
 log = logging.getLogger("rollout")
 
 DEFAULT_CPU_KV_TOKENS = 16384
 DEFAULT_MAX_MODEL_LEN = 8192
-# Drafter updates pending beyond one per running sequence mean the trie fell behind the
-# device's shadow; a step then does not draft (catching up would stall the device) and the
-# shadow of later steps drains the backlog. See Engine.step.
-DRAFTER_BACKLOG_SLACK = 16
-SHADOW_POLL_EVERY = 8  # drafter updates between polls of the device's progress
 
 
 @dataclass
@@ -121,6 +116,7 @@ class Engine:
                 )
             )
             self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens, spec_cfg.adaptive)
+            self.upkeep = DrafterUpkeep(self.drafter)
 
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -128,7 +124,6 @@ class Engine:
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
-        self._drafter_ops: deque = deque()  # drafter updates not yet applied (see step)
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._rids = itertools.count()
@@ -169,9 +164,9 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(leader)
         if self.drafter is not None:
-            self._drafter_ops.append(partial(self.drafter.add_group, rid, prompt_ids))
+            self.upkeep.lifecycle(partial(self.drafter.add_group, rid, prompt_ids))
             for seq in req.sequences:
-                self._drafter_ops.append(partial(self.drafter.add_sequence, rid, seq.seq_id))
+                self.upkeep.lifecycle(partial(self.drafter.add_sequence, rid, seq.seq_id))
         return req
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -207,17 +202,13 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that progressed (check `.finished`).
 
-        The drafter's trie upkeep (tokens emitted, samples started and finished) is queued
-        and applied in the device's shadow: after the step is launched and only while the
-        device is still busy, so it never delays a step that does not draft. A step that
-        drafts first applies what its proposals need (the last step's tokens), and that
-        cost is charged to drafting when the budget weighs it against not drafting.
+        The drafter is fed in the device's shadow (see spec/upkeep.py), so a step that
+        does not draft never waits for it.
         """
         updated = {id(r): r for r in self._aborted}
         self._aborted = []
         batch = self.scheduler.schedule()
         if batch is None:
-            self._apply_drafter_ops()  # idle: catch up
             return self._collect(updated)
         t0 = time.perf_counter()
         trees = {}
@@ -225,12 +216,14 @@ class Engine:
             trees = self._draft([item.seq for item in batch.items])
             self._draft_s += time.perf_counter() - t0
         in_flight = self.runner.launch(batch, trees)
-        if in_flight.result.overlaps_host:
-            t1 = time.perf_counter()
-            self._apply_drafter_ops(until=in_flight.result.done)
-            self._shadow_s += time.perf_counter() - t1
-        else:
-            self._apply_drafter_ops()
+        if self.drafter is not None:
+            if in_flight.result.overlaps_host:
+                t1 = time.perf_counter()
+                self.upkeep.apply(until=in_flight.result.done)
+                self.upkeep.drop_tokens()
+                self._shadow_s += time.perf_counter() - t1
+            else:
+                self.upkeep.apply()
         emitted = self.runner.collect(in_flight)
         for item in batch.items:
             if item.samples and item.seq.status is Status.WAITING:
@@ -251,32 +244,21 @@ class Engine:
             if req.finished and self.requests.get(req.rid) is req:
                 del self.requests[req.rid]
                 if self.drafter is not None:
-                    self._drafter_ops.append(partial(self.drafter.remove_group, req.rid))
-        if not self.has_work:
-            self._apply_drafter_ops()  # going idle: catch the trie up
+                    self.upkeep.lifecycle(partial(self.drafter.remove_group, req.rid))
+        if self.drafter is not None and not self.has_work:
+            self.upkeep.apply()  # going idle: nothing to overlap with
         return list(updated.values())
-
-    def _apply_drafter_ops(self, until=None) -> None:
-        """Apply queued drafter updates in order: all of them, or until `until()` says stop."""
-        ops = self._drafter_ops
-        while ops:
-            for _ in range(min(SHADOW_POLL_EVERY, len(ops))):
-                ops.popleft()()
-            if until is not None and until():
-                return
 
     def clear_speculation_history(self) -> None:
         """Forget earlier requests' outputs (benchmarks: no drafting from a previous run)."""
         if self.drafter is not None:
-            self._apply_drafter_ops()
+            self.upkeep.apply()
             self.drafter.clear_history()
 
     def _draft(self, seqs: list[Sequence]) -> dict:
-        if len(self._drafter_ops) > len(seqs) + DRAFTER_BACKLOG_SLACK:
-            return {}  # the trie is behind; this step's shadow catches it up
         wanted = self.budget.for_batch(seqs)
         if wanted:
-            self._apply_drafter_ops()  # proposals match against every token emitted so far
+            self.upkeep.apply()  # proposals match against every token emitted so far
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
         trees = {}
         for seq in seqs:
@@ -309,7 +291,7 @@ class Engine:
         if self.drafter is not None:
             if e.drafted:
                 self.budget.observe(seq.seq_id, e.accepted)
-            self._drafter_ops.append(partial(self.drafter.extend, seq.seq_id, seq.tokens[-appended:]))
+            self.upkeep.extend(seq, appended)
         if reason is not None:
             self._finish(seq, reason)
         return appended
@@ -333,7 +315,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         if self.drafter is not None:
-            self._drafter_ops.append(partial(self.drafter.remove_sequence, seq.seq_id))
+            self.upkeep.finish(seq.seq_id)
             self.budget.forget(seq.seq_id)
 
     # ---------------- the synchronous API ----------------
@@ -420,6 +402,8 @@ class Engine:
         self._busy_s = 0.0
         self._draft_s = 0.0
         self._shadow_s = 0.0
+        if self.drafter is not None:
+            self.upkeep.dropped_tokens = 0
         self.step_times_ms: list[float] = []
 
     def stats(self) -> dict:
@@ -436,6 +420,7 @@ class Engine:
             "rollout/steps": len(self.step_times_ms),
             "rollout/draft_s": self._draft_s,
             "rollout/drafter_shadow_s": self._shadow_s,
+            "rollout/drafter_dropped_tokens": self.upkeep.dropped_tokens if self.drafter is not None else 0,
             "rollout/weight_version": self.weight_version,
             "rollout/weight_sync_s": self._weight_sync_s,
             "rollout/num_running": len(self.scheduler.running),

@@ -121,6 +121,12 @@ class NgramDrafter:
         s.entry.trie.extend(s.handle, tokens)
         s.last_token = int(tokens[-1])
 
+    def resync(self, seq_id: int, context: Sequence[int]) -> None:
+        """Tokens were skipped: stand after `context` (the sequence's prompt and output so far) again."""
+        s = self._stream(seq_id)
+        s.entry.trie.resync(s.handle, context[-self.cfg.max_depth :])
+        s.last_token = int(context[-1])
+
     def remove_sequence(self, seq_id: int) -> None:
         """The sample finished or was aborted; with sharing, its output stays in the prompt's trie."""
         s = self._stream(seq_id)

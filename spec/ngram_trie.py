@@ -104,6 +104,24 @@ class NgramTrie:
         self.num_nodes += created
         self._cursors[stream] = cur
 
+    def resync(self, stream: int, tail: Sequence[int]) -> None:
+        """Move the stream's cursor to stand after `tail`, counting nothing (tokens before it
+        were skipped). Every stored n-gram's suffixes are stored too, so the walk stops at the
+        first suffix length that is missing."""
+        self._cursor(stream)
+        cur = [ROOT]
+        for k in range(1, min(len(tail), self.max_depth) + 1):
+            node = ROOT
+            for t in tail[-k:]:
+                d = self.kids[node]
+                node = None if d is None else d.get(int(t))
+                if node is None:
+                    break
+            if node is None:
+                break
+            cur.append(node)
+        self._cursors[stream] = cur
+
     def _cursor(self, stream: int) -> list[int]:
         try:
             return self._cursors[stream]

@@ -159,3 +159,30 @@ def test_closed_streams_are_unknown():
     trie.close_stream(h)
     with pytest.raises(KeyError, match="no open stream"):
         trie.extend(h, [1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_resync_skips_tokens_without_counting_them(seed):
+    """After a gap, a stream counts an n-gram ending in the new tokens iff it lies after the
+    gap or its part before lies in the longest suffix of the context the trie already knew."""
+    rng = np.random.default_rng(seed)
+    depth = int(rng.integers(2, 6))
+    trie = NgramTrie(depth, NodeBudget(10**6))
+    before, skipped, after = (rng.integers(3, size=k).tolist() for k in (30, 5, 20))
+    s = trie.open_stream()
+    trie.extend(s, before)
+    known = Counter(dict(trie.items()))
+    trie.resync(s, before + skipped)
+    trie.extend(s, after)
+
+    context = before + skipped
+    m = 0  # the longest known suffix of the context (every shorter one is known too)
+    while m < depth and known[tuple(context[len(context) - m - 1 :])]:
+        m += 1
+    expected = Counter(known)
+    full = context + after
+    for j in range(len(after)):
+        end = len(context) + j + 1
+        for n in range(1, min(depth, m + j + 1) + 1):
+            expected[tuple(full[end - n : end])] += 1
+    assert dict(trie.items()) == dict(expected)

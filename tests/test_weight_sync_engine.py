@@ -420,7 +420,7 @@ def test_ngram_trie_survives_weight_updates(tiny, tmp_path):
         drafter = engine.drafter
 
         def snapshot():
-            engine._apply_drafter_ops()  # the engine queues drafter updates until its next step
+            engine.upkeep.apply()  # the engine queues drafter updates until its next step
             return drafter.memory_nodes(), {k: sorted(e.trie.items()) for k, e in drafter._history.items()}
 
         before = snapshot()
