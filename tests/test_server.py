@@ -8,7 +8,7 @@ import time
 import pytest
 import requests
 
-from rollout import Engine, SamplingParams
+from rollout import Engine, SamplingParams, SpecConfig
 from server_process import running_server
 from tiny_models import make_tiny_model
 
@@ -31,14 +31,15 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with running_server(str(model_dir), "--api-key", API_KEY, "--admin-key", ADMIN_KEY) as s:
+    # a fixed draft budget: the adaptive one follows step timings, so its drafts differ run to run
+    with running_server(str(model_dir), "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--spec-no-adaptive") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    """The in-process engine the server must agree with (same defaults as `rollout serve`)."""
-    return Engine(model=str(model_dir), device="cpu")
+    """The in-process engine the server must agree with (the server's settings)."""
+    return Engine(model=str(model_dir), device="cpu", spec=SpecConfig(method="auto", adaptive=False))
 
 
 def generate(server, body, headers=USER, timeout=120, **kw):
