@@ -43,8 +43,8 @@ profile)
   grep -E "batch|ms/step|replay alone" "$OUT/profile.log"
   ;;
 speed)
-  bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256
-  bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256
+  bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256 --repeats 3
+  bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256 --repeats 3
   bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,8,512 --n 8 --temperature 0 --output-len 256
   bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,512 --n 8 --temperature 1.0 --output-len 256
   ;;

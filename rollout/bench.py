@@ -17,7 +17,7 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -57,6 +57,9 @@ class Row:
     draft_ms_per_step: float = 0.0  # drafter host time the step waits for: catch-up and proposals
     shadow_ms_per_step: float = 0.0  # trie upkeep done while the device computes (hidden)
     unindexed: float = 0.0  # share of output tokens the trie never saw (no room in the shadow)
+    repeats: int = 1  # with --repeats, this row holds medians; tok/s spread in min/max
+    tokens_per_s_min: float = 0.0
+    tokens_per_s_max: float = 0.0
     accept_rate: float = 0.0
     accept_length: float = 0.0
 
@@ -122,6 +125,22 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
     )
 
 
+def median_rows(runs: list[Row]) -> list[Row]:
+    """One row per (spec, batch size): the medians of its repeats, with the tok/s spread."""
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for r in runs:
+        groups.setdefault((r.spec, r.batch_size), []).append(r)
+    rows = []
+    for group in groups.values():
+        spread = ("repeats", "tokens_per_s_min", "tokens_per_s_max")
+        numeric = [f.name for f in fields(Row) if f.type in ("float", "int") and f.name not in spread]
+        medians = {name: statistics.median(getattr(r, name) for r in group) for name in numeric}
+        speeds = [r.tokens_per_s for r in group]
+        rows.append(replace(group[0], **medians, repeats=len(group), tokens_per_s_min=min(speeds),
+                            tokens_per_s_max=max(speeds)))
+    return rows
+
+
 def run_hf(hf, tokenizer, args, prompts: list[list[int]], n: int, batch_size: int) -> Row:
     """transformers `generate`, eager, left-padded batch, the same prompts and lengths."""
     device = hf.device
@@ -158,9 +177,12 @@ def markdown(rows: list[Row]) -> str:
     off = {r.batch_size: r.tokens_per_s for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
         ratio = f"{r.tokens_per_s / off[r.batch_size]:.2f}x" if r.batch_size in off and r.system == "rollout" else "-"
+        speed = f"{r.tokens_per_s:.1f}"
+        if r.repeats > 1:
+            speed += f" ({r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}, {r.repeats} runs)"
         lines.append(
-            f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens} | "
-            f"{r.wall_s:.2f} | {r.tokens_per_s:.1f} | {ratio} | {r.steps} | {r.step_ms_median:.2f} | "
+            f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens:.0f} | "
+            f"{r.wall_s:.2f} | {speed} | {ratio} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
             f"{r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.unindexed:.0%} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
         )
     return "\n".join(lines) + "\n"
@@ -198,21 +220,24 @@ def cmd_bench(args: argparse.Namespace) -> None:
     rows: list[Row] = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     tokenizer = None
-    for spec in args.spec_modes.split(","):
-        args.spec = spec
-        engine = Engine(config=engine_config(args))
-        tokenizer = engine.tokenizer
-        for b in batch_sizes:
-            prompts, n = workload_prompts(args, tokenizer, b)
-            # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it is
-            # also the previous epoch whose samples the drafter remembers
-            run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
-            rows.append(run_rollout(engine, args, prompts, n, spec, b, seed=args.seed))
-            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-        del engine
-        gc.collect()  # the engine holds reference cycles; free its KV pool before the next one
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    runs: list[Row] = []
+    for _ in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
+        for spec in args.spec_modes.split(","):
+            args.spec = spec
+            engine = Engine(config=engine_config(args))
+            tokenizer = engine.tokenizer
+            for b in batch_sizes:
+                prompts, n = workload_prompts(args, tokenizer, b)
+                # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it
+                # is also the previous epoch whose samples the drafter remembers
+                run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
+                runs.append(run_rollout(engine, args, prompts, n, spec, b, seed=args.seed))
+                print(markdown(runs[-1:]).splitlines()[-1], flush=True)
+            del engine
+            gc.collect()  # the engine holds reference cycles; free its KV pool before the next one
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    rows += median_rows(runs)
     if args.baseline_hf:
         from transformers import AutoModelForCausalLM
 
@@ -264,6 +289,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--baseline-hf", action="store_true", help="also run HF transformers generate on the same prompts")
     b.add_argument("--keep-history", action="store_true",
                    help="let the n-gram drafter keep earlier runs' outputs (an RL epoch re-sampling the same prompts)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="rounds over the spec modes; the table reports medians and the tok/s spread")
     b.add_argument("--out", default="bench/results")
     add_engine_args(b)
     b.set_defaults(func=cmd_bench)

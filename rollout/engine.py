@@ -257,8 +257,9 @@ class Engine:
 
     def _draft(self, seqs: list[Sequence]) -> dict:
         wanted = self.budget.for_batch(seqs)
-        if wanted:
-            self.upkeep.apply()  # proposals match against every token emitted so far
+        if not wanted:
+            return {}
+        self.upkeep.apply()  # proposals match against every token emitted so far
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
         trees = {}
         for seq in seqs:

@@ -63,6 +63,7 @@ class _Stream:
     handle: int
     last_token: int
     private: bool  # owns its trie (no sibling sharing)
+    fed: int  # tokens of the sequence (prompt included) the stream stands after
 
 
 @dataclass(eq=False)
@@ -108,7 +109,9 @@ class NgramDrafter:
             raise ValueError(f"n-gram drafter: sequence {seq_id} already exists; remove it first")
         entry = group.entry or self._new_entry(group.prompt)
         handle = entry.trie.open_stream(fork_of=entry.prompt_stream)
-        self._streams[seq_id] = _Stream(group_id, entry, handle, group.prompt[-1], private=group.entry is None)
+        self._streams[seq_id] = _Stream(
+            group_id, entry, handle, group.prompt[-1], private=group.entry is None, fed=len(group.prompt)
+        )
         group.seq_ids.add(seq_id)
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
@@ -120,12 +123,18 @@ class NgramDrafter:
         self._make_room(len(tokens))
         s.entry.trie.extend(s.handle, tokens)
         s.last_token = int(tokens[-1])
+        s.fed += len(tokens)
+
+    def fed(self, seq_id: int) -> int:
+        """How many of the sequence's tokens (prompt included) its stream stands after."""
+        return self._stream(seq_id).fed
 
     def resync(self, seq_id: int, context: Sequence[int]) -> None:
         """Tokens were skipped: stand after `context` (the sequence's prompt and output so far) again."""
         s = self._stream(seq_id)
         s.entry.trie.resync(s.handle, context[-self.cfg.max_depth :])
         s.last_token = int(context[-1])
+        s.fed = len(context)
 
     def remove_sequence(self, seq_id: int) -> None:
         """The sample finished or was aborted; with sharing, its output stays in the prompt's trie."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from rollout.sequence import Sequence
 from spec.ngram import NgramDrafter
@@ -27,18 +26,12 @@ from spec.ngram import NgramDrafter
 POLL_EVERY = 8  # updates applied between polls of the device's progress
 
 
-@dataclass(eq=False)
-class _Extend:
-    seq: Sequence
-    start: int  # seq.tokens[start:end] are new
-    end: int
-
-
 class DrafterUpkeep:
     def __init__(self, drafter: NgramDrafter):
         self.drafter = drafter
-        self._queue: deque = deque()  # _Extend, or a callable lifecycle update
-        self._stale: set[int] = set()  # seq_ids whose match position must be rebuilt
+        # Callables (lifecycle updates) and (sequence, start, end) tuples: seq.tokens[start:end]
+        # are new. Tuples, not objects: one is queued per sequence per step.
+        self._queue: deque = deque()
         self.dropped_tokens = 0
 
     def __len__(self) -> int:
@@ -49,22 +42,24 @@ class DrafterUpkeep:
 
     def finish(self, seq_id: int) -> None:
         """The sample is done: queue its removal from the drafter."""
-
-        def remove() -> None:
-            self._stale.discard(seq_id)
-            self.drafter.remove_sequence(seq_id)
-
-        self._queue.append(remove)
+        self._queue.append(lambda: self.drafter.remove_sequence(seq_id))
 
     def extend(self, seq: Sequence, num_tokens: int) -> None:
         end = len(seq.tokens)
-        self._queue.append(_Extend(seq, end - num_tokens, end))
+        self._queue.append((seq, end - num_tokens, end))
 
     def apply(self, until: Callable[[], bool] | None = None) -> None:
         """Apply queued updates in order: all of them, or until `until()` says the device is done."""
         while self._queue:
             for _ in range(min(POLL_EVERY, len(self._queue))):
-                self._apply(self._queue.popleft())
+                op = self._queue.popleft()
+                if callable(op):
+                    op()
+                else:
+                    seq, start, end = op
+                    if self.drafter.fed(seq.seq_id) != start:  # earlier tokens were dropped
+                        self.drafter.resync(seq.seq_id, seq.tokens[:start])
+                    self.drafter.extend(seq.seq_id, seq.tokens[start:end])
             if until is not None and until():
                 return
 
@@ -72,19 +67,8 @@ class DrafterUpkeep:
         """After a step's shadow: drop the token updates that did not fit into it."""
         kept: deque = deque()
         for op in self._queue:
-            if isinstance(op, _Extend):
-                self._stale.add(op.seq.seq_id)
-                self.dropped_tokens += op.end - op.start
-            else:
+            if callable(op):
                 kept.append(op)
+            else:
+                self.dropped_tokens += op[2] - op[1]
         self._queue = kept
-
-    def _apply(self, op) -> None:
-        if not isinstance(op, _Extend):
-            op()
-            return
-        seq_id = op.seq.seq_id
-        if seq_id in self._stale:
-            self._stale.discard(seq_id)
-            self.drafter.resync(seq_id, op.seq.tokens[: op.start])
-        self.drafter.extend(seq_id, op.seq.tokens[op.start : op.end])
