@@ -31,11 +31,21 @@ class Batch:
     is_prefill: bool  # holds prefill chunks; decode items then run without drafts
 
 
+# While sequences decode, a new prompt is admitted only once this share of the rows is free
+# (or it has waited MAX_ADMIT_WAIT steps): a step that holds prefill work runs without a CUDA
+# graph, several times slower than a decode step, so admissions are batched instead of
+# trickling in one finished sample at a time.
+ADMIT_SHARE = 1 / 8
+MAX_ADMIT_WAIT = 16
+
+
 class Scheduler:
-    def __init__(self, pool: KVPool, max_running_seqs: int, max_prefill_tokens: int):
+    def __init__(self, pool: KVPool, max_running_seqs: int, max_prefill_tokens: int, admit_share: float = ADMIT_SHARE):
         self.pool = pool
         self.max_running = max_running_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.admit_rows = max(1, int(max_running_seqs * admit_share))
+        self._admit_wait = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted = 0
@@ -56,7 +66,20 @@ class Scheduler:
         items = [ScheduledSeq(s, 1, True, decode=True) for s in decode] + prefill
         return Batch(items, is_prefill=bool(prefill)) if items else None
 
+    def _hold_admission(self) -> bool:
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not self.running or head.num_cached or self.pool.free_rows >= self.admit_rows:
+            self._admit_wait = 0
+            return False
+        self._admit_wait += 1
+        if self._admit_wait > MAX_ADMIT_WAIT:
+            self._admit_wait = 0
+            return False
+        return True
+
     def _schedule_prefill(self) -> list[ScheduledSeq]:
+        if self._hold_admission():
+            return []
         items: list[ScheduledSeq] = []
         budget = self.max_prefill_tokens
         # Keep a slot for every running sequence's next token, so admission never forces preemption.
