@@ -13,8 +13,8 @@ import logging
 import random
 import time
 from collections.abc import Iterable
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import AutoTokenizer
@@ -316,7 +316,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         if self.drafter is not None:
-            self.upkeep.finish(seq.seq_id)
+            self.upkeep.lifecycle(partial(self.drafter.remove_sequence, seq.seq_id))
             self.budget.forget(seq.seq_id)
 
     # ---------------- the synchronous API ----------------

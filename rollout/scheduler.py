@@ -40,11 +40,11 @@ MAX_ADMIT_WAIT = 16
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_running_seqs: int, max_prefill_tokens: int, admit_share: float = ADMIT_SHARE):
+    def __init__(self, pool: KVPool, max_running_seqs: int, max_prefill_tokens: int):
         self.pool = pool
         self.max_running = max_running_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.admit_rows = max(1, int(max_running_seqs * admit_share))
+        self.admit_rows = max(1, int(max_running_seqs * ADMIT_SHARE))
         self._admit_wait = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -67,6 +67,8 @@ class Scheduler:
         return Batch(items, is_prefill=bool(prefill)) if items else None
 
     def _hold_admission(self) -> bool:
+        """Whether the next prompt waits this step (see ADMIT_SHARE); a prompt whose prefill has
+        begun, or one arriving at an idle engine, never waits."""
         head = self.waiting[0] if self.waiting else None
         if head is None or not self.running or head.num_cached or self.pool.free_rows >= self.admit_rows:
             self._admit_wait = 0

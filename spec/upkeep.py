@@ -38,11 +38,8 @@ class DrafterUpkeep:
         return len(self._queue)
 
     def lifecycle(self, update: Callable[[], None]) -> None:
+        """A new prompt or sample, or one done: applied in order with the tokens, never dropped."""
         self._queue.append(update)
-
-    def finish(self, seq_id: int) -> None:
-        """The sample is done: queue its removal from the drafter."""
-        self._queue.append(lambda: self.drafter.remove_sequence(seq_id))
 
     def extend(self, seq: Sequence, num_tokens: int) -> None:
         end = len(seq.tokens)

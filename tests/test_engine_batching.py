@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -107,3 +108,30 @@ def test_abort_returns_partial_output_and_frees_kv(engine):
     assert req in updated and req.finished
     assert all(s.finish_reason == "abort" and s.num_output > 0 for s in req.sequences)
     assert engine.pool.used_slots == 0
+
+
+def test_admissions_wait_for_a_share_of_free_rows_but_not_forever(model_dir):
+    """With 16 rows a new prompt waits for 2 free rows, or at most MAX_ADMIT_WAIT steps;
+    its tokens are those it gets alone."""
+    from rollout.scheduler import MAX_ADMIT_WAIT
+
+    engine = Engine(model=str(model_dir), spec="off", device="cpu", max_running_seqs=16)
+    assert engine.scheduler.admit_rows == 2
+    long = SamplingParams(temperature=0, max_new_tokens=MAX_ADMIT_WAIT + 8, ignore_eos=True)
+    prompt, newcomer = random_prompts(2, seed=11)
+
+    def steps_until_admitted(n_running: int) -> int:
+        engine.add_request(prompt, dataclasses.replace(long, n=n_running))
+        engine.step()  # the first request prefills and starts decoding
+        req = engine.add_request(newcomer, GREEDY)
+        steps = 0
+        while req.sequences[0].num_cached == 0:
+            engine.step()
+            steps += 1
+        while engine.has_work:
+            engine.step()
+        assert req.sequences[0].output_ids == run_alone(engine, newcomer)
+        return steps
+
+    assert steps_until_admitted(14) == 1  # 2 rows free: admitted at once
+    assert steps_until_admitted(15) == MAX_ADMIT_WAIT + 1  # 1 row free: waits, then goes anyway
