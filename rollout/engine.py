@@ -116,7 +116,7 @@ class Engine:
                 )
             )
             self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens, spec_cfg.adaptive)
-            self.upkeep = DrafterUpkeep(self.drafter)
+            self.upkeep = DrafterUpkeep(self.drafter, max_step_tokens=spec_cfg.max_draft_tokens + 1)
 
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -228,6 +228,8 @@ class Engine:
         for item in batch.items:
             if item.samples and item.seq.status is Status.WAITING:
                 self.scheduler.on_prefill_done(item.seq)
+        if self.drafter is not None:
+            self.upkeep.step([e.seq for e in emitted])
         appended = 0
         for e in emitted:
             appended += self._append(e)
@@ -289,10 +291,8 @@ class Engine:
         if e.decode:
             seq.spec.record(e.source or "none", e.drafted, e.accepted, appended)
             self._spec_totals.record(e.source or "none", e.drafted, e.accepted, appended)
-        if self.drafter is not None:
-            if e.drafted:
-                self.budget.observe(seq.seq_id, e.accepted)
-            self.upkeep.extend(seq, appended)
+        if self.drafter is not None and e.drafted:
+            self.budget.observe(seq.seq_id, e.accepted)
         if reason is not None:
             self._finish(seq, reason)
         return appended
@@ -316,7 +316,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         if self.drafter is not None:
-            self.upkeep.lifecycle(partial(self.drafter.remove_sequence, seq.seq_id))
+            self.upkeep.finish(seq)
             self.budget.forget(seq.seq_id)
 
     # ---------------- the synchronous API ----------------

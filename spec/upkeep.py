@@ -7,12 +7,14 @@ a step and only until the device finishes it. A step that drafts first applies t
 queue (its proposals match against the newest tokens), and that cost is charged to
 drafting by the budget.
 
-When the host is the bottleneck (a small model at a large batch) the shadow is too short,
-and a backlog would only move the cost elsewhere. So tokens that did not fit into one
-step's shadow are dropped: their n-grams are never counted, and the sequence's match
-position is rebuilt from its last tokens before it is fed again. Drafts stay lossless
-(verification decides what is emitted); only the trie knows a little less. Lifecycle
-updates (a new prompt, a finished sample) are never dropped.
+Each step queues its batch, not its tokens: applying a sequence feeds it whatever it has
+emitted since it was last fed. When the host is the bottleneck (a small model at a large
+batch) the shadow is too short, and a backlog would only move the cost elsewhere, so a
+step's batch that did not fit into the shadow is dropped, and a sequence that fell further
+behind than one step's tokens skips ahead: the skipped n-grams are never counted, and its
+match position is rebuilt from its last tokens. Drafts stay lossless (verification decides
+what is emitted); only the trie knows a little less. Lifecycle updates (a new prompt, a
+finished sample) are never dropped.
 """
 
 from __future__ import annotations
@@ -23,49 +25,66 @@ from collections.abc import Callable
 from rollout.sequence import Sequence
 from spec.ngram import NgramDrafter
 
-POLL_EVERY = 8  # updates applied between polls of the device's progress
+POLL_EVERY = 8  # sequences fed between polls of the device's progress
 
 
 class DrafterUpkeep:
-    def __init__(self, drafter: NgramDrafter):
+    def __init__(self, drafter: NgramDrafter, max_step_tokens: int):
         self.drafter = drafter
-        # Callables (lifecycle updates) and (sequence, start, end) tuples: seq.tokens[start:end]
-        # are new. Tuples, not objects: one is queued per sequence per step.
-        self._queue: deque = deque()
+        self.max_step_tokens = max_step_tokens  # the most a sequence emits in one step
+        self._queue: deque = deque()  # lifecycle callables, and [batch, next index] of the steps
         self.dropped_tokens = 0
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def lifecycle(self, update: Callable[[], None]) -> None:
-        """A new prompt or sample, or one done: applied in order with the tokens, never dropped."""
+        """A new prompt or sample, or one done: applied in order with the steps, never dropped."""
         self._queue.append(update)
 
-    def extend(self, seq: Sequence, num_tokens: int) -> None:
-        end = len(seq.tokens)
-        self._queue.append((seq, end - num_tokens, end))
+    def step(self, batch: list[Sequence]) -> None:
+        """These sequences are about to get the step's tokens (queue it before they finish)."""
+        self._queue.append([batch, 0])
+
+    def finish(self, seq: Sequence) -> None:
+        """The sample is done: after its queued steps, it leaves the drafter."""
+
+        def remove() -> None:
+            self.dropped_tokens += len(seq.tokens) - self.drafter.fed(seq.seq_id)
+            self.drafter.remove_sequence(seq.seq_id)
+
+        self._queue.append(remove)
 
     def apply(self, until: Callable[[], bool] | None = None) -> None:
         """Apply queued updates in order: all of them, or until `until()` says the device is done."""
-        while self._queue:
-            for _ in range(min(POLL_EVERY, len(self._queue))):
-                op = self._queue.popleft()
-                if callable(op):
-                    op()
-                else:
-                    seq, start, end = op
-                    if self.drafter.fed(seq.seq_id) != start:  # earlier tokens were dropped
-                        self.drafter.resync(seq.seq_id, seq.tokens[:start])
-                    self.drafter.extend(seq.seq_id, seq.tokens[start:end])
+        q = self._queue
+        while q:
+            op = q[0]
+            if callable(op):
+                q.popleft()
+                op()
+            else:
+                batch, i = op
+                end = min(i + POLL_EVERY, len(batch))
+                for seq in batch[i:end]:
+                    self._feed(seq)
+                op[1] = end
+                if end == len(batch):
+                    q.popleft()
             if until is not None and until():
                 return
 
     def drop_tokens(self) -> None:
-        """After a step's shadow: drop the token updates that did not fit into it."""
-        kept: deque = deque()
-        for op in self._queue:
-            if callable(op):
-                kept.append(op)
-            else:
-                self.dropped_tokens += op[2] - op[1]
-        self._queue = kept
+        """After a step's shadow: steps whose batch did not fit into it are not fed."""
+        self._queue = deque(op for op in self._queue if callable(op))
+
+    def _feed(self, seq: Sequence) -> None:
+        seq_id, total = seq.seq_id, len(seq.tokens)
+        fed = self.drafter.fed(seq_id)
+        if fed == total:
+            return
+        start = max(fed, total - self.max_step_tokens)
+        if start > fed:  # fell behind: skip ahead
+            self.dropped_tokens += start - fed
+            self.drafter.resync(seq_id, seq.tokens[:start])
+        self.drafter.extend(seq_id, seq.tokens[start:total])
