@@ -50,6 +50,7 @@ speed)
   ;;
 admission)
   python3 bench/admission_ab.py 2>&1 | grep -v -i warn | tee "$OUT/admission.log"
+  python3 bench/phase_breakdown.py 2>&1 | grep -v -i warn | tee "$OUT/phases.log"
   ;;
 spec)
   for t in 0 0.6 1.0; do
