@@ -220,7 +220,7 @@ class Engine:
             if in_flight.result.overlaps_host:
                 t1 = time.perf_counter()
                 self.upkeep.apply(until=in_flight.result.done)
-                self.upkeep.drop_tokens()
+                self.upkeep.drop_unfed_steps()
                 self._shadow_s += time.perf_counter() - t1
             else:
                 self.upkeep.apply()

@@ -129,12 +129,12 @@ class NgramDrafter:
         """How many of the sequence's tokens (prompt included) its stream stands after."""
         return self._stream(seq_id).fed
 
-    def resync(self, seq_id: int, context: Sequence[int]) -> None:
-        """Tokens were skipped: stand after `context` (the sequence's prompt and output so far) again."""
+    def resync(self, seq_id: int, tokens: Sequence[int], upto: int) -> None:
+        """Tokens were skipped: stand after `tokens[:upto]` (prompt and output) again."""
         s = self._stream(seq_id)
-        s.entry.trie.resync(s.handle, context[-self.cfg.max_depth :])
-        s.last_token = int(context[-1])
-        s.fed = len(context)
+        s.entry.trie.resync(s.handle, tokens[max(0, upto - self.cfg.max_depth) : upto])
+        s.last_token = int(tokens[upto - 1])
+        s.fed = upto
 
     def remove_sequence(self, seq_id: int) -> None:
         """The sample finished or was aborted; with sharing, its output stays in the prompt's trie."""

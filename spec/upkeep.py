@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from rollout.sequence import Sequence
 from spec.ngram import NgramDrafter
+
+if TYPE_CHECKING:  # rollout imports spec, not the other way round
+    from rollout.sequence import Sequence
 
 POLL_EVERY = 8  # sequences fed between polls of the device's progress
 
@@ -74,7 +77,7 @@ class DrafterUpkeep:
             if until is not None and until():
                 return
 
-    def drop_tokens(self) -> None:
+    def drop_unfed_steps(self) -> None:
         """After a step's shadow: steps whose batch did not fit into it are not fed."""
         self._queue = deque(op for op in self._queue if callable(op))
 
@@ -86,5 +89,5 @@ class DrafterUpkeep:
         start = max(fed, total - self.max_step_tokens)
         if start > fed:  # fell behind: skip ahead
             self.dropped_tokens += start - fed
-            self.drafter.resync(seq_id, seq.tokens[:start])
+            self.drafter.resync(seq_id, seq.tokens, start)
         self.drafter.extend(seq_id, seq.tokens[start:total])

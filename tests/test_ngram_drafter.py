@@ -218,3 +218,46 @@ def test_memory_stays_under_bound_on_long_run_and_drafts_remain_valid(share):
         peak = max(peak, d.memory_nodes())
     assert peak > 0.9 * cfg.max_trie_nodes  # the bound was binding, so eviction ran
     assert drafted_late > 50  # and drafting still works after it
+
+
+def test_upkeep_feeds_what_fits_skips_ahead_when_behind_and_never_drops_lifecycle():
+    from types import SimpleNamespace
+
+    from spec.upkeep import POLL_EVERY, DrafterUpkeep
+
+    drafter = NgramDrafter(NgramConfig(max_match=2, max_draft_depth=2))
+    upkeep = DrafterUpkeep(drafter, max_step_tokens=3)
+    prompt = [1, 2, 3]
+    upkeep.lifecycle(lambda: drafter.add_group("g", prompt))
+    seqs = [SimpleNamespace(seq_id=i, tokens=list(prompt)) for i in range(2 * POLL_EVERY)]
+    for s in seqs:
+        upkeep.lifecycle(lambda s=s: drafter.add_sequence("g", s.seq_id))
+    upkeep.apply()
+    assert [drafter.fed(s.seq_id) for s in seqs] == [3] * len(seqs)
+
+    device_done = lambda: True  # noqa: E731 - a device that is done at once: one poll's worth fits
+    for step in range(5):  # five steps of one token each; each shadow feeds the first POLL_EVERY
+        upkeep.step(seqs)
+        for s in seqs:
+            s.tokens.append(10 + step)
+        upkeep.apply(until=device_done)
+        upkeep.drop_unfed_steps()
+    fed = [drafter.fed(s.seq_id) for s in seqs]
+    assert fed[:POLL_EVERY] == [8] * POLL_EVERY and fed[POLL_EVERY:] == [3] * POLL_EVERY
+    assert len(upkeep) == 0
+
+    upkeep.step(seqs)
+    upkeep.lifecycle(lambda: drafter.remove_sequence(seqs[0].seq_id))
+    upkeep.apply(until=device_done)
+    upkeep.drop_unfed_steps()
+    assert len(upkeep) == 1  # the unfed step is dropped, the removal is not
+    upkeep.apply()
+    with pytest.raises(KeyError):
+        drafter.fed(seqs[0].seq_id)
+    upkeep.step(seqs[1:])
+    upkeep.apply()  # the lagging ones skip 2 of their 5 unfed tokens and take the last 3
+    assert [drafter.fed(s.seq_id) for s in seqs[POLL_EVERY:]] == [8] * POLL_EVERY
+    assert upkeep.dropped_tokens == 2 * POLL_EVERY
+    # the skipped tokens' n-grams were never counted: (3, 10) only in the first POLL_EVERY samples' trie paths
+    trie = drafter._live[tuple(prompt)].trie
+    assert trie.count_of([3, 10]) == POLL_EVERY
