@@ -10,7 +10,7 @@
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | speed | admission | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | speed | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -48,9 +48,9 @@ speed)
   bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,8,512 --n 8 --temperature 0 --output-len 256
   bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,512 --n 8 --temperature 1.0 --output-len 256
   ;;
-admission)
-  python3 bench/admission_ab.py 2>&1 | grep -v -i warn | tee "$OUT/admission.log"
-  python3 bench/phase_breakdown.py 2>&1 | grep -v -i warn | tee "$OUT/phases.log"
+phases)
+  python3 bench/rollout_phases.py admission 2>&1 | grep -v -i warn | tee "$OUT/admission.log"
+  python3 bench/rollout_phases.py breakdown 2>&1 | grep -v -i warn | tee "$OUT/phases.log"
   ;;
 spec)
   for t in 0 0.6 1.0; do

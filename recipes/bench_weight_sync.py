@@ -21,14 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from rollout.launch import launched_server  # noqa: E402
 
 
 # ---------------- trainer side (a subprocess) ----------------
@@ -77,39 +74,12 @@ def run_trainer(args: argparse.Namespace) -> None:
 # ---------------- engine side ----------------
 @contextmanager
 def serve(model_dir: str, device: str, dtype: str, random_weights: bool) -> Iterator[str]:
-    """`rollout serve` for one model on a free port; yields its URL, stops it (SIGTERM) at the end."""
-    import requests
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "rollout", "serve", "--model", model_dir, "--port", str(port), "--device", device,
-           "--dtype", dtype, "--spec", "off", "--kv-cache-tokens", "4096", "--log-level", "warning"]
+    """`rollout serve` for one model; yields its URL, stops it at the end."""
+    args = ["--model", model_dir, "--device", device, "--dtype", dtype, "--spec", "off", "--kv-cache-tokens", "4096"]
     if random_weights:
-        cmd += ["--load-format", "dummy"]
-    log = tempfile.NamedTemporaryFile(prefix="bench-weight-sync-serve-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"rollout serve exited with {proc.returncode}; see {log.name}")
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
+        args += ["--load-format", "dummy"]
+    with launched_server(*args) as server:
+        yield server.url
 
 
 def bench(args: argparse.Namespace) -> None:

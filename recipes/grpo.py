@@ -17,8 +17,6 @@ import argparse
 import contextlib
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 
 from rollout.client import RolloutClient  # noqa: E402
 from rollout.datasets import arithmetic_tasks, chat_prompt_ids  # noqa: E402
+from rollout.launch import launched_server  # noqa: E402
 from rollout.model_loader import resolve_model_path  # noqa: E402
 from rollout.wandb_log import WandbLogger  # noqa: E402
 from weight_sync import WeightPusher  # noqa: E402
@@ -82,23 +81,13 @@ def rollout_server(args: argparse.Namespace):
     if args.server:
         yield args.server
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "rollout", "serve", "--model", args.model, "--port", str(port),
-           "--device", args.device, "--spec", args.spec, "--log-level", "warning"]
+    serve_args = ["--model", args.model, "--device", args.device, "--spec", args.spec]
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
-        cmd += ["--kv-cache-tokens", "32768"]
+        serve_args += ["--kv-cache-tokens", "32768"]
     else:
-        cmd += ["--kv-cache-memory-fraction", "0.5"]  # the trainer shares the GPU
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        RolloutClient(url).wait_until_ready(timeout=900)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        serve_args += ["--kv-cache-memory-fraction", "0.5"]  # the trainer shares the GPU
+    with launched_server(*serve_args) as server:
+        yield server.url
 
 
 def group_advantages(rewards: list[float], n: int) -> list[float]:

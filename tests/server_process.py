@@ -2,69 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
-import requests
+from rollout.launch import free_port, launched_server
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+__all__ = ["free_port", "running_server"]
 
 
 @contextmanager
 def running_server(model: str, *args: str, timeout: float = 300.0):
-    """`rollout serve --model <model> --device cpu <args>` on a free port; SIGTERM at the end."""
-    port = free_port()
-    log_path = Path(tempfile.mkstemp(prefix="rollout-serve-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "rollout", "serve", "--model", model, "--device", "cpu",
-           "--port", str(port), "--log-level", "warning", *args]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"rollout serve exited with {proc.returncode}:\n{server.log()}")
-            try:
-                if requests.get(server.url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rollout serve not healthy after {timeout} s:\n{server.log()}")
-            time.sleep(0.2)
+    """`rollout serve --model <model> --device cpu <args>`; SIGTERM at the end."""
+    with launched_server("--model", model, "--device", "cpu", *args, timeout=timeout) as server:
         yield server
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log_path.unlink(missing_ok=True)
