@@ -30,6 +30,22 @@ if TYPE_CHECKING:
 BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
+def tree_step_tokens(num_seqs: int, num_tokens: int) -> int:
+    """Padded tokens of a verify graph: the padded batch size, or the next power of two above it."""
+    return max(num_seqs, 1 << (num_tokens - 1).bit_length())
+
+
+def verify_token_counts(num_seqs: int, max_tokens: int, max_tree_tokens: int) -> list[int]:
+    """Every `tree_step_tokens` value a verify step of `num_seqs` padded sequences can take."""
+    longest = min(max_tokens, num_seqs * max_tree_tokens)
+    counts = [num_seqs] if num_seqs > 1 else []  # fewer tokens than padded rows (a lone sequence always drafts)
+    t = 1 << num_seqs.bit_length()
+    while t < 2 * longest and t <= max_tokens:
+        counts.append(t)
+        t *= 2
+    return counts
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -73,7 +89,7 @@ class CudaGraphs:
             return None
         b = self.batch_sizes[i]
         tree = lay.tree_mask is not None
-        t = b if not tree else max(b, 1 << (lay.num_tokens - 1).bit_length())
+        t = tree_step_tokens(b, lay.num_tokens) if tree else b
         if t > self.max_tokens or (tree and int(lay.q_lens.max()) > self.max_tree_tokens):
             return None
         return b, t, tree, mode
@@ -84,12 +100,7 @@ class CudaGraphs:
         for b in self.batch_sizes:
             shapes = [(b, b, False)]
             if speculation:
-                longest = min(self.max_tokens, b * self.max_tree_tokens)
-                t = b
-                while t < longest:
-                    t *= 2
-                    if t <= self.max_tokens:
-                        shapes.append((b, t, True))
+                shapes += [(b, t, True) for t in verify_token_counts(b, self.max_tokens, self.max_tree_tokens)]
             for num_seqs, num_tokens, tree in shapes:
                 for mode in modes:
                     if (num_seqs, num_tokens, tree, mode) not in self._graphs:

@@ -85,3 +85,18 @@ def test_malformed_trees_are_rejected(tokens, parents, why):
 def test_same_token_under_different_parents_is_allowed():
     tree = DraftTree(np.array([1, 2, 3, 2, 2]), np.array([-1, 0, 0, 1, 2]))
     assert tree.children() == [[1, 2], [3], [4], [], []]
+
+
+def test_every_verify_shape_is_captured_up_front():
+    # a verify step whose padded shape was not captured at start would capture mid-run (~35 ms)
+    from rollout.cuda_graphs import BATCH_BUCKETS, tree_step_tokens, verify_token_counts
+
+    max_tokens, max_tree_tokens = 256, 9
+    prev = 0
+    for b in BATCH_BUCKETS:
+        captured = set(verify_token_counts(b, max_tokens, max_tree_tokens))
+        for seqs in range(prev + 1, b + 1):
+            for drafts in range(1, seqs * (max_tree_tokens - 1) + 1):
+                t = tree_step_tokens(b, seqs + drafts)
+                assert t > max_tokens or t in captured, (b, seqs, drafts, t)
+        prev = b
