@@ -1,30 +1,40 @@
-"""Who drafts in a step, and how much.
+"""Who drafts in a step, and how much: a cost model of the step against expected acceptance.
 
-Speculation pays only when the accepted drafts outweigh what verifying them costs: extra
-tokens in the forward pass (nearly free at small batch on a GPU, proportional once the
-step is compute-bound) and host time to draft and to walk the trees. Neither is known in
-advance, so both are learned while running:
+Speculation pays when the tokens a step emits per second beat plain decoding. That splits
+into two things learned separately while running, so neither needs exploring the other:
 
-- Per batch size (power-of-two buckets), the engine's step times give tokens emitted per
-  second with drafting and without. The better choice is used; the other is re-measured
-  every EXPLORE_EVERY steps, so a wrong choice costs at most that share of the run.
-- Per sequence, the budget follows an average of its recently accepted drafts: one whose
-  drafts keep failing stops drafting, and is re-probed every PROBE_EVERY steps.
-- Per step, at most `max_verify_tokens` tokens are verified in total.
+- What a step costs: the wall time of recent steps by shape (batch-size bucket, and for a
+  drafting step the power-of-two bucket of the tokens it verifies). This depends on the
+  machine and the model, not on the text, so a shape is measured a couple of times and then
+  known. Shapes not yet measured are assumed to cost what a decode step does, so each gets
+  tried; a shape that turns out dear is simply not chosen again.
+- What a draft brings: per sequence, an average of the drafts it recently had accepted; a
+  new sequence starts from the average over all sequences. A sequence whose drafts keep
+  failing stops drafting; every PROBE_EVERY steps such sequences are offered again, at a
+  modest expected value, so acceptance that returns is noticed.
+
+Each step the candidates are ranked by expected accepted tokens per drafted token, and the
+prefix of that ranking with the best expected tokens per second is drafted, or none of it
+if plain decoding is expected to be faster. At most `max_verify_tokens` are verified per step.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from rollout.sequence import Sequence
+if TYPE_CHECKING:
+    from rollout.sequence import Sequence
 
-EMA_WEIGHT = 0.3  # weight of the newest step in the per-sequence acceptance average
-RATE_WEIGHT = 0.2  # weight of the newest step in the per-bucket throughput averages
-WARMUP_STEPS = 3  # steps measured for each choice in a bucket before choosing
-EXPLORE_EVERY = 32
+EMA_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance average
+PRIOR_WEIGHT = 0.05  # weight of each observation in the all-sequence average (a new sequence's start)
+FIRST_PRIOR = 1.0  # the all-sequence average before any draft was verified
+COST_WINDOW = 5  # a shape's cost is the median of its last this many steps
+MIN_OBSERVED = 2  # steps of a shape before its measured cost replaces the optimistic guess
 PROBE_EVERY = 16
+PROBE_VALUE = 0.5  # expected accepted tokens credited to a paused sequence on a probe step
 MIN_ACCEPTED = 0.2  # accepted drafts per step below which a sequence pauses drafting
 
 
@@ -34,10 +44,9 @@ class DraftBudget:
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
         self._accepted_ema: dict[int, float] = {}
-        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> tokens per second
-        self._seen: dict[tuple[int, bool], int] = {}
+        self._prior = FIRST_PRIOR
+        self._step_s: dict[tuple[int, int], deque[float]] = {}  # step shape -> recent wall times
         self._steps = 0
-        self._choice: tuple[int, bool] | None = None  # the decision of the step in flight
 
     def per_sequence_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_draft_tokens, self.max_verify_tokens // max(batch_size, 1) - 1))
@@ -47,46 +56,53 @@ class DraftBudget:
         seqs = list(seqs)
         self._steps += 1
         cap = self.per_sequence_cap(len(seqs))
-        self._choice = None
         if cap == 0:
             return {}
         if not self.adaptive:
             return {seq.seq_id: cap for seq in seqs}
-        bucket = len(seqs).bit_length()
-        drafting = self._choose(bucket)
-        self._choice = (bucket, drafting)
-        if not drafting:
-            return {}
-        budgets = {}
+        decode_s = self._cost(len(seqs), 0)
+        if decode_s is None:
+            return {}  # measure plain decoding at this batch size first
+        probing = self._steps % PROBE_EVERY == 0
+        candidates = []  # (expected accepted tokens, draft budget, seq_id)
         for seq in seqs:
-            accepted = self._accepted_ema.get(seq.seq_id)
-            if accepted is None:  # optimistic start
-                budgets[seq.seq_id] = cap
-            elif accepted >= MIN_ACCEPTED or (self._steps + seq.seq_id) % PROBE_EVERY == 0:
-                budgets[seq.seq_id] = min(cap, 1 + math.ceil(2 * accepted))
-        return budgets
+            accepted = self._accepted_ema.get(seq.seq_id, self._prior)
+            if accepted >= MIN_ACCEPTED:
+                candidates.append((accepted, min(cap, 1 + int(2 * accepted + 0.5)), seq.seq_id))
+            elif probing:
+                candidates.append((PROBE_VALUE, min(cap, 2), seq.seq_id))
+        candidates.sort(key=lambda c: c[0] / c[1], reverse=True)
+        best_rate, best_k = len(seqs) / decode_s, 0
+        expected, drafts = float(len(seqs)), 0
+        for k, (accepted, budget, _) in enumerate(candidates, 1):
+            expected += accepted
+            drafts += budget
+            rate = expected / (self._cost(len(seqs), drafts) or decode_s)
+            if rate > best_rate:
+                best_rate, best_k = rate, k
+        return {seq_id: budget for _, budget, seq_id in candidates[:best_k]}
 
-    def _choose(self, bucket: int) -> bool:
-        on, off = (bucket, True), (bucket, False)
-        for choice in (on, off):
-            if self._seen.get(choice, 0) < WARMUP_STEPS:
-                return choice[1]
-        best = self._rate[on] >= self._rate[off]
-        return (not best) if self._steps % EXPLORE_EVERY == 0 else best
+    def _key(self, num_seqs: int, num_drafts: int) -> tuple[int, int]:
+        tokens = num_seqs + num_drafts
+        return num_seqs.bit_length(), (tokens - 1).bit_length() if num_drafts else 0
 
-    def observe_step(self, emitted_tokens: int, seconds: float) -> None:
-        """The decode step just finished: credit its throughput to the choice made for it."""
-        if self._choice is None or seconds <= 0:
-            return
-        rate = emitted_tokens / seconds
-        prev = self._rate.get(self._choice)
-        self._rate[self._choice] = rate if prev is None else (1 - RATE_WEIGHT) * prev + RATE_WEIGHT * rate
-        self._seen[self._choice] = self._seen.get(self._choice, 0) + 1
-        self._choice = None
+    def _cost(self, num_seqs: int, num_drafts: int) -> float | None:
+        """Median wall seconds of recent steps of this shape; None while not measured enough."""
+        times = self._step_s.get(self._key(num_seqs, num_drafts))
+        if times is None or len(times) < MIN_OBSERVED:
+            return None
+        return statistics.median(times)
+
+    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """A decode or verify step of `num_seqs` sequences and `num_drafts` draft tokens took `seconds`."""
+        if seconds > 0 and num_seqs > 0:
+            key = self._key(num_seqs, num_drafts)
+            self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
 
     def observe(self, seq_id: int, accepted: int) -> None:
-        prev = self._accepted_ema.get(seq_id, float(accepted))
+        prev = self._accepted_ema.get(seq_id, self._prior)
         self._accepted_ema[seq_id] = (1 - EMA_WEIGHT) * prev + EMA_WEIGHT * accepted
+        self._prior = (1 - PRIOR_WEIGHT) * self._prior + PRIOR_WEIGHT * accepted
 
     def forget(self, seq_id: int) -> None:
         self._accepted_ema.pop(seq_id, None)

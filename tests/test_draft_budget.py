@@ -1,0 +1,73 @@
+"""The draft budget: drafting is chosen from measured step costs and expected acceptance."""
+
+from types import SimpleNamespace
+
+from spec.budget import COST_WINDOW, MIN_OBSERVED, PROBE_EVERY, DraftBudget
+
+
+def seqs(n: int, first: int = 0):
+    return [SimpleNamespace(seq_id=first + i) for i in range(n)]
+
+
+def measured(budget: DraftBudget, num_seqs: int, num_drafts: int, seconds: float) -> None:
+    for _ in range(COST_WINDOW):
+        budget.observe_step(num_seqs, num_drafts, seconds)
+
+
+def test_fixed_budget_drafts_the_cap_and_the_cap_follows_the_verify_limit():
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=64, adaptive=False)
+    assert budget.for_batch(seqs(2)) == {0: 8, 1: 8}
+    assert budget.per_sequence_cap(16) == 3  # 16 x (1 + 3) = 64 verified tokens
+    assert budget.for_batch(seqs(64)) == {}
+
+
+def test_decode_is_measured_first_then_unmeasured_verify_shapes_are_tried():
+    budget = DraftBudget(8, 256)
+    for _ in range(MIN_OBSERVED):
+        assert budget.for_batch(seqs(1)) == {}  # no decode cost known at this batch size yet
+        budget.observe_step(1, 0, 1e-3)
+    assert budget.for_batch(seqs(1)) == {0: 3}  # new sequence: prior of 1 accepted token -> 1 + 2 drafts
+
+
+def test_dear_verify_steps_are_not_chosen_and_cheap_ones_are():
+    budget = DraftBudget(8, 256)
+    measured(budget, 4, 0, 1e-3)
+    for s in range(4):
+        for _ in range(10):
+            budget.observe(s, 1)  # each sequence has one draft token accepted per step
+    for drafts in range(1, 13):  # up to 4 x 3 drafts: verify steps cost three decode steps
+        measured(budget, 4, drafts, 3e-3)
+    assert budget.for_batch(seqs(4)) == {}  # 8 expected tokens in 3 ms < 4 tokens in 1 ms
+    for drafts in range(1, 13):
+        measured(budget, 4, drafts, 1.2e-3)
+    assert budget.for_batch(seqs(4)) == {0: 3, 1: 3, 2: 3, 3: 3}
+
+
+def test_failing_sequences_pause_and_are_probed_again():
+    budget = DraftBudget(8, 256)
+    measured(budget, 2, 0, 1e-3)
+    for _ in range(20):
+        budget.observe(0, 2)
+        budget.observe(1, 0)
+    measured(budget, 2, 5, 1e-3)
+    plans = [budget.for_batch(seqs(2)) for _ in range(PROBE_EVERY)]
+    assert all(0 in p for p in plans)
+    assert sum(1 in p for p in plans) == 1  # only the probe step offers the failing sequence
+    budget.forget(1)
+    assert 1 in budget.for_batch(seqs(2))  # a new sequence of that id starts from the prior
+
+
+def test_the_best_prefix_by_value_per_draft_token_is_drafted():
+    budget = DraftBudget(8, 256)
+    measured(budget, 3, 0, 1e-3)
+    for _ in range(30):
+        budget.observe(0, 3)  # 3 accepted: budget 1 + 6 -> capped at 8 drafts, worth 3 / 7
+        budget.observe(1, 1)  # worth 1 / 3
+        budget.observe(2, 0.25)  # worth 0.25 / 2
+    # verifying up to 16 tokens costs as decoding; 32 tokens cost twice as much
+    for drafts in range(1, 14):
+        measured(budget, 3, drafts, 1e-3)
+    for drafts in range(14, 30):
+        measured(budget, 3, drafts, 2e-3)
+    plan = budget.for_batch(seqs(3))
+    assert plan == {0: 7, 1: 3, 2: 2}  # 3 + 12 drafts = 15 tokens: still the cheap shape
