@@ -230,15 +230,14 @@ class Engine:
                 self.scheduler.on_prefill_done(item.seq)
         if self.drafter is not None:
             self.upkeep.step([e.seq for e in emitted])
-        appended = 0
         for e in emitted:
-            appended += self._append(e)
+            self._append(e)
             updated[id(e.seq.request)] = e.seq.request
         step_s = time.perf_counter() - t0
         self._busy_s += step_s
         self.step_times_ms.append(step_s * 1e3)
         if self.drafter is not None and not batch.is_prefill:
-            self.budget.observe_step(appended, step_s)
+            self.budget.observe_step(len(batch.items), sum(t.num_drafts for t in trees.values()), step_s)
         return self._collect(updated)
 
     def _collect(self, updated: dict) -> list[Request]:
@@ -261,21 +260,22 @@ class Engine:
         wanted = self.budget.for_batch(seqs)
         if not wanted:
             return {}
-        self.upkeep.apply()  # proposals match against every token emitted so far
+        # No upkeep first: proposals look up each sequence's newest tokens, and a trie that has not
+        # counted the last step's tokens yet drafts nearly as well (they are fed in this step's shadow).
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
         trees = {}
         for seq in seqs:
             n = min(wanted.get(seq.seq_id, 0), free)
-            if n <= 0:
+            if n <= 0 or not self.drafter.has_sequence(seq.seq_id):  # its arrival may still be queued
                 continue
-            tree = self.drafter.propose(seq.seq_id, n)
+            tree = self.drafter.propose(seq.seq_id, seq.tokens, n)
             if tree.num_drafts:
                 trees[seq.seq_id] = tree
                 free -= tree.num_drafts
         return trees
 
-    def _append(self, e: Emitted) -> int:
-        """Append what the step emitted, up to a stop condition; returns how many tokens were kept."""
+    def _append(self, e: Emitted) -> None:
+        """Append what the step emitted, up to a stop condition."""
         seq = e.seq
         params = seq.request.params
         reason, appended = None, 0
@@ -295,7 +295,6 @@ class Engine:
             self.budget.observe(seq.seq_id, e.accepted)
         if reason is not None:
             self._finish(seq, reason)
-        return appended
 
     def _stop_reason(self, seq: Sequence, token: int, params: SamplingParams) -> str | None:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):

@@ -61,7 +61,6 @@ class _Stream:
     group_id: Hashable
     entry: _PromptTrie  # shared by the prompt's samples, or private to this one
     handle: int
-    last_token: int
     private: bool  # owns its trie (no sibling sharing)
     fed: int  # tokens of the sequence (prompt included) the stream stands after
 
@@ -110,7 +109,7 @@ class NgramDrafter:
         entry = group.entry or self._new_entry(group.prompt)
         handle = entry.trie.open_stream(fork_of=entry.prompt_stream)
         self._streams[seq_id] = _Stream(
-            group_id, entry, handle, group.prompt[-1], private=group.entry is None, fed=len(group.prompt)
+            group_id, entry, handle, private=group.entry is None, fed=len(group.prompt)
         )
         group.seq_ids.add(seq_id)
 
@@ -122,7 +121,6 @@ class NgramDrafter:
         self._prune_wait -= len(tokens)
         self._make_room(len(tokens))
         s.entry.trie.extend(s.handle, tokens)
-        s.last_token = int(tokens[-1])
         s.fed += len(tokens)
 
     def fed(self, seq_id: int) -> int:
@@ -133,7 +131,6 @@ class NgramDrafter:
         """Tokens were skipped: stand after `tokens[:upto]` (prompt and output) again."""
         s = self._stream(seq_id)
         s.entry.trie.resync(s.handle, tokens[max(0, upto - self.cfg.max_depth) : upto])
-        s.last_token = int(tokens[upto - 1])
         s.fed = upto
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -164,15 +161,18 @@ class NgramDrafter:
                 self._drop_oldest_history()
 
     # ---- drafting ----
-    def propose(self, seq_id: int, budget: int) -> DraftTree:
-        """At most `budget` drafts (capped at 63) after the sequence's last token; root-only if nothing matches."""
-        s = self._stream(seq_id)
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._streams
+
+    def propose(self, seq_id: int, context: Sequence[int], budget: int) -> DraftTree:
+        """At most `budget` drafts (capped at 63) after `context`, the sequence's tokens so far (prompt
+        included; only the last max_match are read); root-only if nothing matches."""
+        trie = self._stream(seq_id).entry.trie
         budget = min(budget, MAX_TREE_TOKENS - 1)
-        trie = s.entry.trie
-        node = trie.match(s.handle, self.cfg.min_match, self.cfg.max_match) if budget > 0 else None
+        node = trie.match(context, self.cfg.min_match, self.cfg.max_match) if budget > 0 else None
         if node is None:
-            return DraftTree.root_only(s.last_token, self.source)
-        return trie.draft(node, s.last_token, budget, self.source)
+            return DraftTree.root_only(int(context[-1]), self.source)
+        return trie.draft(node, int(context[-1]), budget, self.source)
 
     def clear_history(self) -> None:
         """Forget finished prompts (benchmarks use it so runs do not draft from earlier runs)."""

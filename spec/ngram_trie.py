@@ -148,12 +148,22 @@ class NgramTrie:
                 yield path + (t,), self.count[child]
                 stack.append((child, path + (t,)))
 
-    def match(self, stream: int, min_match: int, max_match: int) -> int | None:
-        """The node of the stream's longest suffix (max_match down to min_match tokens) that was ever continued."""
-        cur = self._cursor(stream)
-        for m in range(min(max_match, len(cur) - 1), min_match - 1, -1):
-            if self.kids[cur[m]]:
-                return cur[m]
+    def match(self, context: Sequence[int], min_match: int, max_match: int) -> int | None:
+        """The node of the longest suffix of `context` (max_match down to min_match tokens) that was ever continued.
+
+        The suffix is looked up from the root rather than read off a stream's cursor, so a
+        sequence can draft before its newest tokens are counted (see spec/upkeep.py).
+        """
+        kids = self.kids
+        for m in range(min(max_match, len(context)), min_match - 1, -1):
+            node = ROOT
+            for token in context[len(context) - m :]:
+                children = kids[node]
+                node = children.get(token) if children else None
+                if node is None:
+                    break
+            if node is not None and kids[node]:
+                return node
         return None
 
     def draft(self, node: int, root_token: int, budget: int, source: str = "ngram") -> DraftTree:

@@ -2,10 +2,10 @@
 
 Every emitted token must reach the n-gram tries, which costs host time per token per
 sequence (a few microseconds in Python). A step that does not draft has no use for that
-work right away, so the engine applies the queue in the device's shadow: after launching
-a step and only until the device finishes it. A step that drafts first applies the whole
-queue (its proposals match against the newest tokens), and that cost is charged to
-drafting by the budget.
+work right away, and neither has a step that drafts: proposals look up the sequence's
+newest tokens in the trie directly, and a trie one step behind drafts nearly as well. So
+the engine applies the queue in the device's shadow: after launching a step and only
+until the device finishes it.
 
 Each step queues its batch, not its tokens: applying a sequence feeds it whatever it has
 emitted since it was last fed. When the host is the bottleneck (a small model at a large

@@ -34,21 +34,22 @@ def test_propose_never_exceeds_budget_and_siblings_distinct():
         d.extend(s, toks)
         contexts[s] += toks
         budget = int(rng.integers(-1, 80))
-        tree = d.propose(s, budget)
+        tree = d.propose(s, contexts[s], budget)
         assert tree.num_drafts <= max(0, min(budget, 63))
         assert tree.tokens[0] == contexts[s][-1] and tree.source == "ngram"
         for kids in tree.children():
             assert len({int(tree.tokens[k]) for k in kids}) == len(kids)
-    assert d.propose(0, 63).num_drafts == 63  # a rich trie fills the largest tree
+    assert d.propose(0, contexts[0], 63).num_drafts == 63  # a rich trie fills the largest tree
 
 
 def test_sequence_drafts_from_its_own_output():
     d = NgramDrafter()
     d.add_group("g", PROMPT)
     d.add_sequence("g", 0)
-    assert d.propose(0, 8).num_drafts == 0  # nothing after the prompt yet
-    d.extend(0, ANSWER + [55, 56] + ANSWER[:3])
-    assert drafted_paths(d.propose(0, 4))[-1] == tuple(ANSWER[2:7])
+    assert d.propose(0, PROMPT, 8).num_drafts == 0  # nothing after the prompt yet
+    output = ANSWER + [55, 56] + ANSWER[:3]
+    d.extend(0, output)
+    assert drafted_paths(d.propose(0, PROMPT + output, 4))[-1] == tuple(ANSWER[2:7])
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -58,9 +59,9 @@ def test_siblings_outputs_feed_each_other(share):
     d.add_sequence("g", 0)
     d.add_sequence("g", 1)
     d.extend(0, ANSWER)
-    assert first_draft(d.propose(1, 8)) == (ANSWER[0] if share else None)  # from the prompt's end
+    assert first_draft(d.propose(1, PROMPT, 8)) == (ANSWER[0] if share else None)  # from the prompt's end
     d.extend(1, ANSWER[:5])
-    tree = d.propose(1, 8)
+    tree = d.propose(1, PROMPT + ANSWER[:5], 8)
     if share:
         assert drafted_paths(tree)[-1] == tuple(ANSWER[4:13])
     else:
@@ -79,17 +80,17 @@ def test_history_survives_remove_group_and_is_reused():
     d.remove_group("epoch0")  # also removes sequence 1
     assert d.memory_nodes() == nodes
     with pytest.raises(KeyError):
-        d.propose(1, 4)
+        d.propose(1, PROMPT, 4)
 
     d.add_group("other", [5, 6, 7])
     d.add_sequence("other", 10)
-    assert d.propose(10, 8).num_drafts == 0  # another prompt does not see this history
+    assert d.propose(10, [5, 6, 7], 8).num_drafts == 0  # another prompt does not see this history
     d.add_group("epoch1", PROMPT)
     d.add_sequence("epoch1", 20)
-    tree = d.propose(20, 8)
+    tree = d.propose(20, PROMPT, 8)
     assert sorted(int(tree.tokens[k]) for k in tree.children()[0]) == sorted([ANSWER[0], 7])  # both earlier samples
     d.extend(20, ANSWER[:2])
-    assert drafted_paths(d.propose(20, 3))[-1] == tuple(ANSWER[1:5])
+    assert drafted_paths(d.propose(20, PROMPT + ANSWER[:2], 3))[-1] == tuple(ANSWER[1:5])
 
 
 def test_prompt_is_counted_once_across_epochs():
@@ -114,13 +115,13 @@ def test_history_is_lru_bounded():
     for p in (200, 100, 400):
         d.add_group(p, prompts.get(p, [400, 401]))
         d.add_sequence(p, p + 1)
-    assert first_draft(d.propose(201, 4)) == 250
-    assert first_draft(d.propose(101, 4)) is None
+    assert first_draft(d.propose(201, prompts[200], 4)) == 250
+    assert first_draft(d.propose(101, prompts[100], 4)) is None
     d.remove_group(200)
     d.remove_group(100)  # history: 300, 200, 100 -> 300 dropped
     d.add_group(300, prompts[300])
     d.add_sequence(300, 301)
-    assert first_draft(d.propose(301, 4)) is None
+    assert first_draft(d.propose(301, prompts[300], 4)) is None
 
 
 def test_private_tries_are_freed_without_sharing():
@@ -140,7 +141,7 @@ def test_unknown_and_duplicate_ids_raise_clear_errors():
     with pytest.raises(KeyError, match="unknown group"):
         d.add_sequence("nope", 0)
     with pytest.raises(KeyError, match="unknown sequence 3"):
-        d.propose(3, 4)
+        d.propose(3, PROMPT, 4)
     with pytest.raises(KeyError, match="unknown sequence 3"):
         d.extend(3, [1])
     with pytest.raises(KeyError, match="unknown sequence 3"):
@@ -208,7 +209,7 @@ def test_memory_stays_under_bound_on_long_run_and_drafts_remain_valid(share):
             contexts[sid] += toks
             own = ngrams_of(contexts[sid][-(len(toks) + cfg.max_depth) :], cfg.max_depth)
             seen[p] |= own
-            tree = d.propose(sid, int(rng.integers(1, 20)))
+            tree = d.propose(sid, contexts[sid], int(rng.integers(1, 20)))
             allowed = seen[p] if share else ngrams_of(contexts[sid], cfg.max_depth)
             assert tree.tokens[0] == contexts[sid][-1]
             for path in drafted_paths(tree)[1:]:

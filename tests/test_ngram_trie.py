@@ -60,11 +60,11 @@ def test_longest_suffix_match_is_used():
     trie.extend(a, [1, 2, 3, 9])
     trie.extend(b, [3, 7] * 5)
     trie.extend(query, [1, 2, 3])
-    node = trie.match(query, min_match=1, max_match=3)
+    node = trie.match([1, 2, 3], min_match=1, max_match=3)
     assert trie.draft(node, 3, budget=1).tokens.tolist() == [3, 9]  # "1 2 3" -> 9
-    node = trie.match(query, min_match=1, max_match=1)
+    node = trie.match([1, 2, 3], min_match=1, max_match=1)
     assert trie.draft(node, 3, budget=1).tokens.tolist() == [3, 7]  # "3" -> 7 five times, 9 once
-    assert trie.match(query, min_match=4, max_match=6) is None  # no 4-gram ending the query was continued
+    assert trie.match([1, 2, 3], min_match=4, max_match=6) is None  # no 4-gram ending the query was continued
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -84,7 +84,7 @@ def test_draft_tree_is_best_first_by_path_probability(seed):
     # Every continuation the trie can draft from the match, with its probability.
     candidates = {g[m:]: path_prob(counts, suffix, g[m:]) for g in counts if len(g) > m and g[:m] == suffix}
     for budget in [1, 3, 8, 20]:
-        tree = trie.draft(trie.match(query, min_match, max_match), context[-1], budget)
+        tree = trie.draft(trie.match(context, min_match, max_match), context[-1], budget)
         assert tree.num_drafts == min(budget, len(candidates))
         paths = [()]
         for i in range(1, len(tree.tokens)):
@@ -100,7 +100,7 @@ def test_draft_tree_branches_when_continuations_disagree():
         trie.extend(trie.open_stream(), seen)
     query = trie.open_stream()
     trie.extend(query, [1])
-    tree = trie.draft(trie.match(query, 1, 1), 1, budget=4)
+    tree = trie.draft(trie.match([1], 1, 1), 1, budget=4)
     # 2 (p=2/3), 3 and 4 (2/3 each, their paths continue surely), then 5 (1/3): both branches.
     assert tree.tokens.tolist() == [1, 2, 3, 4, 5] and tree.parents.tolist() == [-1, 0, 1, 2, 0]
 
