@@ -61,6 +61,7 @@ spec)
   rm -f "$OUT"/*.json  # the tables are enough here, and at most 8 files come back
   ;;
 big)
+  python3 bench/gemm_sweep.py --rows 1 2>&1 | grep -v -i warn | tee "$OUT/gemm_sweep.log"
   bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128
   bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 64
   bench --workload grpo --random-model llama3-8b --spec-modes off,ngram --batch-sizes 64 --temperature 1.0 --output-len 128

@@ -43,6 +43,7 @@ def main() -> None:
     timed(eng.runner, "_layout", "layout")
     timed(eng.runner.graphs, "launch", "graph replay (launch)")
     timed(eng.runner, "_sample", "eager sample + copy back")
+    timed(eng.runner, "collect", "collect (wait + emit)")
     timed(eng.runner, "_emit", "emit")
     timed(eng, "_append", "append (stops, drafter)")
     timed(eng, "_draft", "draft")
@@ -57,16 +58,17 @@ def main() -> None:
     for k, v in spent.items():
         print(f"  {k:28s} {v / steps * 1e3:.3f} ms/step")
 
-    # the graph alone, replayed back to back
-    g = next(iter(eng.runner.graphs._graphs.values()))
+    # every captured graph alone, replayed back to back: the device time of each step shape
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(200):
-        g.graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    print(f"  graph replay alone           {start.elapsed_time(end) / 200:.3f} ms")
+    for shape, graph in sorted(eng.runner.graphs._graphs.items()):
+        start.record()
+        for _ in range(50):
+            graph.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"  graph replay alone {str(shape):28s} {start.elapsed_time(end) / 50:.3f} ms")
+    g = eng.runner.graphs._graphs[min(eng.runner.graphs._graphs)]
 
     # kernels inside that graph, by total GPU time
     from torch.profiler import ProfilerActivity, profile
