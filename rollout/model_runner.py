@@ -3,7 +3,9 @@
 Host work per step: lay out the new tokens of every sequence (prefill chunk, decode token,
 or draft tree) and give them KV slots (`StepLayout`), upload that in two copies, run the
 model (a captured CUDA graph for decode and verify steps on the GPU), draw every token
-needed in one sampling pass, and copy the results back once.
+needed in one sampling pass, and copy the results back once. On a small model the host is
+the bottleneck, so decode and verify steps are laid out, and verify steps' trees walked,
+with array operations over the whole batch rather than per sequence and per node.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from rollout.sampler import SamplingTensors, sample
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
 from spec.tree import DraftTree
-from spec.verify import accept_path
+from spec.verify import accept_paths
 
 
 @dataclass
@@ -80,17 +82,22 @@ class DrawInputs:
     mode: str  # greedy | sample | truncate: which code path every row can share
 
     @staticmethod
-    def of(draws: list[tuple[Sequence, int, int]]) -> "DrawInputs":
-        params = [d[0].request.params for d in draws]
-        i64 = np.array([[d[1], d[0].key, d[2], p.top_k] for d, p in zip(draws, params)], dtype=np.int64).reshape(-1, 4)
-        f32 = np.array([[p.temperature, p.top_p, p.min_p] for p in params], dtype=np.float32).reshape(-1, 3)
+    def of(seqs: list[Sequence], counts: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> "DrawInputs":
+        """`counts[i]` draws for `seqs[i]`, in order; `rows`, `positions`: per draw."""
+        params = [s.request.params for s in seqs]
+        per_seq_i64 = np.array([[s.key, p.top_k] for s, p in zip(seqs, params)], dtype=np.int64).reshape(-1, 2)
+        per_seq_f32 = np.array([[p.temperature, p.top_p, p.min_p] for p in params], dtype=np.float32).reshape(-1, 3)
+        i64 = np.empty((4, len(rows)), dtype=np.int64)
+        i64[0], i64[2] = rows, positions
+        i64[[1, 3]] = np.repeat(per_seq_i64, counts, axis=0).T
+        f32 = np.ascontiguousarray(np.repeat(per_seq_f32, counts, axis=0).T)
         if all(p.temperature == 0 for p in params):
             mode = "greedy"
         elif any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             mode = "truncate"
         else:
             mode = "sample"
-        return DrawInputs(np.ascontiguousarray(i64.T), np.ascontiguousarray(f32.T), mode)
+        return DrawInputs(i64, f32, mode)
 
     def tensors(self, i64: torch.Tensor, f32: torch.Tensor) -> SamplingTensors:
         """SamplingTensors over device copies of i64 [4, S] and f32 [3, S]."""
@@ -152,8 +159,10 @@ class StepInFlight:
 
     batch: Batch
     trees: dict[int, DraftTree]
-    item_slots: list[np.ndarray]
-    draws: list[tuple[Sequence, int, int]]
+    slots: np.ndarray  # the KV slots given to the step's tokens, in token order
+    first_draw: np.ndarray  # [items + 1]: item k's draws (its sample's, then its forks'; or its tree's nodes)
+    node_tokens: np.ndarray | None  # verify steps: every tree node's token and parent (-1: a root), step-wide
+    node_parents: np.ndarray | None
     result: HostCopy
 
 
@@ -197,10 +206,11 @@ class ModelRunner:
         self._dirty_rows: list[np.ndarray] = []  # slot-table entries changed on the host since the last commit
         self._dirty_cols: list[np.ndarray] = []
 
-    def _set_row(self, row: int, start: int, slots: np.ndarray) -> None:
-        self.pool.rows_host[row, start : start + len(slots)] = slots
-        self._dirty_rows.append(np.full(len(slots), row, dtype=np.int64))
-        self._dirty_cols.append(np.arange(start, start + len(slots), dtype=np.int64))
+    def _set_slots(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
+        """Slot-table entries (rows[i], cols[i]) = slots[i], on the host now and on the device at commit."""
+        self.pool.rows_host[rows, cols] = slots
+        self._dirty_rows.append(rows)
+        self._dirty_cols.append(cols)
 
     def _commit_rows(self) -> None:
         if self._dirty_rows:
@@ -214,9 +224,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: Batch, trees: dict[int, DraftTree]) -> StepInFlight:
         """Lay out, upload and queue the step on the device; returns without waiting for it."""
-        lay, draws, item_slots = self._layout(batch, trees)
+        parents = None
+        if batch.is_prefill:
+            lay, inputs, first_draw = self._prefill_layout(batch)
+        elif trees:
+            lay, inputs, first_draw, parents = self._tree_layout(batch, trees)
+        else:
+            lay, inputs, first_draw = self._decode_layout(batch)
         self._commit_rows()
-        inputs = DrawInputs.of(draws)
         shape = None
         if self.graphs is not None and not batch.is_prefill:  # one draw per logits row, in order
             shape = self.graphs.shape(lay, inputs.mode)
@@ -225,12 +240,15 @@ class ModelRunner:
         else:
             logits = self.forward(DeviceStep(self._pad_for_cpu(lay), self.device))
             out = self._sample(logits, inputs)
-        return StepInFlight(batch, trees, item_slots, draws, HostCopy(out))
+        node_tokens = lay.input_ids if parents is not None else None
+        return StepInFlight(batch, trees, lay.out_slots, first_draw, node_tokens, parents, HostCopy(out))
 
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
         tokens, logprobs = step.result.wait()
-        return self._emit(step.batch, step.trees, step.item_slots, step.draws, tokens, logprobs)
+        if step.trees:
+            return self._emit_trees(step, tokens, logprobs)
+        return self._emit(step, tokens, logprobs)
 
     def forward(self, step: DeviceStep, attn_out: torch.Tensor | None = None) -> torch.Tensor:
         """The model on one uploaded step: logits [L, vocab] float32 for step.logits_rows."""
@@ -251,54 +269,38 @@ class ModelRunner:
         )
         return self.model(step.input_ids, ctx, step.logits_rows)
 
-    def _layout(self, batch: Batch, trees: dict[int, DraftTree]):
-        if not trees and not batch.is_prefill:
-            return self._decode_layout(batch)
-        ids, positions, out_slots, kv_lens, q_lens, masks = [], [], [], [], [], []
+    def _prefill_layout(self, batch: Batch):
+        """Prompt chunks (and decode tokens riding along); a finished prompt draws for its sample and forks."""
+        ids, starts, q_lens, rows = [], [], [], []
         logits_rows: list[int] = []
-        draws: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, output position) per draw
-        item_slots: list[np.ndarray] = []
+        draw_seqs: list[Sequence] = []
+        first_draw = [0]
         num_tokens = 0
         for item in batch.items:
             seq, start = item.seq, item.seq.num_cached
-            tree = trees.get(seq.seq_id)
-            if tree is not None:
-                new_ids, depths = tree.tokens, tree.depths()
-                masks.append(tree.ancestor_mask())
-            else:
-                new_ids = np.asarray(seq.tokens[start : start + item.num_new], dtype=np.int64)
-                depths = np.arange(len(new_ids))
-                masks.append(np.ones(1, dtype=np.int64))  # read only in tree steps, where n == 1
-            n = len(new_ids)
-            slots = self.pool.alloc(n)
-            self._set_row(seq.row, start, slots)
-            item_slots.append(slots)
-            ids.append(new_ids)
-            positions.append(start + depths)
-            out_slots.append(slots)
-            kv_lens.append(start + n)
-            q_lens.append(n)
-            if tree is not None:  # every node predicts the token after it
-                for node, depth in enumerate(depths):
-                    draws.append((seq, len(logits_rows), seq.num_output + int(depth)))
-                    logits_rows.append(num_tokens + node)
-            elif item.samples:  # the last token predicts; siblings draw their first token from it too
-                logits_rows.append(num_tokens + n - 1)
-                for s in [seq, *seq.forks]:
-                    draws.append((s, len(logits_rows) - 1, s.num_output))
-            num_tokens += n
-        use_tree_mask = any(t.num_drafts for t in trees.values())
+            ids.append(np.asarray(seq.tokens[start : start + item.num_new], dtype=np.int64))
+            starts.append(start)
+            q_lens.append(item.num_new)
+            rows.append(seq.row)
+            num_tokens += item.num_new
+            if item.samples:  # the last token predicts; forks draw their first token from it too
+                logits_rows.append(num_tokens - 1)
+                draw_seqs += [seq, *seq.forks]
+            first_draw.append(len(draw_seqs))
+        q_lens_a = np.array(q_lens, dtype=np.int32)
+        starts_a = np.array(starts, dtype=np.int64)
+        slots, offsets = self._place(np.array(rows, dtype=np.int64), starts_a, q_lens_a)
         lay = StepLayout(
-            input_ids=np.concatenate(ids).astype(np.int64),
-            positions=np.concatenate(positions).astype(np.int64),
-            out_slots=np.concatenate(out_slots).astype(np.int64),
-            tree_mask=np.concatenate(masks) if use_tree_mask else None,
-            seq_rows=np.array([item.seq.row for item in batch.items], dtype=np.int32),
-            kv_lens=np.array(kv_lens, dtype=np.int32),
-            q_lens=np.array(q_lens, dtype=np.int32),
-            logits_rows=np.array(logits_rows, dtype=np.int64),
+            input_ids=np.concatenate(ids), positions=np.repeat(starts_a, q_lens_a) + offsets, out_slots=slots,
+            tree_mask=None, seq_rows=np.array(rows, dtype=np.int32), kv_lens=(starts_a + q_lens_a).astype(np.int32),
+            q_lens=q_lens_a, logits_rows=np.array(logits_rows, dtype=np.int64),
         )
-        return lay, draws, item_slots
+        counts = np.ones(len(draw_seqs), dtype=np.int64)
+        draw_rows = np.repeat(  # a draw reads its row of the logits, which hold only `logits_rows`
+            np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples]
+        )
+        positions = np.array([s.num_output for s in draw_seqs], dtype=np.int64)
+        return lay, DrawInputs.of(draw_seqs, counts, draw_rows, positions), np.array(first_draw, dtype=np.int64)
 
     def _decode_layout(self, batch: Batch):
         """The common step, vectorised: every sequence feeds its last token and draws the next."""
@@ -306,22 +308,71 @@ class ModelRunner:
         n = len(seqs)
         starts = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=n)
         rows = np.fromiter((s.row for s in seqs), dtype=np.int32, count=n)
-        slots = self.pool.alloc(n)
-        self.pool.rows_host[rows, starts] = slots
-        self._dirty_rows.append(rows.astype(np.int64))
-        self._dirty_cols.append(starts)
+        ones = np.ones(n, dtype=np.int32)
+        slots, _ = self._place(rows.astype(np.int64), starts, ones)
         lay = StepLayout(
             input_ids=np.fromiter((s.tokens[-1] for s in seqs), dtype=np.int64, count=n),
             positions=starts,
-            out_slots=slots.astype(np.int64),
+            out_slots=slots,
             tree_mask=None,
             seq_rows=rows,
             kv_lens=(starts + 1).astype(np.int32),
-            q_lens=np.ones(n, dtype=np.int32),
+            q_lens=ones,
             logits_rows=np.arange(n, dtype=np.int64),
         )
-        draws = [(s, i, s.num_output) for i, s in enumerate(seqs)]
-        return lay, draws, [slots[i : i + 1] for i in range(n)]
+        positions = np.fromiter((s.num_output for s in seqs), dtype=np.int64, count=n)
+        inputs = DrawInputs.of(seqs, ones, lay.logits_rows, positions)
+        return lay, inputs, np.arange(n + 1, dtype=np.int64)
+
+    def _tree_layout(self, batch: Batch, trees: dict[int, DraftTree]):
+        """A verify step: each sequence feeds its draft tree (or only its last token); every node draws."""
+        seqs = [item.seq for item in batch.items]
+        n = len(seqs)
+        ids, depths, masks, parents = [], [], [], []
+        num_nodes = 0
+        for seq in seqs:
+            tree = trees.get(seq.seq_id)
+            if tree is None:
+                ids.append(seq.tokens[-1:])
+                depths.append((0,))
+                masks.append((1,))
+                parents.append((-1,))
+            else:
+                ids.append(tree.tokens)
+                depths.append(tree.depths())
+                masks.append(tree.ancestor_mask())
+                parents.append(np.where(tree.parents >= 0, tree.parents + num_nodes, -1))
+            num_nodes += len(ids[-1])
+        q_lens = np.fromiter(map(len, ids), dtype=np.int32, count=n)
+        starts = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=n)
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int32, count=n)
+        # nodes take consecutive slot-table positions for now; verification keeps the accepted path
+        slots, _ = self._place(rows.astype(np.int64), starts, q_lens)
+        depth = np.concatenate(depths).astype(np.int64)
+        lay = StepLayout(
+            input_ids=np.concatenate(ids).astype(np.int64),
+            positions=np.repeat(starts, q_lens) + depth,
+            out_slots=slots,
+            tree_mask=np.concatenate(masks).astype(np.int64),
+            seq_rows=rows,
+            kv_lens=(starts + q_lens).astype(np.int32),
+            q_lens=q_lens,
+            logits_rows=np.arange(num_nodes, dtype=np.int64),
+        )
+        num_output = np.fromiter((s.num_output for s in seqs), dtype=np.int64, count=n)
+        inputs = DrawInputs.of(seqs, q_lens, lay.logits_rows, np.repeat(num_output, q_lens) + depth)
+        first_draw = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=first_draw[1:])
+        return lay, inputs, first_draw, np.concatenate(parents).astype(np.int64)
+
+    def _place(self, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """New KV slots for each sequence's `q_lens` tokens, written into the slot table after its cached
+        prefix. Returns the slots and each token's offset within its sequence's new tokens."""
+        num_tokens = int(q_lens.sum())
+        offsets = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        slots = self.pool.alloc(num_tokens).astype(np.int64)
+        self._set_slots(np.repeat(rows, q_lens), np.repeat(starts, q_lens) + offsets, slots)
+        return slots, offsets
 
     def _pad_for_cpu(self, lay: StepLayout) -> StepLayout:
         """On the CPU, at least CPU_GEMM_MIN_ROWS tokens and logits rows (see __init__)."""
@@ -345,42 +396,56 @@ class ModelRunner:
         tokens, logprobs = sample(logits[i64[0]], inputs.tensors(i64, f32))
         return torch.stack([tokens.double(), logprobs.double()])
 
-    def _emit(self, batch, trees, item_slots, draws, tokens, logprobs) -> list[Emitted]:
-        by_seq: dict[int, list[int]] = {}  # seq_id -> its draw indices, in row order
-        for i, (seq, _, _) in enumerate(draws):
-            by_seq.setdefault(seq.seq_id, []).append(i)
+    def _emit(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
+        """A prefill or decode step: every sequence that drew gets one token."""
         out: list[Emitted] = []
-        for item, slots in zip(batch.items, item_slots):
-            seq, start = item.seq, item.seq.num_cached
-            tree = trees.get(seq.seq_id)
-            if tree is None:
-                seq.num_cached = start + item.num_new
-                if item.samples:
-                    for fork in seq.forks:
-                        self._fork_prompt_kv(seq, fork)
-                    for s in [seq, *seq.forks]:
-                        (i,) = by_seq[s.seq_id]
-                        out.append(Emitted(s, [int(tokens[i])], [float(logprobs[i])], item.decode))
+        for k, item in enumerate(step.batch.items):
+            seq = item.seq
+            seq.num_cached += item.num_new
+            if not item.samples:
                 continue
-            idx = by_seq[seq.seq_id]
-            path, bonus = accept_path(tree, tokens[idx])
-            kept = slots[path]
-            self._set_row(seq.row, start, kept)
-            rejected = np.ones(len(slots), dtype=bool)
-            rejected[path] = False
-            self.pool.release(slots[rejected])
-            seq.num_cached = start + len(path)
-            emitted = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
-            out.append(
-                Emitted(
-                    seq, emitted, [float(logprobs[idx[p]]) for p in path], True, tree.num_drafts, len(path) - 1, tree.source
-                )
-            )
+            for fork in seq.forks:
+                self._fork_prompt_kv(seq, fork)
+            for i, s in enumerate([seq, *seq.forks], step.first_draw[k]):
+                out.append(Emitted(s, [int(tokens[i])], [float(logprobs[i])], item.decode))
+        return out
+
+    def _emit_trees(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
+        """A verify step: each tree keeps its accepted path (KV slots and slot-table positions), frees the rest."""
+        items = step.batch.items
+        roots = step.first_draw[:-1].tolist()
+        paths = accept_paths(step.node_parents, step.node_tokens, tokens, roots)
+        node_tokens, drawn, node_logprobs = step.node_tokens.tolist(), tokens.tolist(), logprobs.tolist()
+        out: list[Emitted] = []
+        kept: list[int] = []  # accepted nodes, roots included
+        moved_rows, moved_cols, moved_nodes = [], [], []  # accepted drafts: slot-table position -> node
+        for item, path in zip(items, paths):
+            seq = item.seq
+            kept += path
+            if len(path) > 1:  # the accepted drafts move to the positions right after the root
+                moved_rows += [seq.row] * (len(path) - 1)
+                moved_cols += range(seq.num_cached + 1, seq.num_cached + len(path))
+                moved_nodes += path[1:]
+            seq.num_cached += len(path)
+            tree = step.trees.get(seq.seq_id)
+            emitted = [node_tokens[p] for p in path[1:]] + [drawn[path[-1]]]
+            lps = [node_logprobs[p] for p in path]
+            if tree is None:
+                out.append(Emitted(seq, emitted, lps, item.decode))
+            else:
+                out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, tree.source))
+        if moved_nodes:
+            self._set_slots(np.array(moved_rows, dtype=np.int64), np.array(moved_cols, dtype=np.int64),
+                            step.slots[moved_nodes])
+        keep = np.zeros(len(step.slots), dtype=bool)
+        keep[kept] = True
+        self.pool.release(step.slots[~keep])
         return out
 
     def _fork_prompt_kv(self, leader: Sequence, fork: Sequence) -> None:
         prompt_slots = self.pool.rows_host[leader.row, : leader.num_cached]
         fork.row = self.pool.alloc_row()
         self.pool.share(prompt_slots)
-        self._set_row(fork.row, 0, prompt_slots.copy())
+        n = len(prompt_slots)
+        self._set_slots(np.full(n, fork.row, dtype=np.int64), np.arange(n, dtype=np.int64), prompt_slots.copy())
         fork.num_cached = leader.num_cached

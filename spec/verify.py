@@ -20,13 +20,27 @@ import numpy as np
 from spec.tree import DraftTree
 
 
+def accept_paths(parents: np.ndarray, tokens: np.ndarray, drawn: np.ndarray, roots: list[int]) -> list[list[int]]:
+    """The walk for trees laid out one after another: node i carries `tokens[i]`, has parent
+    `parents[i]` (-1 for a root) and drew `drawn[i]`. Returns each root's accepted nodes, root
+    first; the bonus token is the draw of the path's last node."""
+    # a node is accepted iff its parent is and it carries its parent's draw; siblings carry
+    # distinct tokens, so each node has at most one such child
+    children = np.flatnonzero(parents >= 0)
+    matching = children[tokens[children] == drawn[parents[children]]]
+    next_node = np.full(len(parents), -1, dtype=np.int64)
+    next_node[parents[matching]] = matching
+    follow = next_node.tolist()
+    paths = []
+    for root in roots:
+        path = [root]
+        while follow[path[-1]] >= 0:
+            path.append(follow[path[-1]])
+        paths.append(path)
+    return paths
+
+
 def accept_path(tree: DraftTree, targets: np.ndarray) -> tuple[np.ndarray, int]:
-    """targets[i]: the token drawn after node i. Returns (accepted nodes, root first; bonus token)."""
-    children, tokens, drawn = tree.children(), tree.tokens.tolist(), targets.tolist()
-    path = [0]
-    while True:
-        node = path[-1]
-        nxt = next((c for c in children[node] if tokens[c] == drawn[node]), None)
-        if nxt is None:
-            return np.asarray(path, dtype=np.int64), int(drawn[node])
-        path.append(nxt)
+    """One tree: targets[i] is the token drawn after node i. Returns (accepted nodes, root first; bonus token)."""
+    (path,) = accept_paths(tree.parents.astype(np.int64), tree.tokens, np.asarray(targets), [0])
+    return np.asarray(path, dtype=np.int64), int(targets[path[-1]])
