@@ -10,7 +10,7 @@
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | speed | phases | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | speed | history | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -45,8 +45,13 @@ profile)
 speed)
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256 --repeats 3
   bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256 --repeats 3
+  rm -f "$OUT"/*.json
+  ;;
+history)  # a second epoch: the drafter remembers the warm-up run's samples
   bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,8,512 --n 8 --temperature 0 --output-len 256
   bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,512 --n 8 --temperature 1.0 --output-len 256
+  python3 bench/step_costs.py 2>&1 | grep -v -i warn | tee "$OUT/step_costs.log"
+  rm -f "$OUT"/*.json
   ;;
 phases)
   python3 bench/rollout_phases.py admission 2>&1 | grep -v -i warn | tee "$OUT/admission.log"
