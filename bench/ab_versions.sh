@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Benchmark several commits side by side in one machine session (drift between sessions is
+# larger than most of the effects measured here).
+#
+#   here:        bash bench/ab_versions.sh prepare REV...    (git archive of each REV into ab/REV)
+#   on the GPU:  bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
+#
+# `run` takes "head" for the checkout itself; each version runs in its own directory, so it
+# imports its own code.
+set -uo pipefail
+cmd=${1:?prepare | run}; shift
+revs=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do revs+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+case "$cmd" in
+prepare)
+  for rev in "${revs[@]}"; do
+    rm -rf "ab/$rev" && mkdir -p "ab/$rev" && git archive "$rev" rollout spec kernels weight_sync | tar -x -C "ab/$rev"
+  done
+  ;;
+run)
+  export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
+  for rev in "${revs[@]}"; do
+    root=$PWD/ab/$rev; [ "$rev" = head ] && root=$PWD
+    echo "== $rev"
+    (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.cli bench --out "${OUT:-/tmp/out}/$rev" "$@" 2>&1 |
+      grep -E "^\| rollout.*runs")
+  done
+  ;;
+esac
