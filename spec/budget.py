@@ -9,7 +9,7 @@ into two things learned separately while running, so neither needs exploring the
   known. Shapes not yet measured are assumed to cost what a decode step does, so each gets
   tried; a shape that turns out dear is simply not chosen again.
 - What a draft brings: per sequence, an average of the drafts it recently had accepted; a
-  new sequence starts from the average over all sequences. A sequence whose drafts keep
+  sequence not yet verified is credited the average over all sequences. A sequence whose drafts keep
   failing stops drafting; every PROBE_EVERY steps such sequences are offered again, at a
   modest expected value, so acceptance that returns is noticed.
 
@@ -100,8 +100,8 @@ class DraftBudget:
             self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
 
     def observe(self, seq_id: int, accepted: int) -> None:
-        prev = self._accepted_ema.get(seq_id, self._prior)
-        self._accepted_ema[seq_id] = (1 - EMA_WEIGHT) * prev + EMA_WEIGHT * accepted
+        prev = self._accepted_ema.get(seq_id)  # a sequence's own first result replaces the prior outright
+        self._accepted_ema[seq_id] = accepted if prev is None else (1 - EMA_WEIGHT) * prev + EMA_WEIGHT * accepted
         self._prior = (1 - PRIOR_WEIGHT) * self._prior + PRIOR_WEIGHT * accepted
 
     def forget(self, seq_id: int) -> None:

@@ -71,3 +71,11 @@ def test_the_best_prefix_by_value_per_draft_token_is_drafted():
         measured(budget, 3, drafts, 2e-3)
     plan = budget.for_batch(seqs(3))
     assert plan == {0: 7, 1: 3, 2: 2}  # 3 + 12 drafts = 15 tokens: still the cheap shape
+
+
+def test_a_failed_first_draft_pauses_the_sequence_at_once():
+    budget = DraftBudget(8, 256)
+    measured(budget, 1, 0, 1e-3)
+    assert budget.for_batch(seqs(1)) == {0: 3}  # not yet verified: credited the all-sequence prior
+    budget.observe(0, 0)
+    assert budget.for_batch(seqs(1)) == {}  # its own result replaces the prior, not averaged with it
