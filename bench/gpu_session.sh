@@ -10,7 +10,7 @@
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | speed | history | phases | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | profile256 | speed | history | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -41,6 +41,10 @@ profile)
   for b in 1 64; do python3 bench/profile_step.py --batch $b; done > "$OUT/profile.log" 2>&1
   python3 bench/profile_step.py --batch 1 --spec ngram >> "$OUT/profile.log" 2>&1
   grep -E "batch|ms/step|replay alone" "$OUT/profile.log"
+  ;;
+profile256)  # host phases at 256 running sequences, where nothing is drafted, with and without the drafter
+  for spec in off ngram; do python3 bench/profile_step.py --batch 256 --spec $spec; done > "$OUT/profile256.log" 2>&1
+  grep -E "^batch|^  [a-z]" "$OUT/profile256.log" | grep -v "replay alone"
   ;;
 speed)
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256 --repeats 3

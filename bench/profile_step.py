@@ -9,6 +9,7 @@ import argparse
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from rollout import Engine, SamplingParams
@@ -40,14 +41,19 @@ def main() -> None:
         setattr(obj, name, wrapper)
 
     timed(eng.scheduler, "schedule", "schedule")
-    timed(eng.runner, "_layout", "layout")
+    for layout in ("_decode_layout", "_tree_layout", "_prefill_layout"):
+        timed(eng.runner, layout, "layout")
     timed(eng.runner.graphs, "launch", "graph replay (launch)")
     timed(eng.runner, "_sample", "eager sample + copy back")
     timed(eng.runner, "collect", "collect (wait + emit)")
     timed(eng.runner, "_emit", "emit")
+    timed(eng.runner, "_emit_trees", "emit")
     timed(eng, "_append", "append (stops, drafter)")
-    timed(eng, "_draft", "draft")
+    if eng.drafter is not None:
+        timed(eng, "_draft", "draft")
+        timed(eng.upkeep, "apply", "drafter upkeep (shadow)")
     reqs = [eng.add_request(p, params) for p in prompts]
+    eng.step_times_ms.clear()
     t0 = time.perf_counter()
     steps = 0
     while not all(r.finished for r in reqs):
@@ -57,6 +63,8 @@ def main() -> None:
     print(f"batch {args.batch} spec {args.spec}: {steps} steps, {total / steps * 1e3:.3f} ms/step")
     for k, v in spent.items():
         print(f"  {k:28s} {v / steps * 1e3:.3f} ms/step")
+    p10, p50, p90 = (float(x) for x in np.percentile(eng.step_times_ms, [10, 50, 90]))
+    print(f"  step ms p10 / p50 / p90       {p10:.3f} / {p50:.3f} / {p90:.3f}")
 
     # every captured graph alone, replayed back to back: the device time of each step shape
     torch.cuda.synchronize()
