@@ -17,6 +17,7 @@ on (nor its prefixes), so cursors stay valid and no n-gram is ever invented.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 
 from spec.tree import DraftTree
@@ -46,9 +47,11 @@ class NgramTrie:
         # Per node; a freed node has count 0 and waits in `_free` for reuse.
         self.kids: list[dict[int, int] | None] = [None]  # token -> child node; None for a leaf
         self.count: list[int] = [0]
-        self.parent: list[int] = [-1]
-        self.token: list[int] = [-1]  # the last token of the node's n-gram
-        self.depth: list[int] = [0]  # the n-gram's length
+        # Columns the hot path seldom touches are arrays: compact, and nothing for the cyclic GC
+        # to walk (a full collection visits every element of every list).
+        self.parent = array("q", [-1])
+        self.token = array("q", [-1])  # the last token of the node's n-gram
+        self.depth = array("q", [0])  # the n-gram's length
         self._free: list[int] = []
         self.num_nodes = 0  # the root is not counted
         self._cursors: dict[int, list[int]] = {}
@@ -69,40 +72,61 @@ class NgramTrie:
     def extend(self, stream: int, tokens: Iterable[int]) -> None:
         """Append `tokens` to the stream, counting every n-gram (up to max_depth) they end."""
         cur = self._cursor(stream)
-        # The hot path of the drafter (max_depth steps per token): locals and inlined creation.
+        # The hot path of the drafter (max_depth steps per token): locals, and no allocation per token.
         kids, count, budget, max_depth = self.kids, self.count, self.budget, self.max_depth
-        parent, token, depth, free = self.parent, self.token, self.depth, self._free
         created = 0
         for t in tokens:
             t = int(t)
-            nxt = [ROOT]
-            for node in cur[:max_depth]:
+            n = min(len(cur), max_depth)
+            if budget.used + n <= budget.limit:
+                # The cursor moves in place, longest suffix first (cur[k + 1] is written after it was
+                # read): no list per token, so the cyclic GC runs far less often.
+                if n == len(cur):
+                    cur.append(ROOT)
+                for k in range(n - 1, -1, -1):
+                    node = cur[k]
+                    d = kids[node]
+                    child = None if d is None else d.get(t)
+                    if child is not None:
+                        count[child] += 1
+                    else:
+                        child = self._new_node(node, t)
+                        created += 1
+                    cur[k + 1] = child
+                continue
+            nxt = [ROOT]  # near the node limit: shorter suffixes first, the longer ones go uncounted
+            for node in cur[:n]:
                 d = kids[node]
                 child = None if d is None else d.get(t)
                 if child is not None:
                     count[child] += 1
                 else:
-                    if budget.used >= budget.limit:  # longer suffixes go uncounted until room is made
+                    if budget.used >= budget.limit:
                         break
-                    budget.used += 1
-                    if free:
-                        child = free.pop()
-                        count[child], parent[child], token[child], depth[child] = 1, node, t, depth[node] + 1
-                    else:
-                        child = len(count)
-                        kids.append(None)
-                        count.append(1)
-                        parent.append(node)
-                        token.append(t)
-                        depth.append(depth[node] + 1)
-                    if d is None:
-                        d = kids[node] = {}
-                    d[t] = child
+                    child = self._new_node(node, t)
                     created += 1
                 nxt.append(child)
-            cur = nxt
+            cur[:] = nxt
         self.num_nodes += created
-        self._cursors[stream] = cur
+
+    def _new_node(self, parent: int, token: int) -> int:
+        self.budget.used += 1
+        depth = self.depth[parent] + 1
+        if self._free:
+            child = self._free.pop()
+            self.count[child], self.parent[child], self.token[child], self.depth[child] = 1, parent, token, depth
+        else:
+            child = len(self.count)
+            self.kids.append(None)
+            self.count.append(1)
+            self.parent.append(parent)
+            self.token.append(token)
+            self.depth.append(depth)
+        d = self.kids[parent]
+        if d is None:
+            d = self.kids[parent] = {}
+        d[token] = child
+        return child
 
     def resync(self, stream: int, tail: Sequence[int]) -> None:
         """Move the stream's cursor to stand after `tail`, counting nothing (tokens before it
