@@ -406,7 +406,7 @@ class ModelRunner:
                 continue
             for fork in seq.forks:
                 self._fork_prompt_kv(seq, fork)
-            for i, s in enumerate([seq, *seq.forks], step.first_draw[k]):
+            for i, s in enumerate([seq, *seq.forks], int(step.first_draw[k])):
                 out.append(Emitted(s, [int(tokens[i])], [float(logprobs[i])], item.decode))
         return out
 

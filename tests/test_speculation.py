@@ -130,6 +130,30 @@ def test_greedy_walk_accepts_the_longest_matching_path():
     assert path.tolist() == [0] and bonus == 2
 
 
+def test_step_wide_walk_matches_a_plain_walk_of_each_tree():
+    from spec.verify import accept_paths
+
+    rng = np.random.default_rng(3)
+    trees, drawn = [], []
+    for _ in range(40):
+        n = int(rng.integers(1, 12))
+        parents = [-1] + [int(rng.integers(i)) for i in range(1, n)]
+        tokens = [int(rng.integers(4))]
+        for i in range(1, n):  # siblings carry distinct tokens
+            taken = {tokens[j] for j in range(1, i) if parents[j] == parents[i]}
+            tokens.append(next(t for t in rng.permutation(12).tolist() if t not in taken))
+        trees.append(DraftTree(np.array(tokens), np.array(parents)))
+        drawn.append(rng.integers(4, size=n))  # few values, so that drafts often match
+    offsets = np.cumsum([0] + [len(t.tokens) for t in trees])
+    parents = np.concatenate([np.where(t.parents >= 0, t.parents + o, -1) for t, o in zip(trees, offsets)])
+    paths = accept_paths(parents, np.concatenate([t.tokens for t in trees]), np.concatenate(drawn), offsets[:-1].tolist())
+    for tree, targets, offset, path in zip(trees, drawn, offsets, paths):  # against a plain walk of each tree
+        children, walk = tree.children(), [0]
+        while (nxt := next((c for c in children[walk[-1]] if tree.tokens[c] == targets[walk[-1]]), None)) is not None:
+            walk.append(nxt)
+        assert (np.array(path) - offset).tolist() == walk
+
+
 def test_sibling_sharing_raises_accept_length(default_model_dir, capsys):
     task = arithmetic_tasks(1, seed=0)[0]
     lengths = {}
