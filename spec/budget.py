@@ -74,10 +74,14 @@ class DraftBudget:
         candidates.sort(key=lambda c: c[0] / c[1], reverse=True)
         best_rate, best_k = len(seqs) / decode_s, 0
         expected, drafts = float(len(seqs)), 0
+        costs: dict[tuple[int, int], float] = {}  # a few shapes cover every prefix; look each up once
         for k, (accepted, budget, _) in enumerate(candidates, 1):
             expected += accepted
             drafts += budget
-            rate = expected / (self._cost(len(seqs), drafts) or decode_s)
+            key = self._key(len(seqs), drafts)
+            if key not in costs:
+                costs[key] = self._cost(len(seqs), drafts) or decode_s
+            rate = expected / costs[key]
             if rate > best_rate:
                 best_rate, best_k = rate, k
         return {seq_id: budget for _, budget, seq_id in candidates[:best_k]}
