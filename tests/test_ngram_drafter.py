@@ -262,3 +262,16 @@ def test_upkeep_feeds_what_fits_skips_ahead_when_behind_and_never_drops_lifecycl
     # the skipped tokens' n-grams were never counted: (3, 10) only in the first POLL_EVERY samples' trie paths
     trie = drafter._live[tuple(prompt)].trie
     assert trie.count_of([3, 10]) == POLL_EVERY
+
+
+def test_drafts_from_the_context_even_when_its_newest_tokens_are_not_yet_fed():
+    # the engine proposes before the last step's tokens reach the trie (spec/upkeep.py)
+    d = NgramDrafter()
+    d.add_group("g", PROMPT)
+    d.add_sequence("g", 0)
+    d.add_sequence("g", 1)
+    d.extend(0, ANSWER)
+    d.extend(1, ANSWER[:5])
+    tree = d.propose(1, PROMPT + ANSWER[:7], 3)  # two tokens emitted but not yet fed
+    assert int(tree.tokens[0]) == ANSWER[6]
+    assert drafted_paths(tree)[-1] == tuple(ANSWER[6:10])
