@@ -17,7 +17,6 @@ on (nor its prefixes), so cursors stay valid and no n-gram is ever invented.
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections.abc import Iterable, Iterator, Sequence
 
 from spec.tree import DraftTree
@@ -47,11 +46,9 @@ class NgramTrie:
         # Per node; a freed node has count 0 and waits in `_free` for reuse.
         self.kids: list[dict[int, int] | None] = [None]  # token -> child node; None for a leaf
         self.count: list[int] = [0]
-        # Columns the hot path seldom touches are arrays: compact, and nothing for the cyclic GC
-        # to walk (a full collection visits every element of every list).
-        self.parent = array("q", [-1])
-        self.token = array("q", [-1])  # the last token of the node's n-gram
-        self.depth = array("q", [0])  # the n-gram's length
+        self.parent: list[int] = [-1]
+        self.token: list[int] = [-1]  # the last token of the node's n-gram
+        self.depth: list[int] = [0]  # the n-gram's length
         self._free: list[int] = []
         self.num_nodes = 0  # the root is not counted
         self._cursors: dict[int, list[int]] = {}
