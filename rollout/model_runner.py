@@ -159,10 +159,9 @@ class StepInFlight:
 
     batch: Batch
     trees: dict[int, DraftTree]
-    slots: np.ndarray  # the KV slots given to the step's tokens, in token order
+    layout: StepLayout  # unpadded: input_ids are the tokens fed, out_slots their new KV slots
     first_draw: np.ndarray  # [items + 1]: item k's draws (its sample's, then its forks'; or its tree's nodes)
-    node_tokens: np.ndarray | None  # verify steps: every tree node's token and parent (-1: a root), step-wide
-    node_parents: np.ndarray | None
+    node_parents: np.ndarray | None  # verify steps: each token's tree parent, step-wide (-1: a root)
     result: HostCopy
 
 
@@ -240,8 +239,7 @@ class ModelRunner:
         else:
             logits = self.forward(DeviceStep(self._pad_for_cpu(lay), self.device))
             out = self._sample(logits, inputs)
-        node_tokens = lay.input_ids if parents is not None else None
-        return StepInFlight(batch, trees, lay.out_slots, first_draw, node_tokens, parents, HostCopy(out))
+        return StepInFlight(batch, trees, lay, first_draw, parents, HostCopy(out))
 
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
@@ -414,8 +412,9 @@ class ModelRunner:
         """A verify step: each tree keeps its accepted path (KV slots and slot-table positions), frees the rest."""
         items = step.batch.items
         roots = step.first_draw[:-1].tolist()
-        paths = accept_paths(step.node_parents, step.node_tokens, tokens, roots)
-        node_tokens, drawn, node_logprobs = step.node_tokens.tolist(), tokens.tolist(), logprobs.tolist()
+        fed, slots = step.layout.input_ids, step.layout.out_slots
+        paths = accept_paths(step.node_parents, fed, tokens, roots)
+        node_tokens, drawn, node_logprobs = fed.tolist(), tokens.tolist(), logprobs.tolist()
         out: list[Emitted] = []
         kept: list[int] = []  # accepted nodes, roots included
         moved_rows, moved_cols, moved_nodes = [], [], []  # accepted drafts: slot-table position -> node
@@ -436,10 +435,10 @@ class ModelRunner:
                 out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, tree.source))
         if moved_nodes:
             self._set_slots(np.array(moved_rows, dtype=np.int64), np.array(moved_cols, dtype=np.int64),
-                            step.slots[moved_nodes])
-        keep = np.zeros(len(step.slots), dtype=bool)
+                            slots[moved_nodes])
+        keep = np.zeros(len(slots), dtype=bool)
         keep[kept] = True
-        self.pool.release(step.slots[~keep])
+        self.pool.release(slots[~keep])
         return out
 
     def _fork_prompt_kv(self, leader: Sequence, fork: Sequence) -> None:
