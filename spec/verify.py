@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from spec.tree import DraftTree
-
 
 def accept_paths(parents: np.ndarray, tokens: np.ndarray, drawn: np.ndarray, roots: list[int]) -> list[list[int]]:
     """The walk for trees laid out one after another: node i carries `tokens[i]`, has parent
@@ -39,8 +37,3 @@ def accept_paths(parents: np.ndarray, tokens: np.ndarray, drawn: np.ndarray, roo
         paths.append(path)
     return paths
 
-
-def accept_path(tree: DraftTree, targets: np.ndarray) -> tuple[np.ndarray, int]:
-    """One tree: targets[i] is the token drawn after node i. Returns (accepted nodes, root first; bonus token)."""
-    (path,) = accept_paths(tree.parents.astype(np.int64), tree.tokens, np.asarray(targets), [0])
-    return np.asarray(path, dtype=np.int64), int(targets[path[-1]])

@@ -12,7 +12,7 @@ from rollout.datasets import arithmetic_tasks, chat_prompt_ids
 from rollout.sampler import SamplingTensors, sample, sequence_key
 from rollout.wandb_log import WandbLogger
 from spec.tree import DraftTree
-from spec.verify import accept_path
+from spec.verify import accept_paths
 from wandb_records import history
 
 QUESTIONS = [
@@ -122,17 +122,21 @@ def draw_at(logits_rows: torch.Tensor, keys: torch.Tensor, position: int) -> np.
     return sample(logits_rows, st)[0].numpy()
 
 
+def accept_path(tree: DraftTree, targets: np.ndarray) -> tuple[list[int], int]:
+    """The walk for one tree laid out alone: (accepted nodes, root first; bonus token)."""
+    (path,) = accept_paths(tree.parents.astype(np.int64), tree.tokens, np.asarray(targets), [0])
+    return path, int(targets[path[-1]])
+
+
 def test_greedy_walk_accepts_the_longest_matching_path():
     tree = DraftTree(np.array([7, 1, 3, 0, 2, 4]), np.array([-1, 0, 0, 1, 2, 2]))
     path, bonus = accept_path(tree, np.array([3, 9, 4, 9, 9, 8]))  # root draws 3, node 2 draws 4, node 5 draws 8
-    assert path.tolist() == [0, 2, 5] and bonus == 8
+    assert path == [0, 2, 5] and bonus == 8
     path, bonus = accept_path(tree, np.array([2, 0, 0, 0, 0, 0]))
-    assert path.tolist() == [0] and bonus == 2
+    assert path == [0] and bonus == 2
 
 
 def test_step_wide_walk_matches_a_plain_walk_of_each_tree():
-    from spec.verify import accept_paths
-
     rng = np.random.default_rng(3)
     trees, drawn = [], []
     for _ in range(40):
