@@ -1,0 +1,105 @@
+"""Host-side costs that need no GPU to measure, on the CPU.
+
+    python bench/host_costs.py trie-gc [--freeze]   # feed 512 streams into the tries: time and GC
+    python bench/host_costs.py verify-host          # where a verify step's host time goes (tiny model)
+
+trie-gc: 64 prompts x 8 samples, 256 tokens each, fed one token per call as the engine's
+upkeep does; prints the wall time and, per GC generation, the collections and time spent
+(`--freeze` first moves every object alive, torch's included, out of the collector's sight).
+verify-host: a random-weight 2-layer model at 64 sequences, drafting every step (fixed
+budget), under cProfile; prints ms per step of the runner's and drafter's host functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def trie_gc(freeze: bool) -> None:
+    from spec.ngram import NgramConfig, NgramDrafter
+
+    spent: dict[int, float] = defaultdict(float)
+    count: dict[int, int] = defaultdict(int)
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent[info["generation"]] += time.perf_counter() - started[0]
+            count[info["generation"]] += 1
+
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    gc.callbacks.append(on_gc)
+    drafter = NgramDrafter(NgramConfig())
+    rng = random.Random(0)
+    start = time.perf_counter()
+    seq_ids = []
+    for group in range(64):
+        drafter.add_group(group, [rng.randrange(49152) for _ in range(60)])
+        for _ in range(8):
+            seq_ids.append(len(seq_ids))
+            drafter.add_sequence(group, seq_ids[-1])
+    for _ in range(256):
+        for seq_id in seq_ids:
+            drafter.extend(seq_id, [rng.randrange(2000)])
+    wall = time.perf_counter() - start
+    gc.callbacks.remove(on_gc)
+    per_generation = ", ".join(f"gen {g}: {count[g]} in {spent[g]:.3f} s" for g in sorted(count))
+    print(f"trie-gc{' --freeze' if freeze else ''}: {drafter.memory_nodes()} nodes, feed {wall:.2f} s; {per_generation}")
+    start = time.perf_counter()
+    gc.collect()
+    print(f"  one full collection now: {time.perf_counter() - start:.3f} s")
+
+
+def verify_host() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_models import make_tiny_model
+
+    from rollout.config import EngineConfig, SamplingParams, SpecConfig
+    from rollout.engine import Engine
+
+    model_dir = Path(tempfile.mkdtemp())
+    make_tiny_model("llama", model_dir)
+    eng = Engine(config=EngineConfig(model=str(model_dir), device="cpu",
+                                     spec=SpecConfig(method="ngram", adaptive=False)))
+    prompts = [[p + i for p in [5, 6, 7, 8, 9, 10, 11, 12] * 4] for i in range(8)]
+    params = SamplingParams(n=8, temperature=0.0, max_new_tokens=100, ignore_eos=True)
+    eng.generate(prompts, params)  # warm-up
+    eng.reset_stats()
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    eng.generate(prompts, params)
+    profile.disable()
+    wall = time.perf_counter() - start
+    steps = eng.stats()["rollout/steps"]
+    print(f"verify-host: 64 sequences, {steps} steps, {wall / steps * 1e3:.2f} ms per step (model included)")
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, prim calls, tottime, cumtime, callers)
+    wanted = ("_layout", "_tree_layout", "_emit", "_emit_trees", "_draft", "propose", "apply", "_append")
+    for (path, _, name), (_, _, _, cumtime, _) in sorted(stats.items(), key=lambda kv: -kv[1][3]):
+        if name in wanted and ("rollout" in path or "spec" in path):
+            print(f"  {Path(path).name}:{name:14s} {cumtime / steps * 1e3:.3f} ms per step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["trie-gc", "verify-host"])
+    ap.add_argument("--freeze", action="store_true")
+    args = ap.parse_args()
+    trie_gc(args.freeze) if args.what == "trie-gc" else verify_host()
+
+
+if __name__ == "__main__":
+    main()
