@@ -1,6 +1,6 @@
 """Where a decode step's time goes: GPU graph replay alone vs the engine's host phases.
 
-    python bench/profile_step.py [--batch 1] [--spec off]
+    python bench/profile_step.py [--batch 1] [--spec off] [--no-overlap]
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="off")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--no-overlap", action="store_true", help="wait for every step's tokens (no overlap schedule)")
     args = ap.parse_args()
-    eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000)
+    eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000, overlap_schedule=not args.no_overlap)
     prompts = [[100 + i, 200, 300, 400] * 16 for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
     eng.generate(prompts, params)  # warm up: compile, capture
@@ -60,7 +61,7 @@ def main() -> None:
         eng.step()
         steps += 1
     total = time.perf_counter() - t0
-    print(f"batch {args.batch} spec {args.spec}: {steps} steps, {total / steps * 1e3:.3f} ms/step")
+    print(f"batch {args.batch} spec {args.spec} overlap {not args.no_overlap}: {steps} steps, {total / steps * 1e3:.3f} ms/step")
     for k, v in spent.items():
         print(f"  {k:28s} {v / steps * 1e3:.3f} ms/step")
     p10, p50, p90 = (float(x) for x in np.percentile(eng.step_times_ms, [10, 50, 90]))

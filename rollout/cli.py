@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=EngineConfig.kv_cache_memory_fraction,
                    help="share of free GPU memory the KV pool takes when --kv-cache-tokens is not given")
     g.add_argument("--no-cuda-graphs", action="store_true")
+    g.add_argument("--no-overlap-schedule", action="store_true",
+                   help="wait for each step's tokens before preparing the next (the overlap schedule is on by default)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculation")
     s.add_argument("--spec", default="auto", choices=["off", "ngram", "auto"], help="auto = best drafter available")
@@ -49,6 +51,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         cuda_graphs=not args.no_cuda_graphs,
+        overlap_schedule=not args.no_overlap_schedule,
         seed=args.seed,
         spec=SpecConfig(
             method=args.spec,

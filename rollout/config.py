@@ -105,6 +105,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # default: from kv_cache_memory_fraction (CUDA) or 64k tokens (CPU)
     kv_cache_memory_fraction: float = 0.85
     cuda_graphs: bool = True
+    overlap_schedule: bool = True  # launch each decode step before the host has the previous step's tokens
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
 

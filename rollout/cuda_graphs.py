@@ -52,8 +52,11 @@ class _Graph:
     i64: torch.Tensor  # [9 * T]: ids, positions, out slots, tree mask, logits rows | (unused) row, key, position, top_k
     i32: torch.Tensor  # [3 * B + 1]: seq rows, kv lens, qo indptr
     f32: torch.Tensor  # [3 * T]: temperature, top_p, min_p
-    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pinned staging of i64, i32, f32
+    # Pinned staging of i64, i32, f32, two sets used in turn: with a step chained after another
+    # of the same shape, the earlier one's upload may still be queued when the next is staged.
+    host: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     out: torch.Tensor  # [2, T] float64: drawn tokens, their logprobs; written by every replay
+    turn: int = 0
 
 
 class _StaticStep:
@@ -107,8 +110,12 @@ class CudaGraphs:
                         self._capture(num_seqs, num_tokens, tree, mode)
         return len(self._graphs)
 
-    def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str]) -> torch.Tensor:
-        """Replay the graph for this layout; returns its [2, n] (tokens, logprobs) output on the device."""
+    def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str],
+               feed: tuple[torch.Tensor, np.ndarray | None] | None = None) -> torch.Tensor:
+        """Replay the graph for this layout; returns its [2, n] (tokens, logprobs) output on the device.
+        `feed`: a chained step's input ids, from the previous step's drawn tokens (see ModelRunner.launch)."""
+        from rollout.model_runner import feed_input_ids
+
         g = self._graphs.get(shape) or self._capture(*shape)
         b, t, tree, _ = shape
         n = len(lay.logits_rows)
@@ -116,7 +123,9 @@ class CudaGraphs:
         qo_indptr = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(padded.q_lens, out=qo_indptr[1:])
         mask = padded.tree_mask if tree else np.zeros(t, dtype=np.int64)
-        i64_host, i32_host, f32_host = (h.numpy() for h in g.host)
+        staging = g.host[g.turn]
+        g.turn ^= 1
+        i64_host, i32_host, f32_host = (h.numpy() for h in staging)
         np.concatenate(
             [padded.input_ids, padded.positions, padded.out_slots, mask, padded.logits_rows], out=i64_host[: 5 * t]
         )
@@ -126,8 +135,10 @@ class CudaGraphs:
         f32_host.reshape(3, t)[:, n:] = 0
         f32_host.reshape(3, t)[:, :n] = draws.f32
         np.concatenate([padded.seq_rows, padded.kv_lens, qo_indptr], out=i32_host)
-        for dst, src in zip((g.i64, g.i32, g.f32), g.host):
+        for dst, src in zip((g.i64, g.i32, g.f32), staging):
             dst.copy_(src, non_blocking=True)
+        if feed is not None:
+            feed_input_ids(g.i64[: lay.num_tokens], *feed)
         g.graph.replay()
         return g.out[:, :n]
 
@@ -163,7 +174,7 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
             out = step_fn()
-        host = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32))
+        host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
         g = _Graph(graph, i64, i32, f32, host, out)
         self._graphs[(num_seqs, num_tokens, tree, mode)] = g
         return g

@@ -24,9 +24,9 @@ from rollout.config import EngineConfig, SamplingParams, SpecConfig
 from rollout.kv_pool import KVPool
 from rollout.model_config import ModelConfig
 from rollout.model_loader import build_model, load_checkpoint, randomize, resolve_model_path
-from rollout.model_runner import Emitted, ModelRunner
+from rollout.model_runner import Emitted, ModelRunner, StepInFlight
 from rollout.sampler import sequence_key
-from rollout.scheduler import Scheduler
+from rollout.scheduler import Batch, Scheduler
 from rollout.sequence import Request, Sequence, SpecCounters, Status
 from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
 from spec.budget import DraftBudget
@@ -123,7 +123,10 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
-        self._aborted: list[Request] = []
+        self._updated: dict[int, Request] = {}  # reported by the next step(): aborted, or completed by a drain
+        self._in_flight: tuple[StepInFlight, float] | None = None  # a decode step left running, and when it began
+        self._last_done = 0.0  # when the last step completed
+        self._after_verify = False  # the last step verified drafts, so the next decode step restarts the overlap
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._rids = itertools.count()
@@ -191,54 +194,118 @@ class Engine:
             if not seq.finished:
                 seq.forks = []
                 self._finish(seq, "abort")
-        self._aborted.append(req)
+        self._updated[id(req)] = req
         return True
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._aborted)
+        return self.scheduler.has_work or self._in_flight is not None or bool(self._updated)
 
     # ---------------- the loop ----------------
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that progressed (check `.finished`).
 
-        The drafter is fed in the device's shadow (see spec/upkeep.py), so a step that
-        does not draft never waits for it.
+        With the overlap schedule (on by default), a decode step is left running on the
+        device when `step()` returns, and the next call launches the following decode step,
+        its input tokens read on the device, before it collects the earlier one: the host's
+        bookkeeping of one step hides under the device's work on the next. A sequence that
+        stops in the earlier step has its token from the later one dropped. Prefill and
+        verify steps need the host to know the tokens, so the pipeline drains before them.
+        The drafter is fed in the device's shadow (see spec/upkeep.py).
         """
-        updated = {id(r): r for r in self._aborted}
-        self._aborted = []
+        updated, self._updated = self._updated, {}
+        began = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
-        if batch is None:
-            return self._collect(updated)
+        wanted = self._draft_budgets(batch)
+        if prev is not None and batch is not None and not wanted and self._chains(prev, batch):
+            self._in_flight = (self.runner.launch(batch, {}, after=prev[0]), began)
+            self._complete(prev, updated)
+            if all(item.seq.finished for item in batch.items):  # nothing left to wait for
+                self._in_flight = None
+        else:
+            if prev is not None:
+                self._complete(prev, updated)
+                batch = _without_finished(batch)
+            if batch is not None:
+                self._run(batch, wanted, began, updated)
+        self._busy_s += time.perf_counter() - began
+        return self._collect(updated)
+
+    def _draft_budgets(self, batch: Batch | None) -> dict[int, int]:
+        if self.drafter is None or batch is None or batch.is_prefill:
+            return {}
         t0 = time.perf_counter()
+        wanted = self.budget.for_batch(item.seq for item in batch.items)
+        self._draft_s += time.perf_counter() - t0
+        return wanted
+
+    def _chains(self, prev: tuple[StepInFlight, float], batch: Batch) -> bool:
+        """Whether `batch` can launch before `prev` is collected: both plain decode steps, and
+        `batch` only sequences of `prev` (some may have been preempted, none added)."""
+        if not self.config.overlap_schedule or batch.is_prefill or not prev[0].chainable:
+            return False
+        mine = {id(item.seq) for item in prev[0].batch.items}
+        return all(id(item.seq) in mine for item in batch.items)
+
+    def _run(self, batch: Batch, wanted: dict[int, int], began: float, updated: dict) -> None:
+        """Draft, launch, and complete at once unless the step may stay in flight."""
         trees = {}
-        if self.drafter is not None and not batch.is_prefill:
-            trees = self._draft([item.seq for item in batch.items])
+        if wanted:
+            t0 = time.perf_counter()
+            trees = self._draft([item.seq for item in batch.items], wanted)
             self._draft_s += time.perf_counter() - t0
-        in_flight = self.runner.launch(batch, trees)
+        step = (self.runner.launch(batch, trees), began)
+        if self.config.overlap_schedule and step[0].chainable:
+            self._in_flight = step
+        else:
+            self._complete(step, updated)
+
+    def _complete(self, launched: tuple[StepInFlight, float], updated: dict) -> None:
+        """Wait for a launched step and apply what it emitted (feeding the drafter meanwhile)."""
+        step, began = launched
         if self.drafter is not None:
-            if in_flight.result.overlaps_host:
+            if step.result.overlaps_host:
                 t1 = time.perf_counter()
-                self.upkeep.apply(until=in_flight.result.done)
+                self.upkeep.apply(until=step.result.done)
                 self.upkeep.drop_unfed_steps()
                 self._shadow_s += time.perf_counter() - t1
             else:
                 self.upkeep.apply()
-        emitted = self.runner.collect(in_flight)
-        for item in batch.items:
-            if item.samples and item.seq.status is Status.WAITING:
+        emitted = [e for e in self.runner.collect(step) if not e.seq.finished]  # stopped while this step ran
+        for item in step.batch.items:  # (a decode item may be waiting too: preempted while this step ran)
+            if item.samples and not item.decode and item.seq.status is Status.WAITING:
                 self.scheduler.on_prefill_done(item.seq)
         if self.drafter is not None:
             self.upkeep.step([e.seq for e in emitted])
         for e in emitted:
             self._append(e)
             updated[id(e.seq.request)] = e.seq.request
-        step_s = time.perf_counter() - t0
-        self._busy_s += step_s
-        self.step_times_ms.append(step_s * 1e3)
-        if self.drafter is not None and not batch.is_prefill:
-            self.budget.observe_step(len(batch.items), sum(t.num_drafts for t in trees.values()), step_s)
+        # A step's cost is the wall time it added: from its start, or from when the step before
+        # it completed if they overlapped.
+        done = time.perf_counter()
+        cost = done - max(began, self._last_done)
+        self._last_done = done
+        self.step_times_ms.append(cost * 1e3)
+        if self.drafter is not None:
+            if not step.batch.is_prefill:
+                drafts = sum(t.num_drafts for t in step.trees.values())
+                restart = self._after_verify and not step.trees
+                self.budget.observe_step(len(step.batch.items), drafts, cost, restart=restart)
+            self._after_verify = bool(step.trees) and self.config.overlap_schedule
+
+    def drain(self) -> list[Request]:
+        """Complete the step in flight, if any (the overlap schedule leaves one running between
+        steps), so that nothing runs until the next `step()`; returns what `step()` would."""
+        self._complete_in_flight()
+        updated, self._updated = self._updated, {}
         return self._collect(updated)
+
+    def _complete_in_flight(self) -> None:
+        """As drain(), keeping the progressed requests for the next step() to report."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._complete(step, self._updated)
 
     def _collect(self, updated: dict) -> list[Request]:
         for req in updated.values():
@@ -256,10 +323,7 @@ class Engine:
             self.upkeep.apply()
             self.drafter.clear_history()
 
-    def _draft(self, seqs: list[Sequence]) -> dict:
-        wanted = self.budget.for_batch(seqs)
-        if not wanted:
-            return {}
+    def _draft(self, seqs: list[Sequence], wanted: dict[int, int]) -> dict:
         # No upkeep first: proposals look up each sequence's newest tokens, and a trie that has not
         # counted the last step's tokens yet drafts nearly as well (they are fed in this step's shadow).
         free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
@@ -364,6 +428,7 @@ class Engine:
         two versions in its context.
         """
         t0 = time.perf_counter()
+        self._complete_in_flight()  # the step in flight ran on the old weights; its tokens say so
         staged = [(name, tensor) for name, tensor in named_tensors]
         targets = self.model.weight_targets()
         check_weights(targets, [(n, tuple(t.shape), t.dtype) for n, t in staged], require_all=False)
@@ -376,6 +441,7 @@ class Engine:
 
     def update_weights_from_disk(self, path: str, version: int | None = None, recompute_kv: bool = True) -> int:
         t0 = time.perf_counter()
+        self._complete_in_flight()
         targets = self.model.weight_targets()
         check_weights(targets, checkpoint_specs(resolve_model_path(path)), require_all=False)
         copy_weights(targets, iter_checkpoint(path))
@@ -393,6 +459,7 @@ class Engine:
 
     def invalidate_kv(self) -> None:
         """Drop every cached KV entry; running and half-prefilled sequences are recomputed."""
+        self._complete_in_flight()
         self.scheduler.preempt_all()
 
     # ---------------- stats ----------------
@@ -445,6 +512,14 @@ class Engine:
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * self.config.kv_cache_memory_fraction) // per_token
+
+
+def _without_finished(batch: Batch | None) -> Batch | None:
+    """A batch scheduled before the step in flight completed, less the sequences that stopped in it."""
+    if batch is None:
+        return None
+    items = [item for item in batch.items if not item.seq.finished]
+    return Batch(items, batch.is_prefill) if items else None
 
 
 def _resolve_device(name: str) -> torch.device:

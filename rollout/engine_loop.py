@@ -71,6 +71,8 @@ class EngineLoop:
     def run(self) -> None:
         while self.running:
             self._drain(block=not self._should_step())
+            if not self.may_step():  # a pause holds no step in flight: the overlap schedule's last one completes
+                self._publish(self.engine.drain())
             self.before_step()
             if self.pending_calls:
                 self._reply_finished_calls()

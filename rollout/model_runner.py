@@ -162,12 +162,36 @@ class StepInFlight:
     layout: StepLayout  # unpadded: input_ids are the tokens fed, out_slots their new KV slots
     first_draw: np.ndarray  # [items + 1]: item k's draws (its sample's, then its forks'; or its tree's nodes)
     node_parents: np.ndarray | None  # verify steps: each token's tree parent, step-wide (-1: a root)
+    drawn: torch.Tensor  # [draws] float64 on the device: the drawn tokens, input of a step chained after this one
     result: HostCopy
+
+    @property
+    def chainable(self) -> bool:
+        """A decode step: the next step's layout is known without its results (one token per sequence)."""
+        return not self.batch.is_prefill and not self.trees
+
+    def draw_index(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """Where each of `seqs` (all in this decode step) finds its drawn token; None: in order, from 0."""
+        mine = [item.seq for item in self.batch.items]
+        if mine[: len(seqs)] == seqs:
+            return None
+        where = {id(s): i for i, s in enumerate(mine)}
+        return np.array([where[id(s)] for s in seqs], dtype=np.int64)
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    # non_blocking: a blocking copy would wait for the device to finish the step in flight. From
+    # pageable memory the copy is staged before the call returns, so `a` may be dropped at once.
     t = torch.from_numpy(a)
-    return t if device.type == "cpu" else t.to(device)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def feed_input_ids(input_ids: torch.Tensor, drawn: torch.Tensor, index: np.ndarray | None) -> None:
+    """Input ids of a chained step from the previous step's drawn tokens, on the device."""
+    if index is None:
+        input_ids.copy_(drawn[: len(input_ids)])
+    else:
+        input_ids.copy_(drawn[_to_device(index, drawn.device)])
 
 
 def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,25 +245,38 @@ class ModelRunner:
         return self.collect(self.launch(batch, trees))
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, trees: dict[int, DraftTree]) -> StepInFlight:
-        """Lay out, upload and queue the step on the device; returns without waiting for it."""
-        parents = None
+    def launch(self, batch: Batch, trees: dict[int, DraftTree], after: StepInFlight | None = None) -> StepInFlight:
+        """Lay out, upload and queue the step on the device; returns without waiting for it.
+
+        `after`: a decode step not yet collected; this decode step (of some of its sequences)
+        feeds the tokens it draws, read on the device, so the host need not wait for them.
+        Prefill and decode tokens count as cached from here on; a verify step's only once
+        `collect` knows which path was accepted.
+        """
+        parents, feed = None, None
         if batch.is_prefill:
             lay, inputs, first_draw = self._prefill_layout(batch)
         elif trees:
             lay, inputs, first_draw, parents = self._tree_layout(batch, trees)
         else:
-            lay, inputs, first_draw = self._decode_layout(batch)
+            lay, inputs, first_draw = self._decode_layout(batch, pending=after is not None)
+            if after is not None:
+                feed = after.drawn, after.draw_index([item.seq for item in batch.items])
         self._commit_rows()
         shape = None
         if self.graphs is not None and not batch.is_prefill:  # one draw per logits row, in order
             shape = self.graphs.shape(lay, inputs.mode)
         if shape is not None:
-            out = self.graphs.launch(lay, inputs, shape)
+            out = self.graphs.launch(lay, inputs, shape, feed)
         else:
-            logits = self.forward(DeviceStep(self._pad_for_cpu(lay), self.device))
-            out = self._sample(logits, inputs)
-        return StepInFlight(batch, trees, lay, first_draw, parents, HostCopy(out))
+            step = DeviceStep(self._pad_for_cpu(lay), self.device)
+            if feed is not None:
+                feed_input_ids(step.input_ids[: lay.num_tokens], *feed)
+            out = self._sample(self.forward(step), inputs)
+        if not trees:
+            for item in batch.items:
+                item.seq.num_cached += item.num_new
+        return StepInFlight(batch, trees, lay, first_draw, parents, out[0], HostCopy(out))
 
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
@@ -300,8 +337,10 @@ class ModelRunner:
         positions = np.array([s.num_output for s in draw_seqs], dtype=np.int64)
         return lay, DrawInputs.of(draw_seqs, counts, draw_rows, positions), np.array(first_draw, dtype=np.int64)
 
-    def _decode_layout(self, batch: Batch):
-        """The common step, vectorised: every sequence feeds its last token and draws the next."""
+    def _decode_layout(self, batch: Batch, pending: bool = False):
+        """The common step, vectorised: every sequence feeds its last token and draws the next.
+        `pending`: that last token is still being drawn on the device (a chained step), so
+        the ids laid out here are placeholders and each draw is one output position later."""
         seqs = [item.seq for item in batch.items]
         n = len(seqs)
         starts = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=n)
@@ -309,7 +348,7 @@ class ModelRunner:
         ones = np.ones(n, dtype=np.int32)
         slots, _ = self._place(rows.astype(np.int64), starts, ones)
         lay = StepLayout(
-            input_ids=np.fromiter((s.tokens[-1] for s in seqs), dtype=np.int64, count=n),
+            input_ids=np.fromiter((s.tokens[-1] for s in seqs), dtype=np.int64, count=n),  # placeholders if pending
             positions=starts,
             out_slots=slots,
             tree_mask=None,
@@ -318,7 +357,7 @@ class ModelRunner:
             q_lens=ones,
             logits_rows=np.arange(n, dtype=np.int64),
         )
-        positions = np.fromiter((s.num_output for s in seqs), dtype=np.int64, count=n)
+        positions = np.fromiter((s.num_output for s in seqs), dtype=np.int64, count=n) + pending
         inputs = DrawInputs.of(seqs, ones, lay.logits_rows, positions)
         return lay, inputs, np.arange(n + 1, dtype=np.int64)
 
@@ -399,7 +438,6 @@ class ModelRunner:
         out: list[Emitted] = []
         for k, item in enumerate(step.batch.items):
             seq = item.seq
-            seq.num_cached += item.num_new
             if not item.samples:
                 continue
             for fork in seq.forks:

@@ -7,7 +7,11 @@ into two things learned separately while running, so neither needs exploring the
   drafting step the power-of-two bucket of the tokens it verifies). This depends on the
   machine and the model, not on the text, so a shape is measured a couple of times and then
   known. Shapes not yet measured are assumed to cost what a decode step does, so each gets
-  tried; a shape that turns out dear is simply not chosen again.
+  tried; a shape that turns out dear is simply not chosen again. Under the engine's overlap
+  schedule a verify step also breaks the pipeline: the decode step after it cannot start
+  before the host has its tokens. That restart is measured too (decode steps reported as
+  `restart`), and its excess over a pipelined decode step is charged to every drafting step
+  (too much when drafting steps follow each other; only the last one restarts).
 - What a draft brings: per sequence, an average of the drafts it recently had accepted; a
   sequence not yet verified is credited the average over all sequences. A sequence whose drafts keep
   failing stops drafting; every PROBE_EVERY steps such sequences are offered again, at a
@@ -36,6 +40,7 @@ MIN_OBSERVED = 2  # steps of a shape before its measured cost replaces the optim
 PROBE_EVERY = 16
 PROBE_VALUE = 0.5  # expected accepted tokens credited to a paused sequence on a probe step
 MIN_ACCEPTED = 0.2  # accepted drafts per step below which a sequence pauses drafting
+RESTART = -1  # the cost-table shape of decode steps that restart the overlap pipeline
 
 
 class DraftBudget:
@@ -63,6 +68,7 @@ class DraftBudget:
         decode_s = self._cost(len(seqs), 0)
         if decode_s is None:
             return {}  # measure plain decoding at this batch size first
+        restart_s = max(0.0, (self._cost(len(seqs), RESTART) or decode_s) - decode_s)
         probing = self._steps % PROBE_EVERY == 0
         candidates = []  # (expected accepted tokens, draft budget, seq_id)
         for seq in seqs:
@@ -80,13 +86,15 @@ class DraftBudget:
             drafts += budget
             key = self._key(len(seqs), drafts)
             if key not in costs:
-                costs[key] = self._cost(len(seqs), drafts) or decode_s
+                costs[key] = (self._cost(len(seqs), drafts) or decode_s) + restart_s
             rate = expected / costs[key]
             if rate > best_rate:
                 best_rate, best_k = rate, k
         return {seq_id: budget for _, budget, seq_id in candidates[:best_k]}
 
     def _key(self, num_seqs: int, num_drafts: int) -> tuple[int, int]:
+        if num_drafts == RESTART:
+            return num_seqs.bit_length(), RESTART
         tokens = num_seqs + num_drafts
         return num_seqs.bit_length(), (tokens - 1).bit_length() if num_drafts else 0
 
@@ -97,10 +105,11 @@ class DraftBudget:
             return None
         return statistics.median(times)
 
-    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
-        """A decode or verify step of `num_seqs` sequences and `num_drafts` draft tokens took `seconds`."""
+    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float, restart: bool = False) -> None:
+        """A decode or verify step of `num_seqs` sequences and `num_drafts` draft tokens took `seconds`;
+        `restart`: a decode step that could not overlap the one before, because that one verified."""
         if seconds > 0 and num_seqs > 0:
-            key = self._key(num_seqs, num_drafts)
+            key = self._key(num_seqs, RESTART if restart else num_drafts)
             self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
 
     def observe(self, seq_id: int, accepted: int) -> None:

@@ -191,15 +191,17 @@ def test_acceptance_statistics_reach_stats_and_wandb(spec_engine, prompts, tmp_p
 
 
 class _ShortShadow:
-    """A CPU step's result posing as an asynchronous device that is done at the first poll."""
+    """A CPU step's result posing as an asynchronous device that is done at the second poll."""
 
     overlaps_host = True
 
     def __init__(self, result):
         self.wait = result.wait
+        self.polls = 0
 
     def done(self) -> bool:
-        return True
+        self.polls += 1
+        return self.polls > 1
 
 
 def test_trie_upkeep_stays_in_the_device_shadow_and_changes_no_output(default_engine, default_model_dir, prompts):
@@ -208,8 +210,8 @@ def test_trie_upkeep_stays_in_the_device_shadow_and_changes_no_output(default_en
     engine = Engine(model=str(default_model_dir), spec=SpecConfig(method="ngram", adaptive=False), device="cpu")
     launch = engine.runner.launch
 
-    def short_shadow_launch(batch, trees):
-        step = launch(batch, trees)
+    def short_shadow_launch(batch, trees, after=None):
+        step = launch(batch, trees, after)
         step.result = _ShortShadow(step.result)  # room for one poll's worth of updates
         return step
 

@@ -1,0 +1,124 @@
+"""The overlap schedule (a decode step launched before the host has the previous step's
+tokens) changes when the host does its work, never what comes out."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollout import Engine, SamplingParams
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_model("llama", path)
+    return path
+
+
+def random_prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 30))] for _ in range(num)]
+
+
+def count_chained(engine: Engine) -> list[int]:
+    """Counts the steps launched before the step they follow was collected."""
+    chained = [0]
+    launch = engine.runner.launch
+
+    def counting(batch, trees, after=None):
+        chained[0] += after is not None
+        return launch(batch, trees, after)
+
+    engine.runner.launch = counting
+    return chained
+
+
+def mixed_run(engine: Engine, stop_token: int) -> list[tuple]:
+    """Greedy and sampled groups of different lengths, a stop token, arrivals while others
+    decode, and an abort; returns every sample's tokens, logprobs, finish reason and versions."""
+    prompts = random_prompts(7, seed=21)
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, n=4, max_new_tokens=20, seed=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=[stop_token], ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.9, n=3, max_new_tokens=9, seed=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, n=2, max_new_tokens=25, seed=9),
+        SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),  # aborted midway
+        SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
+    ]
+    reqs = [engine.add_request(p, sp, return_logprob=True) for p, sp in zip(prompts[:3], params[:3])]
+    for step in range(60):
+        if step in (4, 7, 11, 12):  # arrivals while others decode
+            i = len(reqs)
+            reqs.append(engine.add_request(prompts[i], params[i], return_logprob=True))
+        if step == 18:
+            engine.abort(reqs[5].rid)
+        engine.step()
+    while engine.has_work:
+        engine.step()
+    return [(s.output_ids, s.logprobs, s.finish_reason, s.weight_versions) for r in reqs for s in r.sequences]
+
+
+def test_overlap_gives_the_same_outputs_as_waiting_for_every_step(model_dir):
+    probe = Engine(model=str(model_dir), spec="off", device="cpu", overlap_schedule=False)
+    greedy = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    stop_token = probe.generate([random_prompts(7, seed=21)[2]], greedy)[0][0].token_ids[6]
+    runs = {}
+    for overlap in (False, True):
+        engine = Engine(model=str(model_dir), spec="off", device="cpu", overlap_schedule=overlap)
+        chained = count_chained(engine)
+        runs[overlap] = mixed_run(engine, stop_token)
+        assert engine.pool.used_slots == 0 and not engine.has_work
+        assert (chained[0] > 20) if overlap else chained[0] == 0
+    reasons = [r[2] for r in runs[True]]
+    assert reasons == [r[2] for r in runs[False]]
+    assert "abort" in reasons and "stop" in reasons and "length" in reasons
+    for (tokens, logprobs, reason, versions), (ref_tokens, ref_logprobs, _, _) in zip(runs[True], runs[False]):
+        if reason == "abort":  # stopped "now": the token still on the device when abort came is dropped
+            assert len(ref_tokens) - 1 <= len(tokens) <= len(ref_tokens)
+            ref_tokens, ref_logprobs = ref_tokens[: len(tokens)], ref_logprobs[: len(tokens)]
+        assert tokens == ref_tokens and versions == [0] * len(tokens)
+        # batches differ by the sequences that stopped one step earlier, which moves float rounding
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+
+
+def test_overlap_survives_preemption(model_dir):
+    prompts = random_prompts(10, seed=11)
+    params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=3, ignore_eos=True)
+    outs = {}
+    for overlap in (False, True):
+        engine = Engine(model=str(model_dir), spec="off", device="cpu", kv_cache_tokens=120, overlap_schedule=overlap)
+        outs[overlap] = [o[0].token_ids for o in engine.generate(prompts, params)]
+        assert engine.scheduler.num_preempted > 0
+        assert engine.pool.used_slots == 0
+    assert outs[True] == outs[False]
+
+
+def test_speculation_with_overlap_matches_without(model_dir):
+    prompt = random_prompts(1, seed=4)[0] * 4  # repeats, so the trie has something to draft
+    params = SamplingParams(temperature=0, n=4, max_new_tokens=40, ignore_eos=True)
+    outs = {}
+    for overlap in (False, True):
+        engine = Engine(model=str(model_dir), spec="ngram", device="cpu", overlap_schedule=overlap)
+        outs[overlap] = [(o.token_ids, o.logprobs) for o in engine.generate([prompt], params, return_logprob=True)[0]]
+        assert engine.stats()["rollout/spec_verify_steps"] > 0
+    assert outs[True] == outs[False]
+
+
+def test_a_weight_update_completes_the_step_in_flight_under_the_old_version(model_dir):
+    engine = Engine(model=str(model_dir), spec="off", device="cpu")
+    req = engine.add_request(random_prompts(1, seed=30)[0], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    while engine._in_flight is None:
+        engine.step()
+    seq = req.sequences[0]
+    before = seq.num_output  # the step in flight holds one more token, drawn under version 0
+    name, target = next(iter(engine.model.weight_targets().items()))
+    engine.update_weights([(name, target.param.detach().clone())])  # "model.embed_tokens.weight", whole
+    assert seq.num_output == before + 1 and seq.weight_versions == [0] * (before + 1)
+    assert req in engine.step()  # the drained step's request is reported by the next step
+    while not req.finished:
+        engine.step()
+    assert seq.weight_versions == [0] * (before + 1) + [1] * (20 - before - 1)
