@@ -59,13 +59,16 @@ class DrafterUpkeep:
         self._queue.append(remove)
 
     def apply(self, until: Callable[[], bool] | None = None) -> None:
-        """Apply queued updates in order: all of them, or until `until()` says the device is done."""
+        """Apply queued updates in order: all of them, or until `until()` says the device is done
+        (lifecycle updates at the head of the queue are applied regardless)."""
         q = self._queue
         while q:
             op = q[0]
-            if callable(op):
+            if callable(op):  # lifecycle updates go through shadow or not, so none piles up
                 q.popleft()
                 op()
+            elif until is not None and until():  # checked first: a host-bound step has no shadow at all
+                return
             else:
                 batch, i = op
                 end = min(i + POLL_EVERY, len(batch))
@@ -74,8 +77,6 @@ class DrafterUpkeep:
                 op[1] = end
                 if end == len(batch):
                     q.popleft()
-            if until is not None and until():
-                return
 
     def drop_unfed_steps(self) -> None:
         """After a step's shadow: steps whose batch did not fit into it are not fed."""

@@ -236,12 +236,19 @@ def test_upkeep_feeds_what_fits_skips_ahead_when_behind_and_never_drops_lifecycl
     upkeep.apply()
     assert [drafter.fed(s.seq_id) for s in seqs] == [3] * len(seqs)
 
-    device_done = lambda: True  # noqa: E731 - a device that is done at once: one poll's worth fits
+    def device_done_after(polls: int):  # a device that is busy for `polls` polls of the upkeep
+        answers = iter([False] * polls)
+        return lambda: next(answers, True)
+
+    upkeep.step(seqs)
+    upkeep.apply(until=device_done_after(0))  # no shadow at all (a host-bound step): nothing is fed
+    upkeep.drop_unfed_steps()
+    assert [drafter.fed(s.seq_id) for s in seqs] == [3] * len(seqs)
     for step in range(5):  # five steps of one token each; each shadow feeds the first POLL_EVERY
         upkeep.step(seqs)
         for s in seqs:
             s.tokens.append(10 + step)
-        upkeep.apply(until=device_done)
+        upkeep.apply(until=device_done_after(1))
         upkeep.drop_unfed_steps()
     fed = [drafter.fed(s.seq_id) for s in seqs]
     assert fed[:POLL_EVERY] == [8] * POLL_EVERY and fed[POLL_EVERY:] == [3] * POLL_EVERY
@@ -249,10 +256,11 @@ def test_upkeep_feeds_what_fits_skips_ahead_when_behind_and_never_drops_lifecycl
 
     upkeep.step(seqs)
     upkeep.lifecycle(lambda: drafter.remove_sequence(seqs[0].seq_id))
-    upkeep.apply(until=device_done)
+    upkeep.apply(until=device_done_after(0))
     upkeep.drop_unfed_steps()
     assert len(upkeep) == 1  # the unfed step is dropped, the removal is not
-    upkeep.apply()
+    upkeep.apply(until=device_done_after(0))  # a lifecycle update at the head needs no shadow
+    assert len(upkeep) == 0
     with pytest.raises(KeyError):
         drafter.fed(seqs[0].seq_id)
     upkeep.step(seqs[1:])
