@@ -2,12 +2,14 @@
 
     python bench/host_costs.py trie-gc [--freeze]   # feed 512 streams into the tries: time and GC
     python bench/host_costs.py verify-host          # where a verify step's host time goes (tiny model)
+    python bench/host_costs.py decode-host          # the same for a decode step of 256 sequences
 
 trie-gc: 64 prompts x 8 samples, 256 tokens each, fed one token per call as the engine's
 upkeep does; prints the wall time and, per GC generation, the collections and time spent
 (`--freeze` first moves every object alive, torch's included, out of the collector's sight).
 verify-host: a random-weight 2-layer model at 64 sequences, drafting every step (fixed
 budget), under cProfile; prints ms per step of the runner's and drafter's host functions.
+decode-host: the same at 256 sequences (32 prompts x 8), speculation off.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def trie_gc(freeze: bool) -> None:
     print(f"  one full collection now: {time.perf_counter() - start:.3f} s")
 
 
-def verify_host() -> None:
+def step_host(what: str) -> None:
+    """verify-host: 64 sequences drafting every step; decode-host: 256 sequences, spec off."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tiny_models import make_tiny_model
 
@@ -72,9 +75,11 @@ def verify_host() -> None:
 
     model_dir = Path(tempfile.mkdtemp())
     make_tiny_model("llama", model_dir)
-    eng = Engine(config=EngineConfig(model=str(model_dir), device="cpu",
-                                     spec=SpecConfig(method="ngram", adaptive=False)))
-    prompts = [[p + i for p in [5, 6, 7, 8, 9, 10, 11, 12] * 4] for i in range(8)]
+    verify = what == "verify-host"
+    spec = SpecConfig(method="ngram", adaptive=False) if verify else SpecConfig(method="off")
+    eng = Engine(config=EngineConfig(model=str(model_dir), device="cpu", spec=spec))
+    num_prompts = 8 if verify else 32
+    prompts = [[p + i for p in [5, 6, 7, 8, 9, 10, 11, 12] * 4] for i in range(num_prompts)]
     params = SamplingParams(n=8, temperature=0.0, max_new_tokens=100, ignore_eos=True)
     eng.generate(prompts, params)  # warm-up
     eng.reset_stats()
@@ -85,9 +90,10 @@ def verify_host() -> None:
     profile.disable()
     wall = time.perf_counter() - start
     steps = eng.stats()["rollout/steps"]
-    print(f"verify-host: 64 sequences, {steps} steps, {wall / steps * 1e3:.2f} ms per step (model included)")
+    print(f"{what}: {8 * num_prompts} sequences, {steps} steps, {wall / steps * 1e3:.2f} ms per step (model included)")
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, prim calls, tottime, cumtime, callers)
-    wanted = ("_layout", "_tree_layout", "_emit", "_emit_trees", "_draft", "propose", "apply", "_append")
+    wanted = ("schedule", "_decode_layout", "_tree_layout", "_emit", "_emit_trees", "_draft", "propose", "apply",
+              "_append", "_complete")
     for (path, _, name), (_, _, _, cumtime, _) in sorted(stats.items(), key=lambda kv: -kv[1][3]):
         if name in wanted and ("rollout" in path or "spec" in path):
             print(f"  {Path(path).name}:{name:14s} {cumtime / steps * 1e3:.3f} ms per step")
@@ -95,10 +101,10 @@ def verify_host() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["trie-gc", "verify-host"])
+    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host"])
     ap.add_argument("--freeze", action="store_true")
     args = ap.parse_args()
-    trie_gc(args.freeze) if args.what == "trie-gc" else verify_host()
+    trie_gc(args.freeze) if args.what == "trie-gc" else step_host(args.what)
 
 
 if __name__ == "__main__":

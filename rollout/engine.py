@@ -159,6 +159,8 @@ class Engine:
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(rid, prompt_ids, params, seed, return_logprob)
+        req.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        req.max_len = len(prompt_ids) + params.max_new_tokens  # within max_model_len, checked above
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), req, i, sequence_key(seed, i), list(prompt_ids), len(prompt_ids))
             req.sequences.append(seq)
@@ -341,14 +343,14 @@ class Engine:
     def _append(self, e: Emitted) -> None:
         """Append what the step emitted, up to a stop condition."""
         seq = e.seq
-        params = seq.request.params
+        req = seq.request
         reason, appended = None, 0
         for token, logprob in zip(e.tokens, e.logprobs):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.weight_versions.append(self.weight_version)
             appended += 1
-            reason = self._stop_reason(seq, token, params)
+            reason = self._stop_reason(seq, token, req)
             if reason is not None:
                 break
         self._output_tokens += appended
@@ -360,18 +362,19 @@ class Engine:
         if reason is not None:
             self._finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, token: int, params: SamplingParams) -> str | None:
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+    def _stop_reason(self, seq: Sequence, token: int, req: Request) -> str | None:
+        if token in req.stop_ids:
             seq.matched_stop = token
             return "stop"
-        if params.stop:
-            window = max(len(s) for s in params.stop) + 2
+        stop = req.params.stop
+        if stop:
+            window = max(len(s) for s in stop) + 2
             tail = self.tokenizer.decode(seq.output_ids[-window:])
-            hit = next((s for s in params.stop if s in tail), None)
+            hit = next((s for s in stop if s in tail), None)
             if hit is not None:
                 seq.matched_stop = hit
                 return "stop"
-        if seq.num_output >= params.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+        if len(seq.tokens) >= req.max_len:
             return "length"
         return None
 

@@ -84,20 +84,21 @@ class DrawInputs:
     @staticmethod
     def of(seqs: list[Sequence], counts: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> "DrawInputs":
         """`counts[i]` draws for `seqs[i]`, in order; `rows`, `positions`: per draw."""
+        n = len(seqs)
         params = [s.request.params for s in seqs]
-        per_seq_i64 = np.array([[s.key, p.top_k] for s, p in zip(seqs, params)], dtype=np.int64).reshape(-1, 2)
-        per_seq_f32 = np.array([[p.temperature, p.top_p, p.min_p] for p in params], dtype=np.float32).reshape(-1, 3)
-        i64 = np.empty((4, len(rows)), dtype=np.int64)
-        i64[0], i64[2] = rows, positions
-        i64[[1, 3]] = np.repeat(per_seq_i64, counts, axis=0).T
-        f32 = np.ascontiguousarray(np.repeat(per_seq_f32, counts, axis=0).T)
-        if all(p.temperature == 0 for p in params):
+        column = lambda values, dtype: np.repeat(np.fromiter(values, dtype, n), counts)  # noqa: E731
+        top_k = column((p.top_k for p in params), np.int64)
+        temperature = column((p.temperature for p in params), np.float32)
+        top_p = column((p.top_p for p in params), np.float32)
+        min_p = column((p.min_p for p in params), np.float32)
+        i64 = np.stack([rows, column((s.key for s in seqs), np.int64), positions, top_k]).astype(np.int64, copy=False)
+        if not temperature.any():
             mode = "greedy"
-        elif any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        elif (top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any():
             mode = "truncate"
         else:
             mode = "sample"
-        return DrawInputs(i64, f32, mode)
+        return DrawInputs(i64, np.stack([temperature, top_p, min_p]), mode)
 
     def tensors(self, i64: torch.Tensor, f32: torch.Tensor) -> SamplingTensors:
         """SamplingTensors over device copies of i64 [4, S] and f32 [3, S]."""
@@ -436,14 +437,15 @@ class ModelRunner:
     def _emit(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
         """A prefill or decode step: every sequence that drew gets one token."""
         out: list[Emitted] = []
-        for k, item in enumerate(step.batch.items):
+        drawn, drawn_logprobs, first_draw = tokens.tolist(), logprobs.tolist(), step.first_draw.tolist()
+        for item, i in zip(step.batch.items, first_draw):
             seq = item.seq
             if not item.samples:
                 continue
-            for fork in seq.forks:
+            out.append(Emitted(seq, [drawn[i]], [drawn_logprobs[i]], item.decode))
+            for i, fork in enumerate(seq.forks, i + 1):
                 self._fork_prompt_kv(seq, fork)
-            for i, s in enumerate([seq, *seq.forks], int(step.first_draw[k])):
-                out.append(Emitted(s, [int(tokens[i])], [float(logprobs[i])], item.decode))
+                out.append(Emitted(fork, [drawn[i]], [drawn_logprobs[i]], item.decode))
         return out
 
     def _emit_trees(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
