@@ -158,9 +158,9 @@ class Engine:
                 f"holds {self.pool.num_slots - 1}; lower n or max_new_tokens, or raise kv_cache_tokens"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(rid, prompt_ids, params, seed, return_logprob)
-        req.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        req.max_len = len(prompt_ids) + params.max_new_tokens  # within max_model_len, checked above
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        req = Request(rid, prompt_ids, params, seed, return_logprob, stop_ids=stop_ids,
+                      max_len=len(prompt_ids) + params.max_new_tokens)  # within max_model_len, checked above
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), req, i, sequence_key(seed, i), list(prompt_ids), len(prompt_ids))
             req.sequences.append(seq)
