@@ -6,11 +6,12 @@
 #
 #   call 1: carry .devcache/smol.part.aa .devcache/sharegpt.jsonl .whl
 #           mkdir -p /root/mcache && cp .devcache/smol.part.aa .devcache/sharegpt.jsonl /root/mcache/ && bash bench/gpu_session.sh kernels
-#   call 2: carry .devcache/smol.part.ab .whl .whl_server (fastapi, uvicorn, pyzmq, wandb and their needs)
+#   call 2: carry .devcache/smol.part.ab .whl (with .whl_server too the call is over 64 MiB)
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
+#   the sync and grpo stages need .whl_server (fastapi, uvicorn, pyzmq, wandb and their needs): carry it then
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | profile256 | speed | history | phases | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | profile256 | speed | overlap | overlap-sampled | overlap-big | history | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -49,6 +50,30 @@ profile256)  # host phases at 256 running sequences, where nothing is drafted, w
 speed)
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256 --repeats 3
   bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256 --repeats 3
+  rm -f "$OUT"/*.json
+  ;;
+overlap)  # the overlap schedule against waiting for every step, one after the other in one call
+  for flag in --no-overlap-schedule ""; do
+    echo "== overlap schedule: ${flag:-on}"
+    bench --workload decode --spec-modes off --batch-sizes 1,64,256 --prompt-len 64 --output-len 256 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
+    bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,256 --temperature 0 --output-len 256 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
+  done 2>&1 | tee "$OUT/overlap.log"
+  rm -f "$OUT"/*.json
+  ;;
+overlap-sampled)  # the same for 64 prompts x 8 samples at T=1, and the host phases with overlap
+  for flag in --no-overlap-schedule ""; do
+    echo "== overlap schedule: ${flag:-on}"
+    bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
+  done 2>&1 | tee "$OUT/overlap-sampled.log"
+  for b in 1 256; do python3 bench/profile_step.py --batch $b; done 2>&1 | grep -E "^batch|^  [a-z]" | grep -v "replay alone" | tee "$OUT/overlap-profile.log"
+  rm -f "$OUT"/*.json
+  ;;
+overlap-big)  # the same for the Llama-3.1-8B shape (random weights)
+  for flag in --no-overlap-schedule ""; do
+    echo "== overlap schedule: ${flag:-on}"
+    bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
+    bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 64 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
+  done 2>&1 | tee "$OUT/overlap-big.log"
   rm -f "$OUT"/*.json
   ;;
 history)  # a second epoch: the drafter remembers the warm-up run's samples
