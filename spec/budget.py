@@ -13,9 +13,10 @@ into two things learned separately while running, so neither needs exploring the
   `restart`), and its excess over a pipelined decode step is charged to every drafting step
   (too much when drafting steps follow each other; only the last one restarts).
 - What a draft brings: per sequence, an average of the drafts it recently had accepted; a
-  sequence not yet verified is credited the average over all sequences. A sequence whose drafts keep
-  failing stops drafting; every PROBE_EVERY steps such sequences are offered again, at a
-  modest expected value, so acceptance that returns is noticed.
+  sequence not yet verified is credited the average over all sequences, and drafts a little
+  once, early, whatever the costs say (FIRST_LOOK), so that its own result takes over. A
+  sequence whose drafts keep failing stops drafting; every PROBE_EVERY steps such sequences
+  are offered again, at a modest expected value, so acceptance that returns is noticed.
 
 Each step the candidates are ranked by expected accepted tokens per drafted token, and the
 prefix of that ranking with the best expected tokens per second is drafted, or none of it
@@ -41,6 +42,11 @@ PROBE_EVERY = 16
 PROBE_VALUE = 0.5  # expected accepted tokens credited to a paused sequence on a probe step
 MIN_ACCEPTED = 0.2  # accepted drafts per step below which a sequence pauses drafting
 RESTART = -1  # the cost-table shape of decode steps that restart the overlap pipeline
+# Every sequence drafts this many tokens once, early, even where the costs advise against it,
+# so that its own acceptance replaces the all-sequence average: a prompt rolled out before
+# (its trie holds earlier epochs' samples) is accepted far above an average that failing
+# sequences pulled down.
+FIRST_LOOK = 2
 
 
 class DraftBudget:
@@ -52,6 +58,7 @@ class DraftBudget:
         self._prior = FIRST_PRIOR
         self._step_s: dict[tuple[int, int], deque[float]] = {}  # step shape -> recent wall times
         self._steps = 0
+        self._looked: set[int] = set()  # sequences offered their first look
 
     def per_sequence_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_draft_tokens, self.max_verify_tokens // max(batch_size, 1) - 1))
@@ -90,7 +97,12 @@ class DraftBudget:
             rate = expected / costs[key]
             if rate > best_rate:
                 best_rate, best_k = rate, k
-        return {seq_id: budget for _, budget, seq_id in candidates[:best_k]}
+        plan = {seq_id: budget for _, budget, seq_id in candidates[:best_k]}
+        for seq in seqs:  # a first look, whatever the costs say: see FIRST_LOOK
+            if seq.seq_id not in self._accepted_ema and seq.seq_id not in self._looked:
+                self._looked.add(seq.seq_id)
+                plan.setdefault(seq.seq_id, min(cap, FIRST_LOOK))
+        return plan
 
     def _key(self, num_seqs: int, num_drafts: int) -> tuple[int, int]:
         if num_drafts == RESTART:
@@ -119,3 +131,4 @@ class DraftBudget:
 
     def forget(self, seq_id: int) -> None:
         self._accepted_ema.pop(seq_id, None)
+        self._looked.discard(seq_id)

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from spec.budget import COST_WINDOW, MIN_OBSERVED, PROBE_EVERY, DraftBudget
+from spec.budget import COST_WINDOW, FIRST_LOOK, MIN_OBSERVED, PROBE_EVERY, DraftBudget
 
 
 def seqs(n: int, first: int = 0):
@@ -94,3 +94,16 @@ def test_a_failed_first_draft_pauses_the_sequence_at_once():
     assert budget.for_batch(seqs(1)) == {0: 3}  # not yet verified: credited the all-sequence prior
     budget.observe(0, 0)
     assert budget.for_batch(seqs(1)) == {}  # its own result replaces the prior, not averaged with it
+
+
+def test_every_sequence_gets_one_first_look_even_when_drafting_looks_dear():
+    budget = DraftBudget(8, 256)
+    measured(budget, 2, 0, 1e-3)
+    for _ in range(50):
+        budget.observe(0, 0)  # a failing sequence pulls the all-sequence average down
+    measured(budget, 2, 4, 5e-3)  # and verify steps are dear
+    assert budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]]) == {7: FIRST_LOOK}  # the newcomer looks once
+    assert budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]]) == {}  # and only once, result or not
+    budget.observe(7, 2)  # its drafts were accepted: from now on its own average counts
+    measured(budget, 2, 5, 1.2e-3)
+    assert 7 in budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]])
