@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rollout.model_runner import DrawInputs, feed_input_ids
 from rollout.sampler import sample
 
 if TYPE_CHECKING:
-    from rollout.model_runner import DrawInputs, ModelRunner, StepLayout
+    from rollout.model_runner import ModelRunner, StepLayout
 
 BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 # Decode graphs come in two context bounds. Attention splits each sequence's keys over as
@@ -127,8 +128,6 @@ class CudaGraphs:
                feed: tuple[torch.Tensor, np.ndarray | None] | None = None) -> torch.Tensor:
         """Replay the graph for this layout; returns its [2, n] (tokens, logprobs) output on the device.
         `feed`: a chained step's input ids, from the previous step's drawn tokens (see ModelRunner.launch)."""
-        from rollout.model_runner import feed_input_ids
-
         g = self._graphs.get(shape) or self._capture(*shape)
         b, t, tree, _, _ = shape
         n = len(lay.logits_rows)
@@ -156,8 +155,6 @@ class CudaGraphs:
         return g.out[:, :n]
 
     def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str, context: int) -> _Graph:
-        from rollout.model_runner import DrawInputs
-
         runner, dev = self.runner, self.runner.device
         t = num_tokens
         i64 = torch.zeros(9 * t, dtype=torch.int64, device=dev)

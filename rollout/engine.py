@@ -220,7 +220,10 @@ class Engine:
         prev, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
         wanted = self._draft_budgets(batch)
-        if prev is not None and batch is not None and not wanted and self._chains(prev, batch):
+        # A decode batch scheduled while a decode step is in flight holds only sequences of that
+        # step: sequences join the running batch only when a prefill step completes, and prefill
+        # steps never stay in flight (StepInFlight.draw_index fails loudly otherwise).
+        if prev is not None and batch is not None and not batch.is_prefill and not wanted:
             self._in_flight = (self.runner.launch(batch, {}, after=prev[0]), began)
             self._complete(prev, updated)
             if all(item.seq.finished for item in batch.items):  # nothing left to wait for
@@ -241,14 +244,6 @@ class Engine:
         wanted = self.budget.for_batch(item.seq for item in batch.items)
         self._draft_s += time.perf_counter() - t0
         return wanted
-
-    def _chains(self, prev: tuple[StepInFlight, float], batch: Batch) -> bool:
-        """Whether `batch` can launch before `prev` is collected: both plain decode steps, and
-        `batch` only sequences of `prev` (some may have been preempted, none added)."""
-        if not self.config.overlap_schedule or batch.is_prefill or not prev[0].chainable:
-            return False
-        mine = {id(item.seq) for item in prev[0].batch.items}
-        return all(id(item.seq) in mine for item in batch.items)
 
     def _run(self, batch: Batch, wanted: dict[int, int], began: float, updated: dict) -> None:
         """Draft, launch, and complete at once unless the step may stay in flight."""

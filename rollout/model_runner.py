@@ -172,7 +172,8 @@ class StepInFlight:
         return not self.batch.is_prefill and not self.trees
 
     def draw_index(self, seqs: list[Sequence]) -> np.ndarray | None:
-        """Where each of `seqs` (all in this decode step) finds its drawn token; None: in order, from 0."""
+        """Where each of `seqs` (all in this decode step; KeyError if not) finds its drawn token;
+        None: in order, from 0."""
         mine = [item.seq for item in self.batch.items]
         if mine[: len(seqs)] == seqs:
             return None

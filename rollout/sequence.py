@@ -91,8 +91,8 @@ class Request:
     weight_version_at_arrival: int = 0
     sequences: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
-    stop_ids: frozenset[int] = frozenset()  # token ids that end a sample: stop_token_ids, and EOS unless ignored
-    max_len: int = 0  # a sample's tokens, prompt included, when it reaches max_new_tokens
+    stop_ids: frozenset[int] = field(kw_only=True)  # token ids that end a sample: stop_token_ids, and EOS unless ignored
+    max_len: int = field(kw_only=True)  # a sample's tokens, prompt included, when it reaches max_new_tokens
 
     @property
     def finished(self) -> bool:

@@ -72,10 +72,10 @@ class DraftBudget:
             return {}
         if not self.adaptive:
             return {seq.seq_id: cap for seq in seqs}
-        decode_s = self._cost(len(seqs), 0)
+        decode_s = self._cost(self._key(len(seqs), 0))
         if decode_s is None:
             return {}  # measure plain decoding at this batch size first
-        restart_s = max(0.0, (self._cost(len(seqs), RESTART) or decode_s) - decode_s)
+        restart_s = max(0.0, (self._cost(self._restart_key(len(seqs))) or decode_s) - decode_s)
         probing = self._steps % PROBE_EVERY == 0
         candidates = []  # (expected accepted tokens, draft budget, seq_id)
         for seq in seqs:
@@ -93,7 +93,7 @@ class DraftBudget:
             drafts += budget
             key = self._key(len(seqs), drafts)
             if key not in costs:
-                costs[key] = (self._cost(len(seqs), drafts) or decode_s) + restart_s
+                costs[key] = (self._cost(key) or decode_s) + restart_s
             rate = expected / costs[key]
             if rate > best_rate:
                 best_rate, best_k = rate, k
@@ -105,14 +105,15 @@ class DraftBudget:
         return plan
 
     def _key(self, num_seqs: int, num_drafts: int) -> tuple[int, int]:
-        if num_drafts == RESTART:
-            return num_seqs.bit_length(), RESTART
         tokens = num_seqs + num_drafts
         return num_seqs.bit_length(), (tokens - 1).bit_length() if num_drafts else 0
 
-    def _cost(self, num_seqs: int, num_drafts: int) -> float | None:
+    def _restart_key(self, num_seqs: int) -> tuple[int, int]:
+        return num_seqs.bit_length(), RESTART
+
+    def _cost(self, key: tuple[int, int]) -> float | None:
         """Median wall seconds of recent steps of this shape; None while not measured enough."""
-        times = self._step_s.get(self._key(num_seqs, num_drafts))
+        times = self._step_s.get(key)
         if times is None or len(times) < MIN_OBSERVED:
             return None
         return statistics.median(times)
@@ -121,7 +122,7 @@ class DraftBudget:
         """A decode or verify step of `num_seqs` sequences and `num_drafts` draft tokens took `seconds`;
         `restart`: a decode step that could not overlap the one before, because that one verified."""
         if seconds > 0 and num_seqs > 0:
-            key = self._key(num_seqs, RESTART if restart else num_drafts)
+            key = self._restart_key(num_seqs) if restart else self._key(num_seqs, num_drafts)
             self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
 
     def observe(self, seq_id: int, accepted: int) -> None:
