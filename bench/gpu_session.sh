@@ -11,7 +11,7 @@
 #   the sync and grpo stages need .whl_server (fastapi, uvicorn, pyzmq, wandb and their needs): carry it then
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | profile256 | speed | overlap | overlap-sampled | overlap-big | history | phases | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | profile256 | speed | overlap | overlap-sampled | overlap-big | pdl | pdl-big | history | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -73,6 +73,22 @@ overlap-big)  # the same for the Llama-3.1-8B shape at b1 (random weights)
     echo "== overlap schedule: ${flag:-on}"
     bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
   done 2>&1 | tee "$OUT/overlap-big.log"
+  rm -f "$OUT"/*.json
+  ;;
+pdl)  # programmatic dependent launch against plain launches, alternating, in one call
+  for flag in --no-pdl "" --no-pdl ""; do
+    echo "== pdl: ${flag:-on}"
+    bench --workload decode --spec-modes off --batch-sizes 1,8,64 --prompt-len 64 --output-len 256 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
+    python3 bench/profile_step.py --batch 1 $flag 2>&1 | grep -E "^batch|step ms|replay alone \(1, 1, " | head -4
+  done 2>&1 | tee "$OUT/pdl.log"
+  rm -f "$OUT"/*.json
+  ;;
+pdl-big)  # the same for the Llama-3.1-8B shape at b1, and its products alone
+  for flag in --no-pdl "" --no-pdl ""; do
+    echo "== pdl: ${flag:-on}"
+    bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
+  done 2>&1 | tee "$OUT/pdl-big.log"
+  for flag in "" --pdl; do python3 bench/gemm_sweep.py --rows 1 $flag; done 2>&1 | grep -v -i warn | tee "$OUT/gemm_sweep_pdl.log"
   rm -f "$OUT"/*.json
   ;;
 history)  # a second epoch: the drafter remembers the warm-up run's samples

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: GPU graph replay alone vs the engine's host phases.
 
-    python bench/profile_step.py [--batch 1] [--spec off] [--no-overlap] [--no-skinny-gemm]
+    python bench/profile_step.py [--batch 1] [--spec off] [--no-overlap] [--no-skinny-gemm] [--no-pdl]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--no-overlap", action="store_true", help="wait for every step's tokens (no overlap schedule)")
     ap.add_argument("--no-skinny-gemm", action="store_true", help="every product on cuBLAS (kernels/skinny_gemm.py off)")
+    ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch (kernels/pdl.py)")
     args = ap.parse_args()
     if args.no_skinny_gemm:
         import torch.nn.functional as F
@@ -29,7 +30,8 @@ def main() -> None:
         from kernels import skinny_gemm
 
         skinny_gemm.linear = lambda x, weight, bias=None: F.linear(x, weight, bias)
-    eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000, overlap_schedule=not args.no_overlap)
+    eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000, overlap_schedule=not args.no_overlap,
+                 pdl=not args.no_pdl)
     prompts = [[100 + i, 200, 300, 400] * 16 for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
     eng.generate(prompts, params)  # warm up: compile, capture

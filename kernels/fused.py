@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -67,6 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x, residual if residual is not None else x, weight, out, summed,
             x.stride(0), residual.stride(0) if residual is not None else 0, n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            **pdl.launch_args(),
         )
     return out if residual is None else (out, summed)
 
@@ -99,6 +102,7 @@ def rope_and_store(
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             heads, kv_heads, HALF=dim // 2,
             BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads), num_warps=4,
+            **pdl.launch_args(),
         )
     return out
 
@@ -113,7 +117,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4
+            gate_up, out, gate_up.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch_args()
         )
     return out
 
@@ -123,7 +127,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
@@ -159,8 +164,9 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, slots_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
         stride_kcs, stride_kch, stride_vcs, stride_vch,
-        heads, kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+        heads, kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl.wait_for_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + t).to(tl.int64)
         d = tl.arange(0, HALF)[None, :]
@@ -186,7 +192,8 @@ if triton is not None:
         tl.store(vc_ptr + slot * stride_vcs + g * stride_vch + dd, v.to(vc_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, stride_r, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, stride_r, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter

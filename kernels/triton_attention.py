@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.attention import MAX_TREE_TOKENS, AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -74,7 +75,9 @@ def _store_kv_kernel(
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(out_slots_ptr + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -148,8 +151,9 @@ def _attention_kernel(
     stride_slot_row, stride_slot_col,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     # axis 0 varies fastest, so the row blocks and splits of one (sequence, kv head) run side by
     # side and share its K/V through L2
     m_block = tl.program_id(0) // num_splits
@@ -226,8 +230,9 @@ def _merge_splits_kernel(
     part_lse_ptr,  # [T, num_heads, num_splits] fp32, base 2; -inf for a split that saw no key
     out_ptr,  # [T, num_heads, head_dim]
     num_splits, num_heads, stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -392,6 +397,7 @@ class TritonAttention:
                 k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
                 NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                 BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+                **pdl.launch_args(),
             )
         return self.attend(q, k_cache, v_cache, meta, scale, out)
 
@@ -438,11 +444,12 @@ class TritonAttention:
             HAS_TREE=meta.tree_mask is not None, SPLIT=split,
             # fp32 inputs: plain tf32 would cost ~1e-3 relative error; 3xTF32 keeps ~fp32 accuracy on tensor cores
             DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_args(),
         )
         if split:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 part_out, part_lse, out, config.num_splits, num_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(config.num_splits),
+                **pdl.launch_args(),
             )
         return out

@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true")
     g.add_argument("--no-overlap-schedule", action="store_true",
                    help="wait for each step's tokens before preparing the next (the overlap schedule is on by default)")
+    g.add_argument("--no-pdl", action="store_true",
+                   help="launch each kernel only after the one before it has finished (PDL is on by default on Hopper)")
     g.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculation")
     s.add_argument("--spec", default="auto", choices=["off", "ngram", "auto"], help="auto = best drafter available")
@@ -52,6 +54,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         cuda_graphs=not args.no_cuda_graphs,
         overlap_schedule=not args.no_overlap_schedule,
+        pdl=not args.no_pdl,
         seed=args.seed,
         spec=SpecConfig(
             method=args.spec,

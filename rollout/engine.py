@@ -19,6 +19,7 @@ from functools import partial
 import torch
 from transformers import AutoTokenizer
 
+from kernels import pdl
 from kernels.attention import create_backend
 from rollout.config import EngineConfig, SamplingParams, SpecConfig
 from rollout.kv_pool import KVPool
@@ -73,6 +74,7 @@ class Engine:
         if self.max_model_len > self.model_config.max_context:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {self.model_config.max_context}")
 
+        pdl.set_enabled(cfg.pdl and pdl.supported(self.device))  # before any kernel is timed or captured
         self.model = build_model(self.model_config, self.device, self.dtype)
         if cfg.load_format == "dummy":
             randomize(self.model, cfg.seed)

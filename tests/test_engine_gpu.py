@@ -127,3 +127,24 @@ def test_bf16_generates_finite_logprobs_close_to_fp32(default_model_dir, engines
     # bf16 rounding flips near-ties and 135M parameters diverge from there: compare the first tokens
     assert sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b)) >= len(a) - 1
     assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)) < 0.1
+
+
+def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts, monkeypatch):
+    """PDL only lets a kernel be launched early and wait on the device for the one before it:
+    tokens and logprobs are bitwise those of plain launches. bf16, with every product on the
+    Triton GEMM so that whole layers chain."""
+    from kernels import pdl, skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "_use_triton", {})
+    monkeypatch.setattr(skinny_gemm, "_triton_is_faster", lambda *args: True)
+    before, outs = pdl.enabled(), {}
+    try:
+        for on in (False, True):
+            engine = Engine(model=str(default_model_dir), device="cuda", spec="off", kv_cache_tokens=100_000, pdl=on)
+            assert pdl.enabled() == on
+            outs[on] = run(engine, prompts, temperature=0) + run(engine, prompts, temperature=1.0, n=2, seed=3)
+            del engine
+    finally:
+        pdl.set_enabled(before)
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
