@@ -242,6 +242,8 @@ class Engine:
     def _draft_budgets(self, batch: Batch | None) -> dict[int, int]:
         if self.drafter is None or batch is None or batch.is_prefill:
             return {}
+        if self.budget.per_sequence_cap(len(batch.items)) == 0:  # no room to verify drafts (at 256 sequences)
+            return {}
         t0 = time.perf_counter()
         wanted = self.budget.for_batch(item.seq for item in batch.items)
         self._draft_s += time.perf_counter() - t0
@@ -335,6 +337,8 @@ class Engine:
             if tree.num_drafts:
                 trees[seq.seq_id] = tree
                 free -= tree.num_drafts
+            else:  # planned but the trie had nothing: as costly as a rejected draft (the overlap was drained for it)
+                self.budget.observe(seq.seq_id, 0)
         return trees
 
     def _append(self, e: Emitted) -> None:

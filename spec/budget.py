@@ -57,6 +57,7 @@ class DraftBudget:
         self._accepted_ema: dict[int, float] = {}
         self._prior = FIRST_PRIOR
         self._step_s: dict[tuple[int, int], deque[float]] = {}  # step shape -> recent wall times
+        self._median_s: dict[tuple[int, int], float] = {}  # their medians, computed when first asked for
         self._steps = 0
         self._looked: set[int] = set()  # sequences offered their first look
 
@@ -113,10 +114,13 @@ class DraftBudget:
 
     def _cost(self, key: tuple[int, int]) -> float | None:
         """Median wall seconds of recent steps of this shape; None while not measured enough."""
-        times = self._step_s.get(key)
-        if times is None or len(times) < MIN_OBSERVED:
-            return None
-        return statistics.median(times)
+        cost = self._median_s.get(key)
+        if cost is None:
+            times = self._step_s.get(key)
+            if times is None or len(times) < MIN_OBSERVED:
+                return None
+            cost = self._median_s[key] = statistics.median(times)
+        return cost
 
     def observe_step(self, num_seqs: int, num_drafts: int, seconds: float, restart: bool = False) -> None:
         """A decode or verify step of `num_seqs` sequences and `num_drafts` draft tokens took `seconds`;
@@ -124,6 +128,7 @@ class DraftBudget:
         if seconds > 0 and num_seqs > 0:
             key = self._restart_key(num_seqs) if restart else self._key(num_seqs, num_drafts)
             self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
+            self._median_s.pop(key, None)
 
     def observe(self, seq_id: int, accepted: int) -> None:
         prev = self._accepted_ema.get(seq_id)  # a sequence's own first result replaces the prior outright

@@ -11,6 +11,7 @@ from rollout import Engine, SamplingParams, SpecConfig
 from rollout.datasets import arithmetic_tasks, chat_prompt_ids
 from rollout.sampler import SamplingTensors, sample, sequence_key
 from rollout.wandb_log import WandbLogger
+from spec.budget import PROBE_EVERY as PROBE_EVERY_STEPS
 from spec.tree import DraftTree
 from spec.verify import accept_paths
 from wandb_records import history
@@ -232,3 +233,19 @@ def test_trie_upkeep_stays_in_the_device_shadow_and_changes_no_output(default_en
     assert st["rollout/drafter_dropped_tokens"] > 0 and st["rollout/drafter_shadow_s"] > 0
     assert st["rollout/spec_draft_tokens"] > 0  # drafts were verified after tokens were skipped
     assert len(engine.upkeep) == 0  # idle: nothing left queued
+
+
+def test_a_planned_sequence_without_a_match_counts_as_a_failed_draft(default_model_dir, prompts):
+    """Planning a draft drains the overlap pipeline, so a sequence the trie has nothing for is
+    charged like a rejected draft: it stops being planned instead of keeping the prior forever."""
+
+    engine = Engine(model=str(default_model_dir), spec="ngram", device="cpu")
+    engine.drafter.propose = lambda seq_id, context, budget: DraftTree.root_only(int(context[-1]))
+    planned = []
+    for_batch = engine.budget.for_batch
+    engine.budget.for_batch = lambda seqs: planned.append(for_batch(seqs)) or planned[-1]
+    run(engine, prompts[:1], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+    first = next(i for i, plan in enumerate(planned) if plan)
+    later = planned[first + 1:]
+    assert sum(bool(plan) for plan in later) <= len(later) // PROBE_EVERY_STEPS + 1  # paused, but for probes
+    assert engine.stats()["rollout/spec_draft_tokens"] == 0
