@@ -26,11 +26,14 @@ except ImportError:
 
 MAX_ROWS = 16
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
+CPU_BLOCK_ROWS = 8
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _use_triton: dict[tuple, bool] = {}  # (N, K, dtype, has_bias, PDL) -> Triton beat cuBLAS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.device.type == "cpu" and not INTERPRET:
+        return _cpu_linear(x, weight, bias)
     usable = (
         triton is not None and (x.is_cuda or INTERPRET) and x.dim() == 2 and x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
@@ -42,6 +45,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if choice is None:
         choice = _use_triton[key] = INTERPRET or _triton_is_faster(x, weight, bias)
     return skinny_linear(x, weight, bias) if choice else F.linear(x, weight, bias)
+
+
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear in blocks of exactly CPU_BLOCK_ROWS rows (the last one padded). CPU BLAS picks
+    its kernel, and with it each row's rounding, by the row count (on AVX-512 MKL up to ~20
+    rows); in equal blocks a row's result depends on nothing else in the step, so a verify
+    step reproduces plain decoding bit for bit (tests compare speculation on and off)."""
+    rows = x.shape[0]
+    if x.dim() != 2 or rows == 0:
+        return F.linear(x, weight, bias)
+    pad = -rows % CPU_BLOCK_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    return torch.cat([F.linear(block, weight, bias) for block in x.split(CPU_BLOCK_ROWS)])[:rows]
 
 
 def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

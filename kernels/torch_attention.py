@@ -1,10 +1,10 @@
 """Reference attention in plain torch: pad every sequence, build a dense mask, two matmuls.
 
 Slow but obviously correct on any device; CI runs it on the CPU and every fast backend is
-held to it on random inputs. It is also batch-invariant on the CPU: query blocks are
-padded to at least CPU_GEMM_MIN_ROWS rows, so each row takes the same BLAS path whatever
-the step's shape, and the probability-value product runs in float64; a draft-tree verify
-step then reproduces plain decoding to the last bit (or within a float32 ulp).
+held to it on random inputs. It is also batch-invariant on the CPU: it computes in
+float64, so a row's result does not depend on the step's shape (with the linear layers in
+equal row blocks, kernels/skinny_gemm.py), and a draft-tree verify step reproduces plain
+decoding to the last bit.
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import AttentionMetadata
-
-# CPU BLAS computes each row of a matmul identically for any row count >= 4; below that
-# it switches to a matrix-vector kernel whose rounding differs.
-CPU_GEMM_MIN_ROWS = 4
 
 
 def dense_mask(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,7 +38,7 @@ def dense_mask(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, tor
 class TorchAttention:
     def plan(self, meta: AttentionMetadata) -> None:
         seq_of_token, index_in_seq, allowed = dense_mask(meta)
-        q_rows = max(meta.max_q_len, CPU_GEMM_MIN_ROWS)
+        q_rows = meta.max_q_len
         mask = torch.zeros(meta.num_seqs, q_rows, meta.max_kv_len, dtype=torch.bool, device=allowed.device)
         mask[:, :, 0] = True  # padded query rows see one key, so softmax stays finite
         mask[seq_of_token, index_in_seq] = allowed
@@ -68,10 +64,11 @@ class TorchAttention:
         # [B, num_heads, max_kv, head_dim]
         keys = k_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
         values = v_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-        scores = torch.matmul(q_pad.transpose(1, 2), keys.transpose(2, 3)) * scale  # [B, H, q_rows, max_kv]
-        probs = scores.masked_fill(~self._mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
-        # float64: BLAS splits this reduction differently for different key counts, and the
-        # extra precision absorbs that, so steps of different shapes agree to the last bit.
-        result = torch.matmul(probs.double(), values.double()).to(q.dtype)  # [B, num_heads, q_rows, head_dim]
+        # In float64 throughout: BLAS picks its kernel, and the softmax its vector grouping, by the
+        # shape (query rows, key count), so their rounding varies from step to step; the extra
+        # precision absorbs that, and steps of different shapes agree to the last bit.
+        scores = torch.matmul(q_pad.transpose(1, 2).double(), keys.transpose(2, 3).double()) * scale
+        probs = scores.masked_fill(~self._mask, float("-inf")).softmax(dim=-1)  # [B, H, q_rows, max_kv]
+        result = torch.matmul(probs, values.double()).to(q.dtype)  # [B, num_heads, q_rows, head_dim]
         result = result.transpose(1, 2)[self._seq_of_token, self._index_in_seq]
         return result if out is None else out.copy_(result)

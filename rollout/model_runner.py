@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.torch_attention import CPU_GEMM_MIN_ROWS
 from rollout.kv_pool import KVPool
 from rollout.model_config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
@@ -220,9 +219,6 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
-        # Pad CPU steps (tokens and logits rows) to the row count from which BLAS rounding no
-        # longer depends on the step's shape; see kernels/torch_attention.py.
-        self.min_tokens = CPU_GEMM_MIN_ROWS if device.type == "cpu" else 1
         self.graphs = None
         if cuda_graphs:
             from rollout.cuda_graphs import CudaGraphs
@@ -271,7 +267,7 @@ class ModelRunner:
         if shape is not None:
             out = self.graphs.launch(lay, inputs, shape, feed)
         else:
-            step = DeviceStep(self._pad_for_cpu(lay), self.device)
+            step = DeviceStep(lay, self.device)
             if feed is not None:
                 feed_input_ids(step.input_ids[: lay.num_tokens], *feed)
             out = self._sample(self.forward(step), inputs)
@@ -412,20 +408,6 @@ class ModelRunner:
         slots = self.pool.alloc(num_tokens).astype(np.int64)
         self._set_slots(np.repeat(rows, q_lens), np.repeat(starts, q_lens) + offsets, slots)
         return slots, offsets
-
-    def _pad_for_cpu(self, lay: StepLayout) -> StepLayout:
-        """On the CPU, at least CPU_GEMM_MIN_ROWS tokens and logits rows (see __init__)."""
-        if lay.num_tokens >= self.min_tokens and len(lay.logits_rows) >= self.min_tokens:
-            return lay
-        extra = max(0, self.min_tokens - lay.num_tokens)
-        num_seqs = len(lay.seq_rows) + (1 if extra else 0)
-        num_logits = max(self.min_tokens, len(lay.logits_rows))
-        padded = lay.padded(num_seqs, lay.num_tokens + extra, num_logits, self.pool.padding_row)
-        if extra:  # the padding tokens form one causal sequence on the all-zero row
-            padded.kv_lens[-1] = padded.q_lens[-1] = extra
-            if padded.tree_mask is not None:
-                padded.tree_mask[-extra:] = np.left_shift(np.int64(1), np.arange(extra, dtype=np.int64)).cumsum()
-        return padded
 
     def _sample(self, logits: torch.Tensor, inputs: DrawInputs) -> torch.Tensor:
         """[2, S] float64 on the device: drawn tokens and their logprobs."""
