@@ -64,6 +64,10 @@ class RMSNorm(nn.Module):
         """norm(x), or with `residual` (norm(x + residual), x + residual)."""
         return fused.rms_norm(x, self.weight, self.eps, residual)
 
+    def then(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None):
+        """(proj(norm(x + residual)), x + residual), the residual optional: one kernel at decode."""
+        return skinny_gemm.norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -79,9 +83,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """From the qkv projection of the normalised input (the layer fuses the norm into it)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -101,8 +106,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """From the gate/up projection of the normalised input (the layer fuses the norm into it)."""
+        return self.down_proj(fused.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -115,12 +121,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (this layer's output, the residual stream before it); their sum is the hidden state."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, ctx), residual)
-        return self.mlp(h), residual
+        qkv, residual = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual)
+        gate_up, residual = self.post_attention_layernorm.then(self.mlp.gate_up_proj, self.self_attn(qkv, ctx), residual)
+        return self.mlp(gate_up), residual
 
 
 class DecoderBody(nn.Module):
@@ -156,8 +159,10 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
-        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
-        return skinny_gemm.linear(x, self.lm_head_weight).float()
+        logits, _ = skinny_gemm.norm_linear(
+            x[logits_indices], residual[logits_indices], self.model.norm.weight, self.model.norm.eps, self.lm_head_weight
+        )
+        return logits.float()
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model accepts, mapped to where it is stored."""
