@@ -171,9 +171,12 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(leader)
         if self.drafter is not None:
+            rolled_out_before = self.drafter.knows_prompt(prompt_ids)
             self.upkeep.lifecycle(partial(self.drafter.add_group, rid, prompt_ids))
             for seq in req.sequences:
                 self.upkeep.lifecycle(partial(self.drafter.add_sequence, rid, seq.seq_id))
+                if rolled_out_before:
+                    self.budget.offer_first_look(seq.seq_id)
         return req
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -315,7 +318,10 @@ class Engine:
                 if self.drafter is not None:
                     self.upkeep.lifecycle(partial(self.drafter.remove_group, req.rid))
         if self.drafter is not None and not self.has_work:
-            self.upkeep.apply()  # going idle: nothing to overlap with
+            # Going idle: the lifecycle updates complete (finished prompts become history), but
+            # tokens that found no shadow stay unindexed rather than lengthen the rollout's end.
+            self.upkeep.drop_unfed_steps()
+            self.upkeep.apply()
         return list(updated.values())
 
     def clear_speculation_history(self) -> None:

@@ -13,8 +13,9 @@ into two things learned separately while running, so neither needs exploring the
   `restart`), and its excess over a pipelined decode step is charged to every drafting step
   (too much when drafting steps follow each other; only the last one restarts).
 - What a draft brings: per sequence, an average of the drafts it recently had accepted; a
-  sequence not yet verified is credited the average over all sequences, and drafts a little
-  once, early, whatever the costs say (FIRST_LOOK), so that its own result takes over. A
+  sequence not yet verified is credited the average over all sequences. One whose prompt was
+  rolled out before drafts a little once, early, whatever the costs say (FIRST_LOOK), so that
+  its own result takes over. A
   sequence whose drafts keep failing stops drafting; every PROBE_EVERY steps such sequences
   are offered again, at a modest expected value, so acceptance that returns is noticed.
 
@@ -42,10 +43,10 @@ PROBE_EVERY = 16
 PROBE_VALUE = 0.5  # expected accepted tokens credited to a paused sequence on a probe step
 MIN_ACCEPTED = 0.2  # accepted drafts per step below which a sequence pauses drafting
 RESTART = -1  # the cost-table shape of decode steps that restart the overlap pipeline
-# Every sequence drafts this many tokens once, early, even where the costs advise against it,
-# so that its own acceptance replaces the all-sequence average: a prompt rolled out before
-# (its trie holds earlier epochs' samples) is accepted far above an average that failing
-# sequences pulled down.
+# A sequence offered a first look (its prompt was rolled out before, so the trie holds earlier
+# epochs' samples) drafts this many tokens once, early, even where the costs advise against
+# it, so that its own acceptance replaces the all-sequence average, which failing sequences of
+# new prompts may have pulled down far below what such a prompt gets accepted.
 FIRST_LOOK = 2
 
 
@@ -59,7 +60,7 @@ class DraftBudget:
         self._step_s: dict[tuple[int, int], deque[float]] = {}  # step shape -> recent wall times
         self._median_s: dict[tuple[int, int], float] = {}  # their medians, computed when first asked for
         self._steps = 0
-        self._looked: set[int] = set()  # sequences offered their first look
+        self._first_look: set[int] = set()  # sequences offered a first look that have not had it
 
     def per_sequence_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_draft_tokens, self.max_verify_tokens // max(batch_size, 1) - 1))
@@ -99,11 +100,17 @@ class DraftBudget:
             if rate > best_rate:
                 best_rate, best_k = rate, k
         plan = {seq_id: budget for _, budget, seq_id in candidates[:best_k]}
-        for seq in seqs:  # a first look, whatever the costs say: see FIRST_LOOK
-            if seq.seq_id not in self._accepted_ema and seq.seq_id not in self._looked:
-                self._looked.add(seq.seq_id)
-                plan.setdefault(seq.seq_id, min(cap, FIRST_LOOK))
+        if self._first_look:  # whatever the costs say: see FIRST_LOOK
+            for seq in seqs:
+                if seq.seq_id in self._first_look:
+                    self._first_look.discard(seq.seq_id)
+                    if seq.seq_id not in self._accepted_ema:
+                        plan.setdefault(seq.seq_id, min(cap, FIRST_LOOK))
         return plan
+
+    def offer_first_look(self, seq_id: int) -> None:
+        """This sequence's prompt was rolled out before: it drafts once early, whatever the costs say."""
+        self._first_look.add(seq_id)
 
     def _key(self, num_seqs: int, num_drafts: int) -> tuple[int, int]:
         tokens = num_seqs + num_drafts
@@ -137,4 +144,4 @@ class DraftBudget:
 
     def forget(self, seq_id: int) -> None:
         self._accepted_ema.pop(seq_id, None)
-        self._looked.discard(seq_id)
+        self._first_look.discard(seq_id)

@@ -101,6 +101,11 @@ class NgramDrafter:
             entry.live_groups += 1
         self._groups[group_id] = _Group(key, entry)
 
+    def knows_prompt(self, prompt: Sequence[int]) -> bool:
+        """Whether samples of this prompt are in a trie already (live, or history of an earlier epoch)."""
+        key = tuple(int(t) for t in prompt)
+        return self.cfg.share_siblings and (key in self._live or key in self._history)
+
     def add_sequence(self, group_id: Hashable, seq_id: int) -> None:
         """A sample of the group; its context starts as the prompt."""
         group = self._group(group_id)

@@ -96,14 +96,16 @@ def test_a_failed_first_draft_pauses_the_sequence_at_once():
     assert budget.for_batch(seqs(1)) == {}  # its own result replaces the prior, not averaged with it
 
 
-def test_every_sequence_gets_one_first_look_even_when_drafting_looks_dear():
+def test_a_sequence_offered_a_first_look_drafts_once_even_when_drafting_looks_dear():
     budget = DraftBudget(8, 256)
     measured(budget, 2, 0, 1e-3)
     for _ in range(50):
         budget.observe(0, 0)  # a failing sequence pulls the all-sequence average down
     measured(budget, 2, 4, 5e-3)  # and verify steps are dear
-    assert budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]]) == {7: FIRST_LOOK}  # the newcomer looks once
-    assert budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]]) == {}  # and only once, result or not
-    budget.observe(7, 2)  # its drafts were accepted: from now on its own average counts
+    assert budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]]) == {}  # a newcomer of a new prompt: no look
+    budget.offer_first_look(8)  # its prompt was rolled out before
+    assert budget.for_batch([seqs(1)[0], seqs(1, first=8)[0]]) == {8: FIRST_LOOK}  # the newcomer looks once
+    assert budget.for_batch([seqs(1)[0], seqs(1, first=8)[0]]) == {}  # and only once, result or not
+    budget.observe(8, 2)  # its drafts were accepted: from now on its own average counts
     measured(budget, 2, 5, 1.2e-3)
-    assert 7 in budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]])
+    assert 8 in budget.for_batch([seqs(1)[0], seqs(1, first=8)[0]])

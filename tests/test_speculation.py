@@ -249,3 +249,17 @@ def test_a_planned_sequence_without_a_match_counts_as_a_failed_draft(default_mod
     later = planned[first + 1:]
     assert sum(bool(plan) for plan in later) <= len(later) // PROBE_EVERY_STEPS + 1  # paused, but for probes
     assert engine.stats()["rollout/spec_draft_tokens"] == 0
+
+
+def test_only_a_prompt_rolled_out_before_is_offered_a_first_look(default_model_dir, prompts):
+    engine = Engine(model=str(default_model_dir), spec="ngram", device="cpu")
+    params = SamplingParams(temperature=0, max_new_tokens=8, n=2)
+    first = engine.add_request(prompts[0], params)
+    assert not engine.budget._first_look  # a new prompt: the all-sequence average speaks for it
+    while not first.finished:
+        engine.step()
+    again, other = engine.add_request(prompts[0], params), engine.add_request(prompts[1], params)
+    assert engine.budget._first_look == {seq.seq_id for seq in again.sequences}
+    while not (again.finished and other.finished):
+        engine.step()
+    assert not engine.budget._first_look
