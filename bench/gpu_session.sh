@@ -11,7 +11,7 @@
 #   the sync and grpo stages need .whl_server (fastapi, uvicorn, pyzmq, wandb and their needs): carry it then
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | profile256 | speed | overlap | overlap-sampled | overlap-big | pdl | pdl-big | history | phases | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | profile256 | speed | overlap | overlap-sampled | overlap-big | pdl | pdl-big | spec-history | history | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -89,6 +89,13 @@ pdl-big)  # the same for the Llama-3.1-8B shape at b1, and its products alone
     bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --repeats 3 $flag | grep -E "^\| rollout" | awk '!seen[$0]++'
   done 2>&1 | tee "$OUT/pdl-big.log"
   for flag in "" --pdl; do python3 bench/gemm_sweep.py --rows 1 $flag; done 2>&1 | grep -v -i warn | tee "$OUT/gemm_sweep_pdl.log"
+  rm -f "$OUT"/*.json
+  ;;
+spec-history)  # 64 x 8 at T=1, and a second epoch at b1 and b8: n-gram against spec off, medians of 3
+  (bench --workload grpo --spec-modes off,ngram --batch-sizes 512 --n 8 --temperature 1.0 --output-len 256 --repeats 3 | grep runs
+   echo "== second epoch"
+   bench --workload grpo --spec-modes off,ngram --keep-history --batch-sizes 1,8 --n 8 --temperature 0 --output-len 256 --repeats 3 | grep runs
+  ) 2>&1 | tee "$OUT/spec-t1-history.log"
   rm -f "$OUT"/*.json
   ;;
 history)  # a second epoch: the drafter remembers the warm-up run's samples

@@ -7,9 +7,8 @@ sampling, or with top-k/top-p/min-p truncation). Each graph owns its input tenso
 step's layout is padded to the graph's shape (empty sequences, tokens that belong to
 none and write slot 0), copied in with three host-to-device copies, replayed, and its
 tokens and logprobs come back in one copy. The attention kernels read real lengths on
-the device, so one graph serves every context length up to the pool's (decode graphs come
-in two context bounds, see SHORT_CONTEXT, which only change how attention splits its keys),
-and every tree up to `max_tree_tokens` tokens per sequence. `capture_all` captures the decode and verify shapes up
+the device, so one graph serves every context length up to the pool's (attention splits the
+keys for that bound, and spreads each step's real keys over the splits), and every tree up to `max_tree_tokens` tokens per sequence. `capture_all` captures the decode and verify shapes up
 front (the engine does so at start); any other shape is captured on first use. Prefill
 steps run eagerly.
 """
@@ -30,12 +29,6 @@ if TYPE_CHECKING:
     from rollout.model_runner import ModelRunner, StepLayout
 
 BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-# Decode graphs come in two context bounds. Attention splits each sequence's keys over as
-# many programs as fill the GPU for the bound it is captured with (kernels/triton_attention.py);
-# at a small batch and the pool's full context that is dozens of splits, nearly all empty
-# while contexts are short, and their launch and merge cost show in the step. Steps whose
-# contexts all fit SHORT_CONTEXT replay a graph planned for it; longer ones, the full bound.
-SHORT_CONTEXT = 1024
 
 
 def tree_step_tokens(num_seqs: int, num_tokens: int) -> int:
@@ -91,9 +84,9 @@ class CudaGraphs:
         self._attn_out = torch.zeros(max_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=runner.device)
         self._mempool = torch.cuda.graph_pool_handle()
         self.max_context = runner.pool.max_context
-        self._graphs: dict[tuple[int, int, bool, str, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int, bool, str], _Graph] = {}
 
-    def shape(self, lay: "StepLayout", mode: str) -> tuple[int, int, bool, str, int] | None:
+    def shape(self, lay: "StepLayout", mode: str) -> tuple[int, int, bool, str] | None:
         """The captured shape serving this layout, or None (too large: run eagerly)."""
         num_seqs = len(lay.seq_rows)
         i = bisect.bisect_left(self.batch_sizes, num_seqs)
@@ -104,32 +97,27 @@ class CudaGraphs:
         t = tree_step_tokens(b, lay.num_tokens) if tree else b
         if t > self.max_tokens or (tree and int(lay.q_lens.max()) > self.max_tree_tokens):
             return None
-        return b, t, tree, mode, self._context_bound(tree, int(lay.kv_lens.max()))
-
-    def _context_bound(self, tree: bool, kv_len: int) -> int:
-        """Verify graphs: the full context only (fewer graphs to capture); decode: the smallest bound that fits."""
-        return SHORT_CONTEXT if not tree and kv_len <= SHORT_CONTEXT < self.max_context else self.max_context
+        return b, t, tree, mode
 
     def capture_all(self, modes: tuple[str, ...] = ("greedy", "sample"), speculation: bool = True) -> int:
         """Capture every decode shape (and verify shapes when speculating) ahead of time, so no
         step pays a capture; returns how many graphs exist. Truncated sampling stays lazy."""
         for b in self.batch_sizes:
-            shapes = [(b, b, False, self._context_bound(False, 1)), (b, b, False, self.max_context)]
+            shapes = [(b, b, False)]
             if speculation:
-                shapes += [(b, t, True, self.max_context)
-                           for t in verify_token_counts(b, self.max_tokens, self.max_tree_tokens)]
-            for num_seqs, num_tokens, tree, context in shapes:
+                shapes += [(b, t, True) for t in verify_token_counts(b, self.max_tokens, self.max_tree_tokens)]
+            for num_seqs, num_tokens, tree in shapes:
                 for mode in modes:
-                    if (num_seqs, num_tokens, tree, mode, context) not in self._graphs:
-                        self._capture(num_seqs, num_tokens, tree, mode, context)
+                    if (num_seqs, num_tokens, tree, mode) not in self._graphs:
+                        self._capture(num_seqs, num_tokens, tree, mode)
         return len(self._graphs)
 
-    def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str, int],
+    def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str],
                feed: tuple[torch.Tensor, np.ndarray | None] | None = None) -> torch.Tensor:
         """Replay the graph for this layout; returns its [2, n] (tokens, logprobs) output on the device.
         `feed`: a chained step's input ids, from the previous step's drawn tokens (see ModelRunner.launch)."""
         g = self._graphs.get(shape) or self._capture(*shape)
-        b, t, tree, _, _ = shape
+        b, t, tree, _ = shape
         n = len(lay.logits_rows)
         padded = lay.padded(b, t, t, self.runner.pool.padding_row)
         qo_indptr = np.zeros(b + 1, dtype=np.int32)
@@ -154,7 +142,7 @@ class CudaGraphs:
         g.graph.replay()
         return g.out[:, :n]
 
-    def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str, context: int) -> _Graph:
+    def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str) -> _Graph:
         runner, dev = self.runner, self.runner.device
         t = num_tokens
         i64 = torch.zeros(9 * t, dtype=torch.int64, device=dev)
@@ -165,7 +153,7 @@ class CudaGraphs:
             i64[3 * t : 4 * t] = 1
         step = _StaticStep(
             i64[: 5 * t], i32, num_seqs, t, tree,
-            max_q_len=self.max_tree_tokens if tree else 1, max_kv_len=context,
+            max_q_len=self.max_tree_tokens if tree else 1, max_kv_len=self.max_context,
         )
         sampling = DrawInputs(np.zeros((4, 0), np.int64), np.zeros((3, 0), np.float32), mode)
         sampling_tensors = sampling.tensors(i64[5 * t :].view(4, t), f32.view(3, t))
@@ -186,5 +174,5 @@ class CudaGraphs:
             out = step_fn()
         host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
         g = _Graph(graph, i64, i32, f32, host, out)
-        self._graphs[(num_seqs, num_tokens, tree, mode, context)] = g
+        self._graphs[(num_seqs, num_tokens, tree, mode)] = g
         return g
