@@ -114,7 +114,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     residual, norm_weight, eps = norm if norm is not None else (None, weight, 0.0)
-    summed = torch.empty_like(x) if residual is not None else x
+    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x
     if m == 0:
         return y, summed
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731

@@ -8,9 +8,10 @@ step's layout is padded to the graph's shape (empty sequences, tokens that belon
 none and write slot 0), copied in with three host-to-device copies, replayed, and its
 tokens and logprobs come back in one copy. The attention kernels read real lengths on
 the device, so one graph serves every context length up to the pool's (attention splits the
-keys for that bound, and spreads each step's real keys over the splits), and every tree up to `max_tree_tokens` tokens per sequence. `capture_all` captures the decode and verify shapes up
-front (the engine does so at start); any other shape is captured on first use. Prefill
-steps run eagerly.
+keys for that bound, and spreads each step's real keys over the splits), and every tree up
+to `max_tree_tokens` tokens per sequence. `capture_all` captures the decode and verify
+shapes up front (the engine does so at start); any other shape is captured on first use.
+Prefill steps run eagerly.
 """
 
 from __future__ import annotations
