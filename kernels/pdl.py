@@ -10,7 +10,8 @@ the order of every read and write is exactly that of plain launches: results are
 the same, only the gaps shrink. A kernel launched without PDL (torch's, cuBLAS's) waits for
 everything before it as usual, so mixing them is safe.
 
-Off by default; the engine turns it on for GPUs that have it (`EngineConfig.pdl`).
+The setting is process-wide: off by default, and set by each engine as it starts, on for
+GPUs that have it (`EngineConfig.pdl`).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85
     cuda_graphs: bool = True
     overlap_schedule: bool = True  # launch each decode step before the host has the previous step's tokens
-    pdl: bool = True  # programmatic dependent launch of the Triton kernels, on GPUs that have it (kernels/pdl.py)
+    pdl: bool = True  # programmatic dependent launch of the Triton kernels on Hopper (kernels/pdl.py); process-wide
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
 
