@@ -245,10 +245,8 @@ class Engine:
     def _draft_budgets(self, batch: Batch | None) -> dict[int, int]:
         if self.drafter is None or batch is None or batch.is_prefill:
             return {}
-        if self.budget.per_sequence_cap(len(batch.items)) == 0:  # no room to verify drafts (at 256 sequences)
-            return {}
         t0 = time.perf_counter()
-        wanted = self.budget.for_batch(item.seq for item in batch.items)
+        wanted = self.budget.for_batch([item.seq for item in batch.items])
         self._draft_s += time.perf_counter() - t0
         return wanted
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -65,12 +64,11 @@ class DraftBudget:
     def per_sequence_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_draft_tokens, self.max_verify_tokens // max(batch_size, 1) - 1))
 
-    def for_batch(self, seqs: Iterable[Sequence]) -> dict[int, int]:
+    def for_batch(self, seqs: list[Sequence]) -> dict[int, int]:
         """Draft budgets by seq_id for this step (empty: no speculation this step)."""
-        seqs = list(seqs)
         self._steps += 1
         cap = self.per_sequence_cap(len(seqs))
-        if cap == 0:
+        if cap == 0:  # checked before the sequences are looked at: the common case at 256 sequences
             return {}
         if not self.adaptive:
             return {seq.seq_id: cap for seq in seqs}

@@ -60,9 +60,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with `residual` (norm(x + residual), x + residual)."""
-        return fused.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.rms_norm(x, self.weight, self.eps)
 
     def then(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None):
         """(proj(norm(x + residual)), x + residual), the residual optional: one kernel at decode."""
