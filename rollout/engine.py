@@ -342,7 +342,7 @@ class Engine:
                 trees[seq.seq_id] = tree
                 free -= tree.num_drafts
             else:  # planned but the trie had nothing: as costly as a rejected draft (the overlap was drained for it)
-                self.budget.observe(seq.seq_id, 0)
+                self.budget.observe(seq.seq_id, 0, rejected=True)
         return trees
 
     def _append(self, e: Emitted) -> None:
@@ -363,7 +363,7 @@ class Engine:
             seq.spec.record(e.source or "none", e.drafted, e.accepted, appended)
             self._spec_totals.record(e.source or "none", e.drafted, e.accepted, appended)
         if self.drafter is not None and e.drafted:
-            self.budget.observe(seq.seq_id, e.accepted)
+            self.budget.observe(seq.seq_id, e.accepted, e.rejected)
         if reason is not None:
             self._finish(seq, reason)
 

@@ -36,6 +36,7 @@ class Emitted:
     decode: bool  # a decode/verify step (counts toward accept length), not a prefill's first token
     drafted: int = 0
     accepted: int = 0
+    rejected: bool = False  # verification turned down a draft after the accepted ones (it did not run out)
     source: str = ""
 
 
@@ -455,7 +456,8 @@ class ModelRunner:
             if tree is None:
                 out.append(Emitted(seq, emitted, lps, item.decode))
             else:
-                out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, tree.source))
+                rejected = bool((tree.parents == path[-1] - path[0]).any())  # the last accepted node had children
+                out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, rejected, tree.source))
         if moved_nodes:
             self._set_slots(np.array(moved_rows, dtype=np.int64), np.array(moved_cols, dtype=np.int64),
                             slots[moved_nodes])

@@ -12,16 +12,22 @@ into two things learned separately while running, so neither needs exploring the
   before the host has its tokens. That restart is measured too (decode steps reported as
   `restart`), and its excess over a pipelined decode step is charged to every drafting step
   (too much when drafting steps follow each other; only the last one restarts).
-- What a draft brings: per sequence, an average of the drafts it recently had accepted; a
-  sequence not yet verified is credited the average over all sequences. One whose prompt was
-  rolled out before drafts a little once, early, whatever the costs say (FIRST_LOOK), so that
-  its own result takes over. A
-  sequence whose drafts keep failing stops drafting; every PROBE_EVERY steps such sequences
-  are offered again, at a modest expected value, so acceptance that returns is noticed.
+- What a draft token brings: the chance that verification gets that far. Per sequence, the
+  drafter's tokens are taken to be accepted one after the other with a probability `a`
+  (estimated from decaying counts of accepted and rejected draft tokens), so its j-th draft
+  token is worth a**j accepted tokens. A sequence starts from the counts of all sequences.
+  Acceptance comes in runs (a sample that loops, code that repeats its prompt): a sequence
+  that drafted well drafts deep, and the cost of a deep draft, which at small batch is that
+  of a shallow one, is measured rather than assumed.
 
-Each step the candidates are ranked by expected accepted tokens per drafted token, and the
-prefix of that ranking with the best expected tokens per second is drafted, or none of it
-if plain decoding is expected to be faster. At most `max_verify_tokens` are verified per step.
+Each step the draft tokens of all sequences are ranked by value, and the prefix of that
+ranking with the best expected tokens per second is drafted (the prefix holds the first
+tokens of each sequence, as values fall with depth), or none of it if plain decoding is
+expected to be faster. A sequence whose drafts keep failing is thereby paused; every
+PROBE_EVERY steps every sequence is valued at no less than PROBE_ACCEPT, so acceptance that
+returns is noticed. One whose prompt was rolled out before drafts a little once, early,
+whatever the costs say (FIRST_LOOK), so that its own result takes over. At most
+`max_verify_tokens` are verified per step.
 """
 
 from __future__ import annotations
@@ -33,18 +39,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rollout.sequence import Sequence
 
-EMA_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance average
-PRIOR_WEIGHT = 0.05  # weight of each observation in the all-sequence average (a new sequence's start)
-FIRST_PRIOR = 1.0  # the all-sequence average before any draft was verified
+EMA_WEIGHT = 0.3  # how much a sequence's newest verify step moves its counts
+PRIOR_WEIGHT = 0.05  # how much each verify step moves the all-sequence counts (a new sequence's start)
+FIRST_PRIOR = (1.0, 1.0)  # (accepted, rejected) counts before any draft was verified: a = 0.5
 COST_WINDOW = 5  # a shape's cost is the median of its last this many steps
 MIN_OBSERVED = 2  # steps of a shape before its measured cost replaces the optimistic guess
 PROBE_EVERY = 16
-PROBE_VALUE = 0.5  # expected accepted tokens credited to a paused sequence on a probe step
-MIN_ACCEPTED = 0.2  # accepted drafts per step below which a sequence pauses drafting
+PROBE_ACCEPT = 0.5  # on a probe step, every sequence's per-token acceptance is taken as at least this
+MIN_VALUE = 0.02  # draft tokens worth fewer expected accepted tokens are never ranked
 RESTART = -1  # the cost-table shape of decode steps that restart the overlap pipeline
 # A sequence offered a first look (its prompt was rolled out before, so the trie holds earlier
 # epochs' samples) drafts this many tokens once, early, even where the costs advise against
-# it, so that its own acceptance replaces the all-sequence average, which failing sequences of
+# it, so that its own acceptance replaces the all-sequence counts, which failing sequences of
 # new prompts may have pulled down far below what such a prompt gets accepted.
 FIRST_LOOK = 2
 
@@ -54,7 +60,7 @@ class DraftBudget:
         self.max_draft_tokens = max_draft_tokens
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
-        self._accepted_ema: dict[int, float] = {}
+        self._counts: dict[int, tuple[float, float]] = {}  # seq_id -> decaying (accepted, rejected) draft tokens
         self._prior = FIRST_PRIOR
         self._step_s: dict[tuple[int, int], deque[float]] = {}  # step shape -> recent wall times
         self._median_s: dict[tuple[int, int], float] = {}  # their medians, computed when first asked for
@@ -63,6 +69,11 @@ class DraftBudget:
 
     def per_sequence_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_draft_tokens, self.max_verify_tokens // max(batch_size, 1) - 1))
+
+    def accept_chance(self, seq_id: int) -> float:
+        """The estimated chance that verification accepts the sequence's next draft token."""
+        accepted, rejected = self._counts.get(seq_id, self._prior)
+        return accepted / (accepted + rejected) if accepted + rejected > 0 else 0.0
 
     def for_batch(self, seqs: list[Sequence]) -> dict[int, int]:
         """Draft budgets by seq_id for this step (empty: no speculation this step)."""
@@ -76,33 +87,36 @@ class DraftBudget:
         if decode_s is None:
             return {}  # measure plain decoding at this batch size first
         restart_s = max(0.0, (self._cost(self._restart_key(len(seqs))) or decode_s) - decode_s)
-        probing = self._steps % PROBE_EVERY == 0
-        candidates = []  # (expected accepted tokens, draft budget, seq_id)
+        floor = PROBE_ACCEPT if self._steps % PROBE_EVERY == 0 else 0.0
+        ranked = []  # (expected accepted tokens, seq_id): every draft token worth ranking
         for seq in seqs:
-            accepted = self._accepted_ema.get(seq.seq_id, self._prior)
-            if accepted >= MIN_ACCEPTED:
-                candidates.append((accepted, min(cap, 1 + int(2 * accepted + 0.5)), seq.seq_id))
-            elif probing:
-                candidates.append((PROBE_VALUE, min(cap, 2), seq.seq_id))
-        candidates.sort(key=lambda c: c[0] / c[1], reverse=True)
+            a = max(self.accept_chance(seq.seq_id), floor)
+            value = a
+            for _ in range(cap):
+                if value < MIN_VALUE:
+                    break
+                ranked.append((value, seq.seq_id))
+                value *= a
+        ranked.sort(key=lambda v: v[0], reverse=True)
         best_rate, best_k = len(seqs) / decode_s, 0
-        expected, drafts = float(len(seqs)), 0
+        expected = float(len(seqs))
         costs: dict[tuple[int, int], float] = {}  # a few shapes cover every prefix; look each up once
-        for k, (accepted, budget, _) in enumerate(candidates, 1):
-            expected += accepted
-            drafts += budget
-            key = self._key(len(seqs), drafts)
+        for k, (value, _) in enumerate(ranked, 1):
+            expected += value
+            key = self._key(len(seqs), k)
             if key not in costs:
                 costs[key] = (self._cost(key) or decode_s) + restart_s
             rate = expected / costs[key]
             if rate > best_rate:
                 best_rate, best_k = rate, k
-        plan = {seq_id: budget for _, budget, seq_id in candidates[:best_k]}
+        plan: dict[int, int] = {}
+        for _, seq_id in ranked[:best_k]:
+            plan[seq_id] = plan.get(seq_id, 0) + 1
         if self._first_look:  # whatever the costs say: see FIRST_LOOK
             for seq in seqs:
                 if seq.seq_id in self._first_look:
                     self._first_look.discard(seq.seq_id)
-                    if seq.seq_id not in self._accepted_ema:
+                    if seq.seq_id not in self._counts:
                         plan.setdefault(seq.seq_id, min(cap, FIRST_LOOK))
         return plan
 
@@ -135,11 +149,17 @@ class DraftBudget:
             self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
             self._median_s.pop(key, None)
 
-    def observe(self, seq_id: int, accepted: int) -> None:
-        prev = self._accepted_ema.get(seq_id)  # a sequence's own first result replaces the prior outright
-        self._accepted_ema[seq_id] = accepted if prev is None else (1 - EMA_WEIGHT) * prev + EMA_WEIGHT * accepted
-        self._prior = (1 - PRIOR_WEIGHT) * self._prior + PRIOR_WEIGHT * accepted
+    def observe(self, seq_id: int, accepted: int, rejected: bool) -> None:
+        """Verification accepted `accepted` of the sequence's draft tokens in a row, then rejected the
+        next one (`rejected`) or ran out of drafts. A planned draft the drafter had nothing for counts
+        as a rejected first token: it cost the overlap pipeline as much."""
+        acc, rej = self._counts.get(seq_id, self._prior)
+        keep = 1 - EMA_WEIGHT
+        self._counts[seq_id] = (keep * acc + EMA_WEIGHT * accepted, keep * rej + EMA_WEIGHT * rejected)
+        acc, rej = self._prior
+        keep = 1 - PRIOR_WEIGHT
+        self._prior = (keep * acc + PRIOR_WEIGHT * accepted, keep * rej + PRIOR_WEIGHT * rejected)
 
     def forget(self, seq_id: int) -> None:
-        self._accepted_ema.pop(seq_id, None)
+        self._counts.pop(seq_id, None)
         self._first_look.discard(seq_id)

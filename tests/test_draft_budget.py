@@ -26,7 +26,9 @@ def test_decode_is_measured_first_then_unmeasured_verify_shapes_are_tried():
     for _ in range(MIN_OBSERVED):
         assert budget.for_batch(seqs(1)) == {}  # no decode cost known at this batch size yet
         budget.observe_step(1, 0, 1e-3)
-    assert budget.for_batch(seqs(1)) == {0: 3}  # new sequence: prior of 1 accepted token -> 1 + 2 drafts
+    # a new sequence starts at the all-sequence chance of 1/2 per token: tokens worth .5, .25, ...
+    # down to MIN_VALUE, all assumed as cheap as decoding until measured
+    assert budget.for_batch(seqs(1)) == {0: 5}
 
 
 def test_dear_verify_steps_are_not_chosen_and_cheap_ones_are():
@@ -34,26 +36,26 @@ def test_dear_verify_steps_are_not_chosen_and_cheap_ones_are():
     measured(budget, 4, 0, 1e-3)
     for s in range(4):
         for _ in range(10):
-            budget.observe(s, 1)  # each sequence has one draft token accepted per step
-    for drafts in range(1, 13):  # up to 4 x 3 drafts: verify steps cost three decode steps
+            budget.observe(s, 1, rejected=True)  # one draft token accepted per step, the next rejected
+    for drafts in range(1, 21):  # up to 4 x 5 drafts (worth .5, .25, ... each): three decode steps
         measured(budget, 4, drafts, 3e-3)
-    assert budget.for_batch(seqs(4)) == {}  # 8 expected tokens in 3 ms < 4 tokens in 1 ms
-    for drafts in range(1, 13):
+    assert budget.for_batch(seqs(4)) == {}  # 4 + 3.9 expected tokens in 3 ms < 4 tokens in 1 ms
+    for drafts in range(1, 21):
         measured(budget, 4, drafts, 1.2e-3)
-    assert budget.for_batch(seqs(4)) == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert budget.for_batch(seqs(4)) == {0: 5, 1: 5, 2: 5, 3: 5}
 
 
 def test_restarting_the_overlap_pipeline_is_charged_to_drafting():
     budget = DraftBudget(8, 256)
     measured(budget, 4, 0, 1e-3)  # a pipelined decode step
     for s in range(4):
-        budget.observe(s, 1)
-    for drafts in range(1, 13):
+        budget.observe(s, 1, rejected=True)
+    for drafts in range(1, 21):
         measured(budget, 4, drafts, 1.5e-3)
-    assert budget.for_batch(seqs(4)) == {0: 3, 1: 3, 2: 3, 3: 3}  # 8 tokens in 1.5 ms > 4 in 1 ms
+    assert budget.for_batch(seqs(4)) == {0: 5, 1: 5, 2: 5, 3: 5}  # 7.9 tokens in 1.5 ms > 4 in 1 ms
     for _ in range(COST_WINDOW):  # the decode step after a verify step waits for it: 2 ms
         budget.observe_step(4, 0, 2e-3, restart=True)
-    assert budget.for_batch(seqs(4)) == {}  # 8 tokens in 1.5 + 1 ms < 4 tokens in 1 ms
+    assert budget.for_batch(seqs(4)) == {}  # 7.9 tokens in 1.5 + 1 ms < 4 tokens in 1 ms
     measured(budget, 4, 0, 1e-3)  # restarts do not count as pipelined decode steps
     assert budget.for_batch(seqs(4)) == {}
 
@@ -62,50 +64,61 @@ def test_failing_sequences_pause_and_are_probed_again():
     budget = DraftBudget(8, 256)
     measured(budget, 2, 0, 1e-3)
     for _ in range(20):
-        budget.observe(0, 2)
-        budget.observe(1, 0)
-    measured(budget, 2, 5, 1e-3)
+        budget.observe(0, 2, rejected=False)
+        budget.observe(1, 0, rejected=True)
+    for drafts in range(1, 17):
+        measured(budget, 2, drafts, 1.3e-3)
     plans = [budget.for_batch(seqs(2)) for _ in range(PROBE_EVERY)]
-    assert all(0 in p for p in plans)
+    assert all(p.get(0) == 8 for p in plans)  # every draft token accepted so far: the deepest draft
     assert sum(1 in p for p in plans) == 1  # only the probe step offers the failing sequence
     budget.forget(1)
-    assert 1 in budget.for_batch(seqs(2))  # a new sequence of that id starts from the prior
+    assert 1 in budget.for_batch(seqs(2))  # a new sequence of that id starts from the all-sequence counts
 
 
-def test_the_best_prefix_by_value_per_draft_token_is_drafted():
+def test_draft_tokens_are_ranked_by_their_chance_of_acceptance():
     budget = DraftBudget(8, 256)
     measured(budget, 3, 0, 1e-3)
     for _ in range(30):
-        budget.observe(0, 3)  # 3 accepted: budget 1 + 6 -> capped at 8 drafts, worth 3 / 7
-        budget.observe(1, 1)  # worth 1 / 3
-        budget.observe(2, 0.25)  # worth 0.25 / 2
+        budget.observe(0, 8, rejected=False)  # chance ~1: eight tokens worth ~1 each
+        budget.observe(1, 1, rejected=True)  # chance 1/2: worth .5, .25, .125, ...
+        budget.observe(2, 1, rejected=True)
     # verifying up to 16 tokens costs as decoding; 32 tokens cost twice as much
     for drafts in range(1, 14):
         measured(budget, 3, drafts, 1e-3)
     for drafts in range(14, 30):
         measured(budget, 3, drafts, 2e-3)
     plan = budget.for_batch(seqs(3))
-    assert plan == {0: 7, 1: 3, 2: 2}  # 3 + 12 drafts = 15 tokens: still the cheap shape
+    assert plan == {0: 8, 1: 3, 2: 2}  # the 13 best of 18 tokens: 3 + 13 = 16, still the cheap shape
 
 
-def test_a_failed_first_draft_pauses_the_sequence_at_once():
+def test_acceptance_moves_how_deep_a_sequence_drafts():
     budget = DraftBudget(8, 256)
     measured(budget, 1, 0, 1e-3)
-    assert budget.for_batch(seqs(1)) == {0: 3}  # not yet verified: credited the all-sequence prior
-    budget.observe(0, 0)
-    assert budget.for_batch(seqs(1)) == {}  # its own result replaces the prior, not averaged with it
+    for drafts in range(1, 9):
+        measured(budget, 1, drafts, 1.3e-3)  # a verify step costs 1.3 decode steps, whatever its depth
+    assert budget.accept_chance(0) == 0.5  # not yet verified: the all-sequence counts
+    assert budget.for_batch(seqs(1)) == {0: 5}  # 1.97 tokens in 1.3 ms > 1 in 1 ms
+    for _ in range(3):
+        budget.observe(0, 8, rejected=False)
+    assert budget.for_batch(seqs(1)) == {0: 8}
+    for _ in range(12):
+        budget.observe(0, 0, rejected=True)
+    assert budget.accept_chance(0) < 0.1
+    assert budget.for_batch(seqs(1)) == {}  # under 1.3 tokens per verify step: plain decoding wins
 
 
 def test_a_sequence_offered_a_first_look_drafts_once_even_when_drafting_looks_dear():
     budget = DraftBudget(8, 256)
     measured(budget, 2, 0, 1e-3)
     for _ in range(50):
-        budget.observe(0, 0)  # a failing sequence pulls the all-sequence average down
-    measured(budget, 2, 4, 5e-3)  # and verify steps are dear
+        budget.observe(0, 0, rejected=True)  # a failing sequence pulls the all-sequence counts down
+    for drafts in range(1, 17):
+        measured(budget, 2, drafts, 5e-3)  # and verify steps are dear
     assert budget.for_batch([seqs(1)[0], seqs(1, first=7)[0]]) == {}  # a newcomer of a new prompt: no look
     budget.offer_first_look(8)  # its prompt was rolled out before
     assert budget.for_batch([seqs(1)[0], seqs(1, first=8)[0]]) == {8: FIRST_LOOK}  # the newcomer looks once
     assert budget.for_batch([seqs(1)[0], seqs(1, first=8)[0]]) == {}  # and only once, result or not
-    budget.observe(8, 2)  # its drafts were accepted: from now on its own average counts
-    measured(budget, 2, 5, 1.2e-3)
+    budget.observe(8, 2, rejected=False)  # its drafts were accepted: from now on its own counts count
+    for drafts in range(1, 17):
+        measured(budget, 2, drafts, 1.2e-3)
     assert 8 in budget.for_batch([seqs(1)[0], seqs(1, first=8)[0]])

@@ -11,6 +11,7 @@ from rollout import Engine, SamplingParams, SpecConfig
 from rollout.datasets import arithmetic_tasks, chat_prompt_ids
 from rollout.sampler import SamplingTensors, sample, sequence_key
 from rollout.wandb_log import WandbLogger
+from spec.budget import MIN_VALUE
 from spec.budget import PROBE_EVERY as PROBE_EVERY_STEPS
 from spec.tree import DraftTree
 from spec.verify import accept_paths
@@ -237,17 +238,24 @@ def test_trie_upkeep_stays_in_the_device_shadow_and_changes_no_output(default_en
 
 def test_a_planned_sequence_without_a_match_counts_as_a_failed_draft(default_model_dir, prompts):
     """Planning a draft drains the overlap pipeline, so a sequence the trie has nothing for is
-    charged like a rejected draft: it stops being planned instead of keeping the prior forever."""
+    charged like a rejected draft: its chance falls with every such plan until it is no longer
+    planned (but for probes), instead of keeping the prior forever."""
 
     engine = Engine(model=str(default_model_dir), spec="ngram", device="cpu")
     engine.drafter.propose = lambda seq_id, context, budget: DraftTree.root_only(int(context[-1]))
-    planned = []
-    for_batch = engine.budget.for_batch
-    engine.budget.for_batch = lambda seqs: planned.append(for_batch(seqs)) or planned[-1]
-    run(engine, prompts[:1], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
-    first = next(i for i, plan in enumerate(planned) if plan)
-    later = planned[first + 1:]
-    assert sum(bool(plan) for plan in later) <= len(later) // PROBE_EVERY_STEPS + 1  # paused, but for probes
+    planned, chances = [], []
+
+    def for_batch(seqs, plan=engine.budget.for_batch):
+        chances.append(engine.budget.accept_chance(seqs[0].seq_id))
+        planned.append(plan(seqs))
+        return planned[-1]
+
+    engine.budget.for_batch = for_batch
+    run(engine, prompts[:1], SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True))
+    assert chances == sorted(chances, reverse=True)  # every plan without a tree lowers it
+    last = planned[-2 * PROBE_EVERY_STEPS:]
+    assert sum(bool(plan) for plan in last) <= 2  # paused, but for probes
+    assert chances[-1] < MIN_VALUE
     assert engine.stats()["rollout/spec_draft_tokens"] == 0
 
 
