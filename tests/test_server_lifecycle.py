@@ -13,7 +13,9 @@ import requests
 from server_process import running_server
 from tiny_models import make_tiny_model
 
-LONG = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+# Still running when the engine is killed a second after it is sent: one greedy sample of 1,000
+# tokens took ~1 s on a CI-class machine (it once finished first), eight take several.
+LONG = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "n": 8}}
 
 
 @pytest.fixture(scope="module")
