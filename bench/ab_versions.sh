@@ -23,8 +23,11 @@ run)
   for rev in "${revs[@]}"; do
     root=$PWD/ab/$rev; [ "$rev" = head ] && root=$PWD
     echo "== $rev"
+    # the table's rows: with --repeats the medians ("N runs"), else each row once (printed as it
+    # ran and again in the table)
     (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.cli bench --out "${OUT:-/tmp/out}/$rev" "$@" 2>&1 |
-      grep -E "^\| rollout.*runs")
+      grep -E "^\| rollout" | awk '!seen[$0]++' | awk '/ runs\)/ { medians = medians $0 "\n" } { rows = rows $0 "\n" }
+        END { printf "%s", (medians != "" ? medians : rows) }')
   done
   ;;
 esac
