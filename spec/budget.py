@@ -25,7 +25,8 @@ ranking with the best expected tokens per second is drafted (the prefix holds th
 tokens of each sequence, as values fall with depth), or none of it if plain decoding is
 expected to be faster. A sequence whose drafts keep failing is thereby paused; every
 PROBE_EVERY steps every sequence is valued at no less than PROBE_ACCEPT, so acceptance that
-returns is noticed. One whose prompt was rolled out before drafts a little once, early,
+returns is noticed, where the step costs let a draft worth that much pay (where verify steps
+are dear, e.g. batch 1 on an H100, they do not, and a paused sequence stays paused). One whose prompt was rolled out before drafts a little once, early,
 whatever the costs say (FIRST_LOOK), so that its own result takes over. At most
 `max_verify_tokens` are verified per step.
 """

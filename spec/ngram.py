@@ -91,7 +91,7 @@ class NgramDrafter:
         """A new request for `prompt`; its trie is reused if the prompt is live or in history."""
         if group_id in self._groups:
             raise ValueError(f"n-gram drafter: group {group_id!r} already exists; remove it first")
-        key = tuple(int(t) for t in prompt)
+        key = _prompt_key(prompt)
         if not key:
             raise ValueError("n-gram drafter: the prompt is empty")
         entry = None
@@ -103,7 +103,7 @@ class NgramDrafter:
 
     def knows_prompt(self, prompt: Sequence[int]) -> bool:
         """Whether samples of this prompt are in a trie already (live, or history of an earlier epoch)."""
-        key = tuple(int(t) for t in prompt)
+        key = _prompt_key(prompt)
         return self.cfg.share_siblings and (key in self._live or key in self._history)
 
     def add_sequence(self, group_id: Hashable, seq_id: int) -> None:
@@ -234,3 +234,8 @@ class NgramDrafter:
             return self._streams[seq_id]
         except KeyError:
             raise KeyError(f"n-gram drafter: unknown sequence {seq_id} (never added, or already removed)") from None
+
+
+def _prompt_key(prompt: Sequence[int]) -> tuple[int, ...]:
+    """The key of a prompt's trie (token ids of any integer type)."""
+    return tuple(int(t) for t in prompt)

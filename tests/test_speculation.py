@@ -57,6 +57,31 @@ def test_spec_on_matches_spec_off_greedy_with_groups_and_stop_strings(default_en
     assert drafted > 0 and accepted > 0  # not vacuous: drafts were made and taken
 
 
+def test_a_verify_step_says_whether_a_draft_was_rejected_or_the_drafts_ran_out(spec_engine, prompts):
+    """The budget counts rejected draft tokens: `rejected` must mean that the node the accepted
+    tokens lead to has children in the tree, followed here by token rather than by layout index."""
+    emit_trees, seen = spec_engine.runner._emit_trees, []
+
+    def recorded(step, tokens, logprobs):
+        out = emit_trees(step, tokens, logprobs)
+        seen.extend((step.trees[e.seq.seq_id], e) for e in out if e.drafted)
+        return out
+
+    spec_engine.runner._emit_trees = recorded
+    try:
+        run(spec_engine, prompts, SamplingParams(temperature=0, max_new_tokens=40))
+    finally:
+        spec_engine.runner._emit_trees = emit_trees
+    outcomes = set()
+    for tree, e in seen:
+        kids, node = tree.children(), 0
+        for token in e.tokens[: e.accepted]:
+            node = next(k for k in kids[node] if tree.tokens[k] == token)
+        assert e.rejected == bool(kids[node])
+        outcomes.add(e.rejected)
+    assert outcomes == {True, False}  # both cases occurred
+
+
 def test_sampled_outputs_spec_on_equal_spec_off_for_every_seed(default_engine, spec_engine, prompts):
     """With counter-based randomness each token is drawn with the same key either way, so the
     first-k-token distributions agree because the draws agree, seed by seed."""
