@@ -7,7 +7,7 @@ ngram, each run twice (the first run is the warm-up, as in `rollout bench`), und
 engine settings (CUDA graphs and the overlap schedule on and off), prints per prompt: how
 many of the engine's steps the budget planned a draft for and how many got a tree (both
 runs), the budget's step-cost table (median ms by (batch-size bucket, verified-token bucket;
-0 = decode, -1 = a decode step restarting the overlap pipeline)) and its all-sequence
+0 = decode)) and its all-sequence
 (accepted, rejected) counts, then the second run's output tokens, steps, drafted and
 accepted tokens, and the start of the text.
 """

@@ -1,16 +1,18 @@
 """Replays recorded greedy samples through the n-gram drafter and the draft budget, on the host.
 
-    python bench/budget_replay.py [--prompts 24] [--humaneval 8] [--restart 0.3] [--budget-file F]
+    python bench/budget_replay.py [--prompts 24] [--humaneval 8] [--restart 0] [--budget-file F]
 
 Generates greedy samples with spec off (CPU, default model; cached in --cache), then walks
 each one as a batch-1 rollout would: every step the budget plans, the drafter proposes from
 the sample's context, and greedy verification accepts the longest drafted path that the
 sample continues with. Steps are charged a modelled cost in decode-step units: 1 for a
 pipelined decode step, `1 + --verify-extra` for a verify step, and `--restart` more for the
-step after a verify step (the overlap pipeline restarts), so the budget learns the costs it
-would measure. Prints the speed-up over plain decoding per sample (median and means) for
+step after a verify step (0 by default: since the engine chains a decode step after a verify
+step on the device, nothing restarts; an older engine's costs had ~0.3-0.5), so the budget
+learns the costs it would measure. Prints the speed-up over plain decoding per sample (median and means) for
 the budget and for fixed policies. `--budget-file` replays another version of spec/budget.py
-(e.g. `git show REV:spec/budget.py > old.py`; an `observe` without `rejected` is supported).
+(e.g. `git show REV:spec/budget.py > old.py`; an `observe` without `rejected`, and an
+`observe_step` that takes `restart`, are supported).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=24, help="arithmetic prompts")
     ap.add_argument("--humaneval", type=int, default=8, help="HumanEval prompts")
-    ap.add_argument("--restart", type=float, default=0.3, help="extra cost of the step after a verify step")
+    ap.add_argument("--restart", type=float, default=0.0, help="extra cost of the step after a verify step")
     ap.add_argument("--verify-extra", type=float, default=0.05, help="extra cost of a verify step over a decode step")
     ap.add_argument("--budget-file", default=None, help="a spec/budget.py to replay instead of this checkout's")
     ap.add_argument("--shared-budget", action="store_true",
@@ -110,6 +112,7 @@ def main() -> None:
     samples = greedy_samples(args.prompts, args.humaneval, Path(args.cache))
     budget_cls = load_budget_class(args.budget_file)
     takes_rejected = "rejected" in inspect.signature(budget_cls.observe).parameters
+    restart_kw = "restart" in inspect.signature(budget_cls.observe_step).parameters
 
     shared = budget_cls(8, 256)  # one engine serving the samples one after another learns across them
 
@@ -119,7 +122,8 @@ def main() -> None:
             seq_id, sample,
             lambda seq: b.for_batch([seq]),
             lambda i, acc, rej: b.observe(i, acc, rej) if takes_rejected else b.observe(i, acc),
-            lambda drafts, step, restart: b.observe_step(1, drafts, step * 1e-3, restart=restart),
+            lambda drafts, step, restart: b.observe_step(
+                1, drafts, step * 1e-3, **({"restart": restart} if restart_kw else {})),
             args,
         )
         b.forget(seq_id)

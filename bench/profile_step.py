@@ -56,6 +56,7 @@ def main() -> None:
     if eng.runner.graphs is not None:
         timed(eng.runner.graphs, "launch", "graph replay (launch)")
     timed(eng.runner, "_sample", "eager sample + copy back")
+    timed(eng.runner, "_chain", "chain (inputs after a step in flight)")
     timed(eng.runner, "collect", "collect (wait + emit)")
     timed(eng.runner, "_emit", "emit")
     timed(eng.runner, "_emit_trees", "emit")

@@ -4,8 +4,7 @@
 
 Runs the grpo workload (greedy, spec ngram) at batch 1, 8 and 64, twice each, and prints
 the step counts and median wall times of decode and verify steps, then the budget's cost
-table: median ms by (batch-size bucket, verified-token bucket; 0 = decode, -1 = a decode step
-restarting the overlap schedule after a verify step).
+table: median ms by (batch-size bucket, verified-token bucket; 0 = decode).
 """
 
 from __future__ import annotations
@@ -31,20 +30,17 @@ def main() -> None:
             eng.reset_stats()
             steps: list[tuple[int, float]] = []
             observe = eng.budget.observe_step
-            eng.budget.observe_step = lambda s, d, t, restart=False: (
-                steps.append((-1 if restart else d, t)), observe(s, d, t, restart=restart))
+            eng.budget.observe_step = lambda s, d, t: (steps.append((d, t)), observe(s, d, t))
             start = time.perf_counter()
             eng.generate(prompts, params)
             wall = time.perf_counter() - start
             eng.budget.observe_step = observe
             decode = [t for d, t in steps if d == 0]
             verify = [t for d, t in steps if d > 0]
-            restarts = [t for d, t in steps if d < 0]
             st = eng.stats()
             print(f"b{batch} run {run}: {wall * 1e3:.0f} ms; decode steps {len(decode)} "
                   f"(median {statistics.median(decode or [0]) * 1e3:.3f} ms), verify steps {len(verify)} "
-                  f"(median {statistics.median(verify or [0]) * 1e3:.3f} ms), decode steps restarting the overlap after "
-                  f"one {len(restarts)} (median {statistics.median(restarts or [0]) * 1e3:.3f} ms); accept length "
+                  f"(median {statistics.median(verify or [0]) * 1e3:.3f} ms); accept length "
                   f"{st['rollout/spec_accept_length']:.2f}", flush=True)
         table = {k: round(statistics.median(v) * 1e3, 3) for k, v in sorted(eng.budget._step_s.items())}
         print(f"  cost table (ms): {table}")

@@ -17,13 +17,14 @@ Prefill steps run eagerly.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rollout.model_runner import DrawInputs, feed_input_ids
+from rollout.model_runner import DrawInputs
 from rollout.sampler import sample
 
 if TYPE_CHECKING:
@@ -58,18 +59,23 @@ class _Graph:
     # of the same shape, the earlier one's upload may still be queued when the next is staged.
     host: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     out: torch.Tensor  # [2, T] float64: drawn tokens, their logprobs; written by every replay
+    step: "_StaticStep"  # the DeviceStep view of i64, i32 and f32
     turn: int = 0
 
 
 class _StaticStep:
     """The DeviceStep view of a graph's input tensors (see rollout.model_runner.DeviceStep)."""
 
-    def __init__(self, i64: torch.Tensor, i32: torch.Tensor, num_seqs: int, num_tokens: int, tree: bool,
-                 max_q_len: int, max_kv_len: int):
+    def __init__(self, i64: torch.Tensor, i32: torch.Tensor, f32: torch.Tensor, num_seqs: int, num_tokens: int,
+                 tree: bool, mode: str, max_q_len: int, max_kv_len: int):
         t, b = num_tokens, num_seqs
         self.input_ids, self.positions, self.out_slots = i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t]
         self.tree_mask = i64[3 * t : 4 * t] if tree else None
-        self.logits_rows = i64[4 * t :]
+        self.logits_rows = i64[4 * t : 5 * t]
+        draw_cols = i64[5 * t :].view(4, t)
+        self.draw_positions = draw_cols[2]  # every logits row draws once, in order: no draw_rows
+        draws = DrawInputs(np.zeros((4, 0), np.int64), np.zeros((3, 0), np.float32), mode)
+        self.sampling = draws.tensors(draw_cols, f32.view(3, t))
         self.seq_rows, self.kv_lens, self.qo_indptr = i32[:b], i32[b : 2 * b], i32[2 * b :]
         self.max_q_len, self.max_kv_len = max_q_len, max_kv_len
 
@@ -114,9 +120,10 @@ class CudaGraphs:
         return len(self._graphs)
 
     def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str],
-               feed: tuple[torch.Tensor, np.ndarray | None] | None = None) -> torch.Tensor:
-        """Replay the graph for this layout; returns its [2, n] (tokens, logprobs) output on the device.
-        `feed`: a chained step's input ids, from the previous step's drawn tokens (see ModelRunner.launch)."""
+               prepare: Callable[["_StaticStep"], None] | None = None) -> tuple["_StaticStep", torch.Tensor]:
+        """Replay the graph for this layout; returns its inputs on the device and its [2, n] (tokens,
+        logprobs) output there. `prepare`: completes a chained step's inputs on the device once they
+        are uploaded (see ModelRunner.launch)."""
         g = self._graphs.get(shape) or self._capture(*shape)
         b, t, tree, _ = shape
         n = len(lay.logits_rows)
@@ -138,10 +145,10 @@ class CudaGraphs:
         np.concatenate([padded.seq_rows, padded.kv_lens, qo_indptr], out=i32_host)
         for dst, src in zip((g.i64, g.i32, g.f32), staging):
             dst.copy_(src, non_blocking=True)
-        if feed is not None:
-            feed_input_ids(g.i64[: lay.num_tokens], *feed)
+        if prepare is not None:
+            prepare(g.step)
         g.graph.replay()
-        return g.out[:, :n]
+        return g.step, g.out[:, :n]
 
     def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str) -> _Graph:
         runner, dev = self.runner, self.runner.device
@@ -153,15 +160,13 @@ class CudaGraphs:
         if tree:
             i64[3 * t : 4 * t] = 1
         step = _StaticStep(
-            i64[: 5 * t], i32, num_seqs, t, tree,
+            i64, i32, f32, num_seqs, t, tree, mode,
             max_q_len=self.max_tree_tokens if tree else 1, max_kv_len=self.max_context,
         )
-        sampling = DrawInputs(np.zeros((4, 0), np.int64), np.zeros((3, 0), np.float32), mode)
-        sampling_tensors = sampling.tensors(i64[5 * t :].view(4, t), f32.view(3, t))
 
         def step_fn() -> torch.Tensor:
             logits = runner.forward(step, self._attn_out[:t])
-            tokens, logprobs = sample(logits, sampling_tensors)
+            tokens, logprobs = sample(logits, step.sampling)
             return torch.stack([tokens.double(), logprobs.double()])
 
         stream = torch.cuda.Stream(dev)
@@ -174,6 +179,6 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self._mempool):
             out = step_fn()
         host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
-        g = _Graph(graph, i64, i32, f32, host, out)
+        g = _Graph(graph, i64, i32, f32, host, out, step)
         self._graphs[(num_seqs, num_tokens, tree, mode)] = g
         return g

@@ -128,7 +128,6 @@ class Engine:
         self._updated: dict[int, Request] = {}  # reported by the next step(): aborted, or completed by a drain
         self._in_flight: tuple[StepInFlight, float] | None = None  # a decode step left running, and when it began
         self._last_done = 0.0  # when the last step completed
-        self._after_verify = False  # the last step verified drafts, so the next decode step restarts the overlap
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._rids = itertools.count()
@@ -212,13 +211,14 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that progressed (check `.finished`).
 
-        With the overlap schedule (on by default), a decode step is left running on the
-        device when `step()` returns, and the next call launches the following decode step,
-        its input tokens read on the device, before it collects the earlier one: the host's
-        bookkeeping of one step hides under the device's work on the next. A sequence that
-        stops in the earlier step has its token from the later one dropped. Prefill and
-        verify steps need the host to know the tokens, so the pipeline drains before them.
-        The drafter is fed in the device's shadow (see spec/upkeep.py).
+        With the overlap schedule (on by default), a decode or verify step is left running on
+        the device when `step()` returns, and the next call launches the following decode
+        step, its input tokens (after a verify step, also its positions) read on the device,
+        before it collects the earlier one: the host's bookkeeping of one step hides under the
+        device's work on the next. A sequence that stops in the earlier step has its token from
+        the later one dropped. Prefill steps, and the drafting before a verify step, need the
+        host to know the tokens, so the pipeline drains before them. The drafter is fed in the
+        device's shadow (see spec/upkeep.py).
         """
         updated, self._updated = self._updated, {}
         began = time.perf_counter()
@@ -292,9 +292,7 @@ class Engine:
         if self.drafter is not None:
             if not step.batch.is_prefill:
                 drafts = sum(t.num_drafts for t in step.trees.values())
-                restart = self._after_verify and not step.trees
-                self.budget.observe_step(len(step.batch.items), drafts, cost, restart=restart)
-            self._after_verify = bool(step.trees) and self.config.overlap_schedule
+                self.budget.observe_step(len(step.batch.items), drafts, cost)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between

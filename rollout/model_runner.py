@@ -10,6 +10,7 @@ with array operations over the whole batch rather than per sequence and per node
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ from rollout.sampler import SamplingTensors, sample
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
 from spec.tree import DraftTree
-from spec.verify import accept_paths
+from spec.verify import accept_on_device, accept_paths
 
 
 @dataclass
@@ -109,18 +110,25 @@ class DrawInputs:
 
 
 class DeviceStep:
-    """A layout on the device: int64 and int32 fields, each group moved in one copy."""
+    """A layout and its draw inputs on the device: int64, int32 and float32 fields, each group
+    moved in one copy."""
 
-    def __init__(self, lay: StepLayout, device: torch.device):
+    def __init__(self, lay: StepLayout, draws: DrawInputs, device: torch.device):
         mask = lay.tree_mask if lay.tree_mask is not None else np.zeros(0, dtype=np.int64)
         qo_indptr = np.zeros(len(lay.q_lens) + 1, dtype=np.int32)
         np.cumsum(lay.q_lens, out=qo_indptr[1:])
-        i64 = _to_device(np.concatenate([lay.input_ids, lay.positions, lay.out_slots, mask, lay.logits_rows]), device)
+        i64 = _to_device(np.concatenate(
+            [lay.input_ids, lay.positions, lay.out_slots, mask, lay.logits_rows, draws.i64.ravel()]), device)
         i32 = _to_device(np.concatenate([lay.seq_rows, lay.kv_lens, qo_indptr]), device)
-        t, b = lay.num_tokens, len(lay.seq_rows)
+        f32 = _to_device(draws.f32.ravel(), device)
+        t, b, n = lay.num_tokens, len(lay.seq_rows), draws.i64.shape[1]
         self.input_ids, self.positions, self.out_slots = i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t]
         self.tree_mask = i64[3 * t : 4 * t] if lay.tree_mask is not None else None
-        self.logits_rows = i64[3 * t + len(mask) :]
+        rows_end = 3 * t + len(mask) + len(lay.logits_rows)
+        self.logits_rows = i64[3 * t + len(mask) : rows_end]
+        draw_cols = i64[rows_end:].view(4, n)
+        self.draw_rows, self.draw_positions = draw_cols[0], draw_cols[2]
+        self.sampling = draws.tensors(draw_cols, f32.view(3, n))
         self.seq_rows, self.kv_lens, self.qo_indptr = i32[:b], i32[b : 2 * b], i32[2 * b :]
         self.max_q_len = int(lay.q_lens.max()) if b else 0
         self.max_kv_len = int(lay.kv_lens.max()) if b else 0
@@ -155,6 +163,30 @@ class HostCopy:
 
 
 @dataclass
+class Handoff:
+    """What a launched step leaves on the device for a decode step chained after it, per batch item."""
+
+    tokens: torch.Tensor  # [items]: the token each item feeds next (its draw, or its accepted path's bonus token)
+    advance: torch.Tensor | None  # [items] int64: KV tokens the item added (a verify step's path); None: one each
+    max_advance: int = 1  # a host-side bound of `advance`
+
+    def feed(self, step: DeviceStep, n: int, index: np.ndarray | None, slot_table: torch.Tensor) -> None:
+        """Complete a chained decode step of `n` sequences on the device: its i-th sequence continues
+        item `index[i]` (None: item i), laid out on the host as if that item had added one token."""
+        where = None if index is None else _to_device(index, self.tokens.device)
+        pick = (lambda t: t[:n]) if where is None else (lambda t: t[where])  # noqa: E731
+        step.input_ids[:n].copy_(pick(self.tokens))
+        if self.advance is None:
+            return
+        extra = pick(self.advance) - 1
+        step.positions[:n] += extra
+        step.kv_lens[:n] += extra.to(torch.int32)
+        step.draw_positions[:n] += extra
+        # the host could not place the new token's slot: its position was not known there
+        slot_table[step.seq_rows[:n].long(), step.positions[:n]] = step.out_slots[:n].to(torch.int32)
+
+
+@dataclass
 class StepInFlight:
     """A launched step: what `collect` needs once the device is done."""
 
@@ -163,17 +195,19 @@ class StepInFlight:
     layout: StepLayout  # unpadded: input_ids are the tokens fed, out_slots their new KV slots
     first_draw: np.ndarray  # [items + 1]: item k's draws (its sample's, then its forks'; or its tree's nodes)
     node_parents: np.ndarray | None  # verify steps: each token's tree parent, step-wide (-1: a root)
-    drawn: torch.Tensor  # [draws] float64 on the device: the drawn tokens, input of a step chained after this one
+    device: DeviceStep  # the step's inputs on the device (a graph's own buffers, valid until its next replay)
+    drawn: torch.Tensor  # [draws] float64 on the device: the drawn tokens
     result: HostCopy
+    handoff: Handoff | None = None  # decode steps at launch; verify steps once a step is chained after them
+    chained_slots: dict[int, int] | None = None  # verify steps: seq_id -> KV slot of the decode step chained after
 
     @property
     def chainable(self) -> bool:
-        """A decode step: the next step's layout is known without its results (one token per sequence)."""
-        return not self.batch.is_prefill and not self.trees
+        """A decode or verify step: a decode step can follow it before the host has its tokens."""
+        return not self.batch.is_prefill
 
     def draw_index(self, seqs: list[Sequence]) -> np.ndarray | None:
-        """Where each of `seqs` (all in this decode step; KeyError if not) finds its drawn token;
-        None: in order, from 0."""
+        """Where each of `seqs` (all in this step; KeyError if not) is among its items; None: in order, from 0."""
         mine = [item.seq for item in self.batch.items]
         if mine[: len(seqs)] == seqs:
             return None
@@ -186,14 +220,6 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     # pageable memory the copy is staged before the call returns, so `a` may be dropped at once.
     t = torch.from_numpy(a)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-
-def feed_input_ids(input_ids: torch.Tensor, drawn: torch.Tensor, index: np.ndarray | None) -> None:
-    """Input ids of a chained step from the previous step's drawn tokens, on the device."""
-    if index is None:
-        input_ids.copy_(drawn[: len(input_ids)])
-    else:
-        input_ids.copy_(drawn[_to_device(index, drawn.device)])
 
 
 def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,35 +273,85 @@ class ModelRunner:
     def launch(self, batch: Batch, trees: dict[int, DraftTree], after: StepInFlight | None = None) -> StepInFlight:
         """Lay out, upload and queue the step on the device; returns without waiting for it.
 
-        `after`: a decode step not yet collected; this decode step (of some of its sequences)
-        feeds the tokens it draws, read on the device, so the host need not wait for them.
-        Prefill and decode tokens count as cached from here on; a verify step's only once
-        `collect` knows which path was accepted.
+        `after`: a decode or verify step not yet collected; this decode step (of some of its
+        sequences) continues from what that step left on the device (`Handoff`), so the host
+        need not wait for its tokens. Prefill and decode tokens count as cached from here on,
+        and so do a verify step's roots; its drafts, and the token of a decode step chained
+        after it, once `collect` has the verify step's accepted paths.
         """
-        parents, feed = None, None
+        parents, prepare = None, None
         if batch.is_prefill:
-            lay, inputs, first_draw = self._prefill_layout(batch)
+            lay, draws, first_draw = self._prefill_layout(batch)
         elif trees:
-            lay, inputs, first_draw, parents = self._tree_layout(batch, trees)
+            lay, draws, first_draw, parents = self._tree_layout(batch, trees)
         else:
-            lay, inputs, first_draw = self._decode_layout(batch, pending=after is not None)
+            lay, draws, first_draw = self._decode_layout(
+                batch, pending=after is not None, place=after is None or not after.trees
+            )
             if after is not None:
-                feed = after.drawn, after.draw_index([item.seq for item in batch.items])
+                prepare = self._chain(after, [item.seq for item in batch.items], lay)
         self._commit_rows()
         shape = None
         if self.graphs is not None and not batch.is_prefill:  # one draw per logits row, in order
-            shape = self.graphs.shape(lay, inputs.mode)
+            shape = self.graphs.shape(lay, draws.mode)
         if shape is not None:
-            out = self.graphs.launch(lay, inputs, shape, feed)
+            step, out = self.graphs.launch(lay, draws, shape, prepare)
         else:
-            step = DeviceStep(lay, self.device)
-            if feed is not None:
-                feed_input_ids(step.input_ids[: lay.num_tokens], *feed)
-            out = self._sample(self.forward(step), inputs)
-        if not trees:
+            step = DeviceStep(lay, draws, self.device)
+            if prepare is not None:
+                prepare(step)
+            out = self._sample(self.forward(step), step)
+        if trees:  # a root is always kept; its drafts count once `collect` has the accepted paths
+            for item in batch.items:
+                item.seq.num_cached += 1
+        elif after is None or not after.trees:  # (after a verify step: counted by its `collect`)
             for item in batch.items:
                 item.seq.num_cached += item.num_new
-        return StepInFlight(batch, trees, lay, first_draw, parents, out[0], HostCopy(out))
+        launched = StepInFlight(batch, trees, lay, first_draw, parents, step, out[0], HostCopy(out))
+        if not trees:
+            launched.handoff = Handoff(out[0], None)
+        return launched
+
+    def _chain(self, after: StepInFlight, seqs: list[Sequence], lay: StepLayout) -> Callable[[DeviceStep], None]:
+        """How a decode step of `seqs` (laid out as `lay`) completes its inputs from `after` on the device."""
+        index = after.draw_index(seqs)
+        if after.trees:
+            if after.handoff is None:
+                after.handoff = self._accept_on_device(after)
+            # the new tokens' positions are known once the paths are: their slots go into the table then
+            after.chained_slots = dict(zip((s.seq_id for s in seqs), lay.out_slots.tolist()))
+        handoff = after.handoff
+        extra_keys = handoff.max_advance - 1
+
+        def prepare(step: DeviceStep) -> None:
+            handoff.feed(step, len(seqs), index, self.pool.slot_table)
+            if isinstance(step, DeviceStep):  # a graph's attention is planned for any length
+                step.max_kv_len += extra_keys
+
+        return prepare
+
+    def _accept_on_device(self, step: StepInFlight) -> Handoff:
+        """A verify step's accepted paths, found on the device (`spec.verify.accept_on_device`), and
+        its slot table brought up to date there: each accepted draft's slot moves to the position
+        right after its root, as `_emit_trees` does on the host later."""
+        lay, first = step.layout, step.first_draw
+        t, b = lay.num_tokens, len(lay.q_lens)
+        trees = np.repeat(np.arange(b), lay.q_lens)
+        starts = lay.positions[first[:-1]]
+        depths = lay.positions - starts[trees]
+        cols = starts[trees] + np.arange(t) - first[trees]  # where `_tree_layout` placed each node
+        rows = lay.seq_rows[trees].astype(np.int64)
+        up = _to_device(np.concatenate([step.node_parents, depths, trees, rows, cols, first]), self.device)
+        parents_d, depths_d, trees_d, rows_d, cols_d = up[: 5 * t].view(5, t)
+        first_d = up[5 * t :]
+        accepted, lengths, last = accept_on_device(
+            parents_d, depths_d, trees_d, first_d, int(depths.max()), step.device.input_ids[:t], step.drawn[:t]
+        )
+        node_slots = step.device.out_slots[:t]
+        moved = torch.cat([node_slots, node_slots[:1]])  # the extra entry takes every rejected node's write
+        moved[torch.where(accepted, first_d[trees_d] + depths_d, t)] = node_slots
+        self.pool.slot_table[rows_d, cols_d] = moved[:t].to(torch.int32)
+        return Handoff(step.drawn[last], lengths, int(lay.q_lens.max()))
 
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
@@ -336,16 +412,21 @@ class ModelRunner:
         positions = np.array([s.num_output for s in draw_seqs], dtype=np.int64)
         return lay, DrawInputs.of(draw_seqs, counts, draw_rows, positions), np.array(first_draw, dtype=np.int64)
 
-    def _decode_layout(self, batch: Batch, pending: bool = False):
+    def _decode_layout(self, batch: Batch, pending: bool = False, place: bool = True):
         """The common step, vectorised: every sequence feeds its last token and draws the next.
         `pending`: that last token is still being drawn on the device (a chained step), so
-        the ids laid out here are placeholders and each draw is one output position later."""
+        the ids laid out here are placeholders and each draw is one output position later.
+        `place=False`: the new tokens get KV slots but no slot-table position (after a verify
+        step in flight: the position depends on its accepted paths, see `Handoff.feed`)."""
         seqs = [item.seq for item in batch.items]
         n = len(seqs)
         starts = np.fromiter((s.num_cached for s in seqs), dtype=np.int64, count=n)
         rows = np.fromiter((s.row for s in seqs), dtype=np.int32, count=n)
         ones = np.ones(n, dtype=np.int32)
-        slots, _ = self._place(rows.astype(np.int64), starts, ones)
+        if place:
+            slots, _ = self._place(rows.astype(np.int64), starts, ones)
+        else:
+            slots = self.pool.alloc(n).astype(np.int64)
         lay = StepLayout(
             input_ids=np.fromiter((s.tokens[-1] for s in seqs), dtype=np.int64, count=n),  # placeholders if pending
             positions=starts,
@@ -357,8 +438,8 @@ class ModelRunner:
             logits_rows=np.arange(n, dtype=np.int64),
         )
         positions = np.fromiter((s.num_output for s in seqs), dtype=np.int64, count=n) + pending
-        inputs = DrawInputs.of(seqs, ones, lay.logits_rows, positions)
-        return lay, inputs, np.arange(n + 1, dtype=np.int64)
+        draws = DrawInputs.of(seqs, ones, lay.logits_rows, positions)
+        return lay, draws, np.arange(n + 1, dtype=np.int64)
 
     def _tree_layout(self, batch: Batch, trees: dict[int, DraftTree]):
         """A verify step: each sequence feeds its draft tree (or only its last token); every node draws."""
@@ -410,12 +491,11 @@ class ModelRunner:
         self._set_slots(np.repeat(rows, q_lens), np.repeat(starts, q_lens) + offsets, slots)
         return slots, offsets
 
-    def _sample(self, logits: torch.Tensor, inputs: DrawInputs) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, step: DeviceStep) -> torch.Tensor:
         """[2, S] float64 on the device: drawn tokens and their logprobs."""
-        if inputs.i64.shape[1] == 0:
+        if len(step.draw_rows) == 0:
             return torch.zeros(2, 0, dtype=torch.float64, device=self.device)
-        i64, f32 = _to_device(inputs.i64, self.device), _to_device(inputs.f32, self.device)
-        tokens, logprobs = sample(logits[i64[0]], inputs.tensors(i64, f32))
+        tokens, logprobs = sample(logits[step.draw_rows], step.sampling)
         return torch.stack([tokens.double(), logprobs.double()])
 
     def _emit(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
@@ -433,37 +513,47 @@ class ModelRunner:
         return out
 
     def _emit_trees(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
-        """A verify step: each tree keeps its accepted path (KV slots and slot-table positions), frees the rest."""
+        """A verify step: each tree keeps its accepted path (KV slots and slot-table positions), frees
+        the rest. A sequence preempted or finished while the step ran keeps none of it."""
         items = step.batch.items
-        roots = step.first_draw[:-1].tolist()
-        fed, slots = step.layout.input_ids, step.layout.out_slots
+        lay, first = step.layout, step.first_draw
+        roots = first[:-1].tolist()
+        fed, slots = lay.input_ids, lay.out_slots
         paths = accept_paths(step.node_parents, fed, tokens, roots)
         node_tokens, drawn, node_logprobs = fed.tolist(), tokens.tolist(), logprobs.tolist()
+        starts, rows = lay.positions[first[:-1]].tolist(), lay.seq_rows.tolist()
+        chained = step.chained_slots or {}
         out: list[Emitted] = []
-        kept: list[int] = []  # accepted nodes, roots included
-        moved_rows, moved_cols, moved_nodes = [], [], []  # accepted drafts: slot-table position -> node
-        for item, path in zip(items, paths):
+        keep = np.zeros(len(slots), dtype=bool)
+        released: list[int] = []  # chained decode slots of sequences that kept nothing
+        moved_rows, moved_cols, moved_slots = [], [], []  # accepted drafts (and a chained token): position -> slot
+        for item, path, start, row, root in zip(items, paths, starts, rows, roots):
             seq = item.seq
-            kept += path
-            if len(path) > 1:  # the accepted drafts move to the positions right after the root
-                moved_rows += [seq.row] * (len(path) - 1)
-                moved_cols += range(seq.num_cached + 1, seq.num_cached + len(path))
-                moved_nodes += path[1:]
-            seq.num_cached += len(path)
+            later = chained.get(seq.seq_id)
+            if seq.row == row and seq.num_cached == start + 1:
+                keep[path] = True
+                # the accepted drafts move to the positions right after the root, a chained token after them
+                cols = range(start + 1, start + len(path) + (later is not None))
+                moved_rows += [row] * len(cols)
+                moved_cols += cols
+                moved_slots += slots[path[1:]].tolist() + ([later] if later is not None else [])
+                seq.num_cached = start + len(cols) + 1
+            else:  # its root went with the rest of its KV
+                keep[root] = True
+                if later is not None:
+                    released.append(later)
             tree = step.trees.get(seq.seq_id)
             emitted = [node_tokens[p] for p in path[1:]] + [drawn[path[-1]]]
             lps = [node_logprobs[p] for p in path]
             if tree is None:
                 out.append(Emitted(seq, emitted, lps, item.decode))
             else:
-                rejected = bool((tree.parents == path[-1] - path[0]).any())  # the last accepted node had children
+                rejected = bool((tree.parents == path[-1] - root).any())  # the last accepted node had children
                 out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, rejected, tree.source))
-        if moved_nodes:
+        if moved_rows:
             self._set_slots(np.array(moved_rows, dtype=np.int64), np.array(moved_cols, dtype=np.int64),
-                            slots[moved_nodes])
-        keep = np.zeros(len(slots), dtype=bool)
-        keep[kept] = True
-        self.pool.release(slots[~keep])
+                            np.array(moved_slots, dtype=np.int64))
+        self.pool.release(np.concatenate([slots[~keep], np.array(released, dtype=np.int64)]))
         return out
 
     def _fork_prompt_kv(self, leader: Sequence, fork: Sequence) -> None:

@@ -8,10 +8,8 @@ into two things learned separately while running, so neither needs exploring the
   machine and the model, not on the text, so a shape is measured a couple of times and then
   known. Shapes not yet measured are assumed to cost what a decode step does, so each gets
   tried; a shape that turns out dear is simply not chosen again. Under the engine's overlap
-  schedule a verify step also breaks the pipeline: the decode step after it cannot start
-  before the host has its tokens. That restart is measured too (decode steps reported as
-  `restart`), and its excess over a pipelined decode step is charged to every drafting step
-  (too much when drafting steps follow each other; only the last one restarts).
+  schedule a verify step drains the pipeline before it (drafting needs the last tokens), so
+  its measured cost includes the host's drafting and layout, which no device work hides.
 - What a draft token brings: the chance that verification gets that far. Per sequence, the
   drafter's tokens are taken to be accepted one after the other with a probability `a`
   (estimated from decaying counts of accepted and rejected draft tokens), so its j-th draft
@@ -48,7 +46,6 @@ MIN_OBSERVED = 2  # steps of a shape before its measured cost replaces the optim
 PROBE_EVERY = 16
 PROBE_ACCEPT = 0.5  # on a probe step, every sequence's per-token acceptance is taken as at least this
 MIN_VALUE = 0.02  # draft tokens worth fewer expected accepted tokens are never ranked
-RESTART = -1  # the cost-table shape of decode steps that restart the overlap pipeline
 # A sequence offered a first look (its prompt was rolled out before, so the trie holds earlier
 # epochs' samples) drafts this many tokens once, early, even where the costs advise against
 # it, so that its own acceptance replaces the all-sequence counts, which failing sequences of
@@ -87,7 +84,6 @@ class DraftBudget:
         decode_s = self._cost(self._key(len(seqs), 0))
         if decode_s is None:
             return {}  # measure plain decoding at this batch size first
-        restart_s = max(0.0, (self._cost(self._restart_key(len(seqs))) or decode_s) - decode_s)
         floor = PROBE_ACCEPT if self._steps % PROBE_EVERY == 0 else 0.0
         ranked = []  # (expected accepted tokens, seq_id): every draft token worth ranking
         for seq in seqs:
@@ -106,7 +102,7 @@ class DraftBudget:
             expected += value
             key = self._key(len(seqs), k)
             if key not in costs:
-                costs[key] = (self._cost(key) or decode_s) + restart_s
+                costs[key] = self._cost(key) or decode_s
             rate = expected / costs[key]
             if rate > best_rate:
                 best_rate, best_k = rate, k
@@ -129,9 +125,6 @@ class DraftBudget:
         tokens = num_seqs + num_drafts
         return num_seqs.bit_length(), (tokens - 1).bit_length() if num_drafts else 0
 
-    def _restart_key(self, num_seqs: int) -> tuple[int, int]:
-        return num_seqs.bit_length(), RESTART
-
     def _cost(self, key: tuple[int, int]) -> float | None:
         """Median wall seconds of recent steps of this shape; None while not measured enough."""
         cost = self._median_s.get(key)
@@ -142,11 +135,10 @@ class DraftBudget:
             cost = self._median_s[key] = statistics.median(times)
         return cost
 
-    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float, restart: bool = False) -> None:
-        """A decode or verify step of `num_seqs` sequences and `num_drafts` draft tokens took `seconds`;
-        `restart`: a decode step that could not overlap the one before, because that one verified."""
+    def observe_step(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """A decode or verify step of `num_seqs` sequences and `num_drafts` draft tokens took `seconds`."""
         if seconds > 0 and num_seqs > 0:
-            key = self._restart_key(num_seqs) if restart else self._key(num_seqs, num_drafts)
+            key = self._key(num_seqs, num_drafts)
             self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
             self._median_s.pop(key, None)
 

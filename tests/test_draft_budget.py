@@ -45,21 +45,6 @@ def test_dear_verify_steps_are_not_chosen_and_cheap_ones_are():
     assert budget.for_batch(seqs(4)) == {0: 5, 1: 5, 2: 5, 3: 5}
 
 
-def test_restarting_the_overlap_pipeline_is_charged_to_drafting():
-    budget = DraftBudget(8, 256)
-    measured(budget, 4, 0, 1e-3)  # a pipelined decode step
-    for s in range(4):
-        budget.observe(s, 1, rejected=True)
-    for drafts in range(1, 21):
-        measured(budget, 4, drafts, 1.5e-3)
-    assert budget.for_batch(seqs(4)) == {0: 5, 1: 5, 2: 5, 3: 5}  # 7.9 tokens in 1.5 ms > 4 in 1 ms
-    for _ in range(COST_WINDOW):  # the decode step after a verify step waits for it: 2 ms
-        budget.observe_step(4, 0, 2e-3, restart=True)
-    assert budget.for_batch(seqs(4)) == {}  # 7.9 tokens in 1.5 + 1 ms < 4 tokens in 1 ms
-    measured(budget, 4, 0, 1e-3)  # restarts do not count as pipelined decode steps
-    assert budget.for_batch(seqs(4)) == {}
-
-
 def test_failing_sequences_pause_and_are_probed_again():
     budget = DraftBudget(8, 256)
     measured(budget, 2, 0, 1e-3)

@@ -12,6 +12,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.datasets import arithmetic_tasks, chat_prompt_ids
+from test_overlap_schedule import count_chained, draft_every_other_step
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -139,3 +140,21 @@ def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts
         pdl.set_enabled(before)
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_decode_steps_chained_after_verify_steps_match_spec_off(default_model_dir, engines, prompts, cuda_graphs):
+    """A decode step launched before the verify step it follows is collected reads its input token,
+    position and KV slot from the accepted paths found on the device; drafting every other step
+    makes that the common case."""
+    engine = Engine(model=str(default_model_dir), device="cuda", dtype="float32", kv_cache_tokens=100_000,
+                    spec="ngram", cuda_graphs=cuda_graphs)
+    draft_every_other_step(engine)
+    chained = count_chained(engine)
+    off = run(engines["graphs_spec_off"], prompts, temperature=0)
+    on = run(engine, prompts, temperature=0)
+    assert agreement(off, on) == 1.0
+    for x, y in zip(off, on):
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-3
+    assert chained[1] > MAX_NEW and engine.stats()["rollout/spec_accepted_tokens"] > MAX_NEW
+    assert engine.pool.used_slots == 0

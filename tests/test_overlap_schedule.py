@@ -3,6 +3,7 @@ tokens) changes when the host does its work, never what comes out."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -24,22 +25,30 @@ def random_prompts(num: int, seed: int) -> list[list[int]]:
 
 
 def count_chained(engine: Engine) -> list[int]:
-    """Counts the steps launched before the step they follow was collected."""
-    chained = [0]
+    """Counts the steps launched before the step they follow was collected: [all, after a verify step]."""
+    chained = [0, 0]
     launch = engine.runner.launch
 
     def counting(batch, trees, after=None):
         chained[0] += after is not None
+        chained[1] += after is not None and bool(after.trees)
         return launch(batch, trees, after)
 
     engine.runner.launch = counting
     return chained
 
 
-def mixed_run(engine: Engine, stop_token: int) -> list[tuple]:
+def draft_every_other_step(engine: Engine) -> None:
+    """Every other step plans drafts for every sequence, so that decode steps follow verify steps."""
+    turn = itertools.cycle([True, False])
+    engine.budget.for_batch = lambda seqs: {s.seq_id: 4 for s in seqs} if next(turn) else {}
+
+
+def mixed_run(engine: Engine, stop_token: int, repeats: int = 1) -> list[tuple]:
     """Greedy and sampled groups of different lengths, a stop token, arrivals while others
-    decode, and an abort; returns every sample's tokens, logprobs, finish reason and versions."""
-    prompts = random_prompts(7, seed=21)
+    decode, and an abort; returns every sample's tokens, logprobs, finish reason and versions.
+    `repeats`: each prompt is its random tokens this many times over (something to draft from)."""
+    prompts = [p * repeats for p in random_prompts(7, seed=21)]
     params = [
         SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.9, n=4, max_new_tokens=20, seed=5, ignore_eos=True),
@@ -62,17 +71,24 @@ def mixed_run(engine: Engine, stop_token: int) -> list[tuple]:
     return [(s.output_ids, s.logprobs, s.finish_reason, s.weight_versions) for r in reqs for s in r.sequences]
 
 
-def test_overlap_gives_the_same_outputs_as_waiting_for_every_step(model_dir):
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_overlap_gives_the_same_outputs_as_waiting_for_every_step(model_dir, spec):
+    repeats = 1 if spec == "off" else 3  # prompts that repeat, so that drafts get accepted
     probe = Engine(model=str(model_dir), spec="off", device="cpu", overlap_schedule=False)
     greedy = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
-    stop_token = probe.generate([random_prompts(7, seed=21)[2]], greedy)[0][0].token_ids[6]
+    stop_token = probe.generate([random_prompts(7, seed=21)[2] * repeats], greedy)[0][0].token_ids[6]
     runs = {}
     for overlap in (False, True):
-        engine = Engine(model=str(model_dir), spec="off", device="cpu", overlap_schedule=overlap)
+        engine = Engine(model=str(model_dir), spec=spec, device="cpu", overlap_schedule=overlap)
+        if spec == "ngram":
+            draft_every_other_step(engine)
         chained = count_chained(engine)
-        runs[overlap] = mixed_run(engine, stop_token)
+        runs[overlap] = mixed_run(engine, stop_token, repeats)
         assert engine.pool.used_slots == 0 and not engine.has_work
-        assert (chained[0] > 20) if overlap else chained[0] == 0
+        assert (chained[0] > 10) if overlap else chained[0] == 0
+        if spec == "ngram":  # (a random model's drafts are rarely accepted: see test_speculation for that)
+            assert engine.stats()["rollout/spec_draft_tokens"] > 10
+            assert (chained[1] > 3) if overlap else chained[1] == 0
     reasons = [r[2] for r in runs[True]]
     assert reasons == [r[2] for r in runs[False]]
     assert "abort" in reasons and "stop" in reasons and "length" in reasons
@@ -85,16 +101,53 @@ def test_overlap_gives_the_same_outputs_as_waiting_for_every_step(model_dir):
         assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
 
 
-def test_overlap_survives_preemption(model_dir):
-    prompts = random_prompts(10, seed=11)
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_overlap_survives_preemption(model_dir, spec):
+    prompts = [p * 2 for p in random_prompts(10, seed=11)]
     params = SamplingParams(temperature=0.8, max_new_tokens=16, seed=3, ignore_eos=True)
     outs = {}
     for overlap in (False, True):
-        engine = Engine(model=str(model_dir), spec="off", device="cpu", kv_cache_tokens=120, overlap_schedule=overlap)
+        engine = Engine(model=str(model_dir), spec=spec, device="cpu", kv_cache_tokens=240, overlap_schedule=overlap)
+        if spec == "ngram":
+            draft_every_other_step(engine)
         outs[overlap] = [o[0].token_ids for o in engine.generate(prompts, params)]
         assert engine.scheduler.num_preempted > 0
         assert engine.pool.used_slots == 0
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("cut", ["abort", "preempt"])
+def test_a_sequence_cut_off_while_its_verify_step_runs_keeps_none_of_its_tree(model_dir, cut):
+    prompts = [p * 3 for p in random_prompts(3, seed=40)]
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    reference = Engine(model=str(model_dir), spec="off", device="cpu", overlap_schedule=False).generate(prompts, params)
+    engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
+    draft_every_other_step(engine)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine._in_flight is None or not engine._in_flight[0].trees:
+        engine.step()
+    victim = reqs[0].sequences[0]
+    assert victim in [item.seq for item in engine._in_flight[0].batch.items]  # its verify step runs
+    if cut == "abort":
+        engine.abort(reqs[0].rid)
+    else:  # at the next schedule, as when the pool runs dry
+        scheduler, schedule_decode = engine.scheduler, engine.scheduler._schedule_decode
+
+        def preempting():
+            scheduler._schedule_decode = schedule_decode
+            scheduler.preempt(victim)
+            return schedule_decode()
+
+        scheduler._schedule_decode = preempting
+    while engine.has_work:
+        engine.step()
+    assert engine.pool.used_slots == 0
+    outputs = [r.sequences[0].output_ids for r in reqs]
+    expected = [group[0].token_ids for group in reference]
+    if cut == "abort":
+        assert victim.finish_reason == "abort" and outputs[0] == expected[0][: len(outputs[0])]
+        outputs, expected = outputs[1:], expected[1:]
+    assert outputs == expected
 
 
 def test_speculation_with_overlap_matches_without(model_dir):

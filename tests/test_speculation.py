@@ -14,7 +14,8 @@ from rollout.wandb_log import WandbLogger
 from spec.budget import MIN_VALUE
 from spec.budget import PROBE_EVERY as PROBE_EVERY_STEPS
 from spec.tree import DraftTree
-from spec.verify import accept_paths
+from spec.verify import accept_on_device, accept_paths
+from test_overlap_schedule import count_chained, draft_every_other_step
 from wandb_records import history
 
 QUESTIONS = [
@@ -92,6 +93,24 @@ def test_sampled_outputs_spec_on_equal_spec_off_for_every_seed(default_engine, s
     assert sum(o.spec["accepted_tokens"] for o in on) > 0
 
 
+def test_a_decode_step_chained_after_a_verify_step_changes_no_output(default_engine, default_model_dir, prompts):
+    """The overlap schedule launches a decode step before the verify step it follows is collected:
+    its input token, position and KV slot come from the accepted paths found on the device."""
+    engine = Engine(model=str(default_model_dir), spec=SpecConfig(method="ngram", adaptive=False), device="cpu")
+    draft_every_other_step(engine)
+    chained = count_chained(engine)
+    greedy = [SamplingParams(temperature=0, max_new_tokens=40, n=2), SamplingParams(temperature=0, max_new_tokens=40, stop=[","])]
+    sampled = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_new_tokens=16, seed=5)
+    for params, some in ((greedy * 2, prompts), (sampled, prompts[:2])):
+        off, on = run(default_engine, some, params), run(engine, some, params)
+        assert [o.token_ids for o in on] == [o.token_ids for o in off]
+        assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+        for a, b in zip(off, on):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+    assert chained[1] > 10 and engine.stats()["rollout/spec_accepted_tokens"] > 10
+    assert engine.pool.used_slots == 0
+
+
 def node_logits(prefix: tuple[int, ...], vocab: int) -> torch.Tensor:
     """A fixed toy target model: logits after `prefix`, different for every prefix."""
     g = torch.Generator().manual_seed(hash(prefix) % (2**31))
@@ -163,10 +182,11 @@ def test_greedy_walk_accepts_the_longest_matching_path():
     assert path == [0] and bonus == 2
 
 
-def test_step_wide_walk_matches_a_plain_walk_of_each_tree():
-    rng = np.random.default_rng(3)
+def random_forest(rng: np.random.Generator, num_trees: int, follow: float = 0.0) -> tuple[list[DraftTree], list[np.ndarray]]:
+    """Random draft trees and random draws at their nodes, drawn from few values so that drafts often
+    match; `follow`: the chance that a node with children draws one of its children's tokens."""
     trees, drawn = [], []
-    for _ in range(40):
+    for _ in range(num_trees):
         n = int(rng.integers(1, 12))
         parents = [-1] + [int(rng.integers(i)) for i in range(1, n)]
         tokens = [int(rng.integers(4))]
@@ -174,15 +194,47 @@ def test_step_wide_walk_matches_a_plain_walk_of_each_tree():
             taken = {tokens[j] for j in range(1, i) if parents[j] == parents[i]}
             tokens.append(next(t for t in rng.permutation(12).tolist() if t not in taken))
         trees.append(DraftTree(np.array(tokens), np.array(parents)))
-        drawn.append(rng.integers(4, size=n))  # few values, so that drafts often match
+        drawn.append(rng.integers(4, size=n))
+        for i, kids in enumerate(trees[-1].children()):
+            if kids and rng.random() < follow:
+                drawn[-1][i] = tokens[kids[int(rng.integers(len(kids)))]]
+    return trees, drawn
+
+
+def step_wide(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Trees laid out one after another: node offsets [B + 1], parents and tokens [T]."""
     offsets = np.cumsum([0] + [len(t.tokens) for t in trees])
     parents = np.concatenate([np.where(t.parents >= 0, t.parents + o, -1) for t, o in zip(trees, offsets)])
-    paths = accept_paths(parents, np.concatenate([t.tokens for t in trees]), np.concatenate(drawn), offsets[:-1].tolist())
+    return offsets, parents, np.concatenate([t.tokens for t in trees])
+
+
+def test_step_wide_walk_matches_a_plain_walk_of_each_tree():
+    trees, drawn = random_forest(np.random.default_rng(3), 40)
+    offsets, parents, tokens = step_wide(trees)
+    paths = accept_paths(parents, tokens, np.concatenate(drawn), offsets[:-1].tolist())
     for tree, targets, offset, path in zip(trees, drawn, offsets, paths):  # against a plain walk of each tree
         children, walk = tree.children(), [0]
         while (nxt := next((c for c in children[walk[-1]] if tree.tokens[c] == targets[walk[-1]]), None)) is not None:
             walk.append(nxt)
         assert (np.array(path) - offset).tolist() == walk
+
+
+def test_the_walk_on_the_device_matches_the_walk_on_the_host():
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh trees every run; the seed names a failing one
+    trees, drawn = random_forest(np.random.default_rng(seed), 60, follow=0.7)
+    offsets, parents, tokens = step_wide(trees)
+    drawn = np.concatenate(drawn)
+    paths = accept_paths(parents, tokens, drawn, offsets[:-1].tolist())
+    depths = np.concatenate([t.depths() for t in trees]).astype(np.int64)
+    tree_of = np.repeat(np.arange(len(trees)), np.diff(offsets))
+    accepted, lengths, last = accept_on_device(
+        *map(torch.from_numpy, (parents, depths, tree_of, offsets)), int(depths.max()),
+        torch.from_numpy(tokens), torch.from_numpy(drawn.astype(np.float64)),
+    )
+    assert sorted(np.flatnonzero(accepted.numpy())) == sorted(sum(paths, [])), seed
+    assert lengths.tolist() == [len(p) for p in paths], seed
+    assert last.tolist() == [p[-1] for p in paths], seed
+    assert any(len(p) > 2 for p in paths)  # deep paths were walked, not only roots
 
 
 def test_sibling_sharing_raises_accept_length(default_model_dir, capsys):
