@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rollout.model_runner import DrawInputs
+from rollout.model_runner import DrawInputs, Handoff
 from rollout.sampler import sample
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def verify_token_counts(num_seqs: int, max_tokens: int, max_tree_tokens: int) ->
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    i64: torch.Tensor  # [9 * T]: ids, positions, out slots, tree mask, logits rows | (unused) row, key, position, top_k
+    i64: torch.Tensor  # [10 * T]: ids, positions, out slots, tree mask, tree parents, logits rows | (unused) row, key, position, top_k
     i32: torch.Tensor  # [3 * B + 1]: seq rows, kv lens, qo indptr
     f32: torch.Tensor  # [3 * T]: temperature, top_p, min_p
     # Pinned staging of i64, i32, f32, two sets used in turn: with a step chained after another
@@ -60,6 +60,7 @@ class _Graph:
     host: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     out: torch.Tensor  # [2, T] float64: drawn tokens, their logprobs; written by every replay
     step: "_StaticStep"  # the DeviceStep view of i64, i32 and f32
+    handoff: Handoff  # for a decode step chained after a replay; written by every replay of a verify graph
     turn: int = 0
 
 
@@ -71,8 +72,9 @@ class _StaticStep:
         t, b = num_tokens, num_seqs
         self.input_ids, self.positions, self.out_slots = i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t]
         self.tree_mask = i64[3 * t : 4 * t] if tree else None
-        self.logits_rows = i64[4 * t : 5 * t]
-        draw_cols = i64[5 * t :].view(4, t)
+        self.tree_parents = i64[4 * t : 5 * t] if tree else None
+        self.logits_rows = i64[5 * t : 6 * t]
+        draw_cols = i64[6 * t :].view(4, t)
         self.draw_positions = draw_cols[2]  # every logits row draws once, in order: no draw_rows
         draws = DrawInputs(np.zeros((4, 0), np.int64), np.zeros((3, 0), np.float32), mode)
         self.sampling = draws.tensors(draw_cols, f32.view(3, t))
@@ -120,24 +122,25 @@ class CudaGraphs:
         return len(self._graphs)
 
     def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str],
-               prepare: Callable[["_StaticStep"], None] | None = None) -> tuple["_StaticStep", torch.Tensor]:
-        """Replay the graph for this layout; returns its inputs on the device and its [2, n] (tokens,
-        logprobs) output there. `prepare`: completes a chained step's inputs on the device once they
-        are uploaded (see ModelRunner.launch)."""
+               prepare: Callable[["_StaticStep"], None] | None = None) -> tuple["_StaticStep", torch.Tensor, Handoff]:
+        """Replay the graph for this layout; returns its inputs on the device, its [2, n] (tokens,
+        logprobs) output there, and what a decode step chained after it needs. `prepare`: completes
+        a chained step's inputs on the device once they are uploaded (see ModelRunner.launch)."""
         g = self._graphs.get(shape) or self._capture(*shape)
         b, t, tree, _ = shape
         n = len(lay.logits_rows)
         padded = lay.padded(b, t, t, self.runner.pool.padding_row)
         qo_indptr = np.zeros(b + 1, dtype=np.int32)
         np.cumsum(padded.q_lens, out=qo_indptr[1:])
-        mask = padded.tree_mask if tree else np.zeros(t, dtype=np.int64)
+        mask, parents = (padded.tree_mask, padded.tree_parents) if tree else (np.zeros(t, np.int64),) * 2
         staging = g.host[g.turn]
         g.turn ^= 1
         i64_host, i32_host, f32_host = (h.numpy() for h in staging)
         np.concatenate(
-            [padded.input_ids, padded.positions, padded.out_slots, mask, padded.logits_rows], out=i64_host[: 5 * t]
+            [padded.input_ids, padded.positions, padded.out_slots, mask, parents, padded.logits_rows],
+            out=i64_host[: 6 * t],
         )
-        draw_cols = i64_host[5 * t :].reshape(4, t)
+        draw_cols = i64_host[6 * t :].reshape(4, t)
         draw_cols[:, n:] = 0  # padding rows: greedy draws of row 0, ignored
         draw_cols[:, :n] = draws.i64
         f32_host.reshape(3, t)[:, n:] = 0
@@ -148,26 +151,28 @@ class CudaGraphs:
         if prepare is not None:
             prepare(g.step)
         g.graph.replay()
-        return g.step, g.out[:, :n]
+        return g.step, g.out[:, :n], g.handoff
 
     def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str) -> _Graph:
         runner, dev = self.runner, self.runner.device
         t = num_tokens
-        i64 = torch.zeros(9 * t, dtype=torch.int64, device=dev)
+        i64 = torch.zeros(10 * t, dtype=torch.int64, device=dev)
         i32 = torch.zeros(3 * num_seqs + 1, dtype=torch.int32, device=dev)
         f32 = torch.zeros(3 * t, dtype=torch.float32, device=dev)
         i32[:num_seqs] = runner.pool.padding_row  # all padding until the first replay writes real values
         if tree:
             i64[3 * t : 4 * t] = 1
+            i64[4 * t : 5 * t] = -1
         step = _StaticStep(
             i64, i32, f32, num_seqs, t, tree, mode,
             max_q_len=self.max_tree_tokens if tree else 1, max_kv_len=self.max_context,
         )
 
-        def step_fn() -> torch.Tensor:
+        def step_fn() -> tuple[torch.Tensor, Handoff]:
             logits = runner.forward(step, self._attn_out[:t])
             tokens, logprobs = sample(logits, step.sampling)
-            return torch.stack([tokens.double(), logprobs.double()])
+            out = torch.stack([tokens.double(), logprobs.double()])
+            return out, runner.verify_handoff(step, out[0], self.max_tree_tokens - 1) if tree else Handoff(out[0], None)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -177,8 +182,8 @@ class CudaGraphs:
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            out = step_fn()
+            out, handoff = step_fn()
         host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
-        g = _Graph(graph, i64, i32, f32, host, out, step)
+        g = _Graph(graph, i64, i32, f32, host, out, step, handoff)
         self._graphs[(num_seqs, num_tokens, tree, mode)] = g
         return g

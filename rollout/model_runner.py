@@ -49,6 +49,7 @@ class StepLayout:
     positions: np.ndarray  # [T] int64
     out_slots: np.ndarray  # [T] int64
     tree_mask: np.ndarray | None  # [T] int64, None = causal
+    tree_parents: np.ndarray | None  # [T] int64 with tree_mask: each token's tree parent, step-wide (-1: a root)
     seq_rows: np.ndarray  # [B] int32
     kv_lens: np.ndarray  # [B] int32
     q_lens: np.ndarray  # [B] int32
@@ -67,6 +68,7 @@ class StepLayout:
             positions=np.concatenate([self.positions, zeros]),
             out_slots=np.concatenate([self.out_slots, zeros]),
             tree_mask=None if self.tree_mask is None else np.concatenate([self.tree_mask, zeros + 1]),
+            tree_parents=None if self.tree_parents is None else np.concatenate([self.tree_parents, zeros - 1]),
             seq_rows=np.concatenate([self.seq_rows, np.full(extra_seqs, padding_row, dtype=np.int32)]),
             kv_lens=np.concatenate([self.kv_lens, np.zeros(extra_seqs, dtype=np.int32)]),
             q_lens=np.concatenate([self.q_lens, np.zeros(extra_seqs, dtype=np.int32)]),
@@ -114,18 +116,23 @@ class DeviceStep:
     moved in one copy."""
 
     def __init__(self, lay: StepLayout, draws: DrawInputs, device: torch.device):
-        mask = lay.tree_mask if lay.tree_mask is not None else np.zeros(0, dtype=np.int64)
+        tree = lay.tree_mask is not None
+        nothing = np.zeros(0, dtype=np.int64)
         qo_indptr = np.zeros(len(lay.q_lens) + 1, dtype=np.int32)
         np.cumsum(lay.q_lens, out=qo_indptr[1:])
-        i64 = _to_device(np.concatenate(
-            [lay.input_ids, lay.positions, lay.out_slots, mask, lay.logits_rows, draws.i64.ravel()]), device)
+        i64 = _to_device(np.concatenate([
+            lay.input_ids, lay.positions, lay.out_slots, lay.tree_mask if tree else nothing,
+            lay.tree_parents if tree else nothing, lay.logits_rows, draws.i64.ravel(),
+        ]), device)
         i32 = _to_device(np.concatenate([lay.seq_rows, lay.kv_lens, qo_indptr]), device)
         f32 = _to_device(draws.f32.ravel(), device)
         t, b, n = lay.num_tokens, len(lay.seq_rows), draws.i64.shape[1]
         self.input_ids, self.positions, self.out_slots = i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t]
-        self.tree_mask = i64[3 * t : 4 * t] if lay.tree_mask is not None else None
-        rows_end = 3 * t + len(mask) + len(lay.logits_rows)
-        self.logits_rows = i64[3 * t + len(mask) : rows_end]
+        self.tree_mask = i64[3 * t : 4 * t] if tree else None
+        self.tree_parents = i64[4 * t : 5 * t] if tree else None
+        rows_start = 5 * t if tree else 3 * t
+        rows_end = rows_start + len(lay.logits_rows)
+        self.logits_rows = i64[rows_start:rows_end]
         draw_cols = i64[rows_end:].view(4, n)
         self.draw_rows, self.draw_positions = draw_cols[0], draw_cols[2]
         self.sampling = draws.tensors(draw_cols, f32.view(3, n))
@@ -168,7 +175,7 @@ class Handoff:
 
     tokens: torch.Tensor  # [items]: the token each item feeds next (its draw, or its accepted path's bonus token)
     advance: torch.Tensor | None  # [items] int64: KV tokens the item added (a verify step's path); None: one each
-    max_advance: int = 1  # a host-side bound of `advance`
+    max_advance: int = 1  # a host-side bound of `advance` (set at launch)
 
     def feed(self, step: DeviceStep, n: int, index: np.ndarray | None, slot_table: torch.Tensor) -> None:
         """Complete a chained decode step of `n` sequences on the device: its i-th sequence continues
@@ -194,11 +201,8 @@ class StepInFlight:
     trees: dict[int, DraftTree]
     layout: StepLayout  # unpadded: input_ids are the tokens fed, out_slots their new KV slots
     first_draw: np.ndarray  # [items + 1]: item k's draws (its sample's, then its forks'; or its tree's nodes)
-    node_parents: np.ndarray | None  # verify steps: each token's tree parent, step-wide (-1: a root)
-    device: DeviceStep  # the step's inputs on the device (a graph's own buffers, valid until its next replay)
-    drawn: torch.Tensor  # [draws] float64 on the device: the drawn tokens
     result: HostCopy
-    handoff: Handoff | None = None  # decode steps at launch; verify steps once a step is chained after them
+    handoff: Handoff  # for a decode step chained after this one
     chained_slots: dict[int, int] | None = None  # verify steps: seq_id -> KV slot of the decode step chained after
 
     @property
@@ -279,11 +283,11 @@ class ModelRunner:
         and so do a verify step's roots; its drafts, and the token of a decode step chained
         after it, once `collect` has the verify step's accepted paths.
         """
-        parents, prepare = None, None
+        prepare = None
         if batch.is_prefill:
             lay, draws, first_draw = self._prefill_layout(batch)
         elif trees:
-            lay, draws, first_draw, parents = self._tree_layout(batch, trees)
+            lay, draws, first_draw = self._tree_layout(batch, trees)
         else:
             lay, draws, first_draw = self._decode_layout(
                 batch, pending=after is not None, place=after is None or not after.trees
@@ -295,30 +299,26 @@ class ModelRunner:
         if self.graphs is not None and not batch.is_prefill:  # one draw per logits row, in order
             shape = self.graphs.shape(lay, draws.mode)
         if shape is not None:
-            step, out = self.graphs.launch(lay, draws, shape, prepare)
+            step, out, handoff = self.graphs.launch(lay, draws, shape, prepare)
         else:
             step = DeviceStep(lay, draws, self.device)
             if prepare is not None:
                 prepare(step)
             out = self._sample(self.forward(step), step)
+            handoff = self.verify_handoff(step, out[0], int(lay.q_lens.max()) - 1) if trees else Handoff(out[0], None)
         if trees:  # a root is always kept; its drafts count once `collect` has the accepted paths
             for item in batch.items:
                 item.seq.num_cached += 1
+            handoff.max_advance = int(lay.q_lens.max())
         elif after is None or not after.trees:  # (after a verify step: counted by its `collect`)
             for item in batch.items:
                 item.seq.num_cached += item.num_new
-        launched = StepInFlight(batch, trees, lay, first_draw, parents, step, out[0], HostCopy(out))
-        if not trees:
-            launched.handoff = Handoff(out[0], None)
-        return launched
+        return StepInFlight(batch, trees, lay, first_draw, HostCopy(out), handoff)
 
     def _chain(self, after: StepInFlight, seqs: list[Sequence], lay: StepLayout) -> Callable[[DeviceStep], None]:
         """How a decode step of `seqs` (laid out as `lay`) completes its inputs from `after` on the device."""
         index = after.draw_index(seqs)
-        if after.trees:
-            if after.handoff is None:
-                after.handoff = self._accept_on_device(after)
-            # the new tokens' positions are known once the paths are: their slots go into the table then
+        if after.trees:  # the new tokens' positions are known once the paths are: their slots go into the table then
             after.chained_slots = dict(zip((s.seq_id for s in seqs), lay.out_slots.tolist()))
         handoff = after.handoff
         extra_keys = handoff.max_advance - 1
@@ -330,28 +330,28 @@ class ModelRunner:
 
         return prepare
 
-    def _accept_on_device(self, step: StepInFlight) -> Handoff:
-        """A verify step's accepted paths, found on the device (`spec.verify.accept_on_device`), and
-        its slot table brought up to date there: each accepted draft's slot moves to the position
-        right after its root, as `_emit_trees` does on the host later."""
-        lay, first = step.layout, step.first_draw
-        t, b = lay.num_tokens, len(lay.q_lens)
-        trees = np.repeat(np.arange(b), lay.q_lens)
-        starts = lay.positions[first[:-1]]
-        depths = lay.positions - starts[trees]
-        cols = starts[trees] + np.arange(t) - first[trees]  # where `_tree_layout` placed each node
-        rows = lay.seq_rows[trees].astype(np.int64)
-        up = _to_device(np.concatenate([step.node_parents, depths, trees, rows, cols, first]), self.device)
-        parents_d, depths_d, trees_d, rows_d, cols_d = up[: 5 * t].view(5, t)
-        first_d = up[5 * t :]
+    def verify_handoff(self, step: DeviceStep, drawn: torch.Tensor, max_depth: int) -> Handoff:
+        """Part of every verify step, on the device: its accepted paths (`spec.verify.accept_on_device`),
+        the slot table brought up to date (each accepted draft's slot moves to the position right
+        after its root, as `_emit_trees` does on the host later), and what a decode step chained
+        after it needs. Works on a graph's padded step too (tokens past the last tree are ignored)."""
+        t, b = len(step.input_ids), len(step.seq_rows)
+        node = torch.arange(t, device=drawn.device)
+        first = step.qo_indptr.long()
+        real = node < first[-1]
+        trees = torch.searchsorted(first[1:], node, right=True).clamp_(max=b - 1)
+        roots = first[trees]
+        depths = step.positions - step.positions[roots]
         accepted, lengths, last = accept_on_device(
-            parents_d, depths_d, trees_d, first_d, int(depths.max()), step.device.input_ids[:t], step.drawn[:t]
+            step.tree_parents, depths, trees, first, max_depth, step.input_ids, drawn[:t], real
         )
-        node_slots = step.device.out_slots[:t]
-        moved = torch.cat([node_slots, node_slots[:1]])  # the extra entry takes every rejected node's write
-        moved[torch.where(accepted, first_d[trees_d] + depths_d, t)] = node_slots
-        self.pool.slot_table[rows_d, cols_d] = moved[:t].to(torch.int32)
-        return Handoff(step.drawn[last], lengths, int(lay.q_lens.max()))
+        moved = torch.cat([step.out_slots, step.out_slots[:1]])  # the extra entry takes every rejected node's write
+        moved[torch.where(accepted, roots + depths, t)] = step.out_slots
+        # where `_tree_layout` placed each node (padding tokens rewrite slot 0 into the padding row's first entry)
+        rows = torch.where(real, step.seq_rows.long()[trees], self.pool.padding_row)
+        cols = torch.where(real, step.positions[roots] + node - roots, 0)
+        self.pool.slot_table[rows, cols] = torch.where(real, moved[:t], 0).to(torch.int32)
+        return Handoff(drawn[last], lengths)
 
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
@@ -402,7 +402,8 @@ class ModelRunner:
         slots, offsets = self._place(np.array(rows, dtype=np.int64), starts_a, q_lens_a)
         lay = StepLayout(
             input_ids=np.concatenate(ids), positions=np.repeat(starts_a, q_lens_a) + offsets, out_slots=slots,
-            tree_mask=None, seq_rows=np.array(rows, dtype=np.int32), kv_lens=(starts_a + q_lens_a).astype(np.int32),
+            tree_mask=None, tree_parents=None, seq_rows=np.array(rows, dtype=np.int32),
+            kv_lens=(starts_a + q_lens_a).astype(np.int32),
             q_lens=q_lens_a, logits_rows=np.array(logits_rows, dtype=np.int64),
         )
         counts = np.ones(len(draw_seqs), dtype=np.int64)
@@ -432,6 +433,7 @@ class ModelRunner:
             positions=starts,
             out_slots=slots,
             tree_mask=None,
+            tree_parents=None,
             seq_rows=rows,
             kv_lens=(starts + 1).astype(np.int32),
             q_lens=ones,
@@ -471,6 +473,7 @@ class ModelRunner:
             positions=np.repeat(starts, q_lens) + depth,
             out_slots=slots,
             tree_mask=np.concatenate(masks).astype(np.int64),
+            tree_parents=np.concatenate(parents).astype(np.int64),
             seq_rows=rows,
             kv_lens=(starts + q_lens).astype(np.int32),
             q_lens=q_lens,
@@ -480,7 +483,7 @@ class ModelRunner:
         inputs = DrawInputs.of(seqs, q_lens, lay.logits_rows, np.repeat(num_output, q_lens) + depth)
         first_draw = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=first_draw[1:])
-        return lay, inputs, first_draw, np.concatenate(parents).astype(np.int64)
+        return lay, inputs, first_draw
 
     def _place(self, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """New KV slots for each sequence's `q_lens` tokens, written into the slot table after its cached
@@ -519,7 +522,7 @@ class ModelRunner:
         lay, first = step.layout, step.first_draw
         roots = first[:-1].tolist()
         fed, slots = lay.input_ids, lay.out_slots
-        paths = accept_paths(step.node_parents, fed, tokens, roots)
+        paths = accept_paths(lay.tree_parents, fed, tokens, roots)
         node_tokens, drawn, node_logprobs = fed.tolist(), tokens.tolist(), logprobs.tolist()
         starts, rows = lay.positions[first[:-1]].tolist(), lay.seq_rows.tolist()
         chained = step.chained_slots or {}

@@ -42,16 +42,20 @@ def accept_paths(parents: np.ndarray, tokens: np.ndarray, drawn: np.ndarray, roo
 
 def accept_on_device(
     parents: torch.Tensor, depths: torch.Tensor, trees: torch.Tensor, first: torch.Tensor,
-    max_depth: int, tokens: torch.Tensor, drawn: torch.Tensor,
+    max_depth: int, tokens: torch.Tensor, drawn: torch.Tensor, real: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk of `accept_paths` as tensor operations, for a step launched before the host has
-    this one's tokens. parents [T] (-1: a root), depths [T], trees [T] (each node's tree) and
-    first [B + 1] (tree b's nodes are first[b]:first[b + 1]) describe the trees; `max_depth`
-    bounds their depth. Returns the accepted nodes [T] bool, each tree's path length [B] (its
-    root included) and its path's last node [B], whose draw is the bonus token."""
+    """The walk of `accept_paths` as tensor operations, so that a step launched before the host
+    has this one's tokens can read its outcome on the device (and a CUDA graph can hold it).
+    parents [T] (-1: a root), depths [T], trees [T] (each node's tree) and first [B + 1] (tree
+    b's nodes are first[b]:first[b + 1]) describe the trees; `max_depth` bounds their depth;
+    `real` [T] bool marks the nodes of some tree (the rest are padding). Returns the accepted
+    nodes [T] bool, each tree's path length [B] (its root included) and its path's last node [B],
+    whose draw is the bonus token."""
     node = torch.arange(len(parents), device=parents.device)
     up = torch.where(parents >= 0, parents, node)  # a root is its own parent
     accepted = (parents < 0) | (tokens == drawn.long()[up])
+    if real is not None:
+        accepted &= real
     for _ in range(max_depth.bit_length()):  # pointer doubling: after k rounds, 2**k - 1 ancestors are in
         accepted = accepted & accepted[up]
         up = up[up]

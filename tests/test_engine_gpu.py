@@ -156,5 +156,6 @@ def test_decode_steps_chained_after_verify_steps_match_spec_off(default_model_di
     assert agreement(off, on) == 1.0
     for x, y in zip(off, on):
         assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-3
-    assert chained[1] > MAX_NEW and engine.stats()["rollout/spec_accepted_tokens"] > MAX_NEW
+    accepted = engine.stats()["rollout/spec_accepted_tokens"]
+    assert chained[1] > 10 and accepted > 10, (chained, accepted)
     assert engine.pool.used_slots == 0
