@@ -1,11 +1,14 @@
 """Turns a scheduled batch into tensors, runs the model, draws tokens, verifies draft trees.
 
 Host work per step: lay out the new tokens of every sequence (prefill chunk, decode token,
-or draft tree) and give them KV slots (`StepLayout`), upload that in two copies, run the
+or draft tree) and give them KV slots (`StepLayout`), upload that in three copies, run the
 model (a captured CUDA graph for decode and verify steps on the GPU), draw every token
 needed in one sampling pass, and copy the results back once. On a small model the host is
 the bottleneck, so decode and verify steps are laid out, and verify steps' trees walked,
-with array operations over the whole batch rather than per sequence and per node.
+with array operations over the whole batch rather than per sequence and per node. A decode
+step may be launched before the step it follows is collected: what it needs from that step
+(its tokens; after a verify step also the accepted paths' lengths) stays on the device
+(`Handoff`).
 """
 
 from __future__ import annotations
@@ -175,7 +178,7 @@ class Handoff:
 
     tokens: torch.Tensor  # [items]: the token each item feeds next (its draw, or its accepted path's bonus token)
     advance: torch.Tensor | None  # [items] int64: KV tokens the item added (a verify step's path); None: one each
-    max_advance: int = 1  # a host-side bound of `advance` (set at launch)
+    max_advance: int = 1  # a host-side bound of `advance`
 
     def feed(self, step: DeviceStep, n: int, index: np.ndarray | None, slot_table: torch.Tensor) -> None:
         """Complete a chained decode step of `n` sequences on the device: its i-th sequence continues
@@ -309,7 +312,7 @@ class ModelRunner:
         if trees:  # a root is always kept; its drafts count once `collect` has the accepted paths
             for item in batch.items:
                 item.seq.num_cached += 1
-            handoff.max_advance = int(lay.q_lens.max())
+            handoff = Handoff(handoff.tokens, handoff.advance, int(lay.q_lens.max()))
         elif after is None or not after.trees:  # (after a verify step: counted by its `collect`)
             for item in batch.items:
                 item.seq.num_cached += item.num_new
