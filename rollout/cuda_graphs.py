@@ -172,7 +172,7 @@ class CudaGraphs:
             logits = runner.forward(step, self._attn_out[:t])
             tokens, logprobs = sample(logits, step.sampling)
             out = torch.stack([tokens.double(), logprobs.double()])
-            return out, runner.verify_handoff(step, out[0], self.max_tree_tokens - 1) if tree else Handoff(out[0], None)
+            return out, runner.verify_handoff(step, out[0], self.max_tree_tokens) if tree else Handoff(out[0], None)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.tree_accept import verify_outcome
 from rollout.kv_pool import KVPool
 from rollout.model_config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
@@ -27,7 +28,7 @@ from rollout.sampler import SamplingTensors, sample
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
 from spec.tree import DraftTree
-from spec.verify import accept_on_device, accept_paths
+from spec.verify import accept_paths
 
 
 @dataclass
@@ -308,7 +309,7 @@ class ModelRunner:
             if prepare is not None:
                 prepare(step)
             out = self._sample(self.forward(step), step)
-            handoff = self.verify_handoff(step, out[0], int(lay.q_lens.max()) - 1) if trees else Handoff(out[0], None)
+            handoff = self.verify_handoff(step, out[0], int(lay.q_lens.max())) if trees else Handoff(out[0], None)
         if trees:  # a root is always kept; its drafts count once `collect` has the accepted paths
             for item in batch.items:
                 item.seq.num_cached += 1
@@ -333,28 +334,15 @@ class ModelRunner:
 
         return prepare
 
-    def verify_handoff(self, step: DeviceStep, drawn: torch.Tensor, max_depth: int) -> Handoff:
-        """Part of every verify step, on the device: its accepted paths (`spec.verify.accept_on_device`),
-        the slot table brought up to date (each accepted draft's slot moves to the position right
-        after its root, as `_emit_trees` does on the host later), and what a decode step chained
-        after it needs. Works on a graph's padded step too (tokens past the last tree are ignored)."""
-        t, b = len(step.input_ids), len(step.seq_rows)
-        node = torch.arange(t, device=drawn.device)
-        first = step.qo_indptr.long()
-        real = node < first[-1]
-        trees = torch.searchsorted(first[1:], node, right=True).clamp_(max=b - 1)
-        roots = first[trees]
-        depths = step.positions - step.positions[roots]
-        accepted, lengths, last = accept_on_device(
-            step.tree_parents, depths, trees, first, max_depth, step.input_ids, drawn[:t], real
+    def verify_handoff(self, step: DeviceStep, drawn: torch.Tensor, max_tree_tokens: int) -> Handoff:
+        """Part of every verify step, on the device: its accepted paths, and the slot table brought up
+        to date (kernels/tree_accept.py), for a decode step chained after it. Works on a graph's
+        padded step too."""
+        bonus, lengths = verify_outcome(
+            step.tree_parents, step.tree_mask, step.input_ids, step.positions, step.out_slots, drawn,
+            step.qo_indptr, step.seq_rows, self.pool.slot_table, self.pool.padding_row, max_tree_tokens,
         )
-        moved = torch.cat([step.out_slots, step.out_slots[:1]])  # the extra entry takes every rejected node's write
-        moved[torch.where(accepted, roots + depths, t)] = step.out_slots
-        # where `_tree_layout` placed each node (padding tokens rewrite slot 0 into the padding row's first entry)
-        rows = torch.where(real, step.seq_rows.long()[trees], self.pool.padding_row)
-        cols = torch.where(real, step.positions[roots] + node - roots, 0)
-        self.pool.slot_table[rows, cols] = torch.where(real, moved[:t], 0).to(torch.int32)
-        return Handoff(drawn[last], lengths)
+        return Handoff(bonus, lengths)
 
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""

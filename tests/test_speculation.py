@@ -14,7 +14,8 @@ from rollout.wandb_log import WandbLogger
 from spec.budget import MIN_VALUE
 from spec.budget import PROBE_EVERY as PROBE_EVERY_STEPS
 from spec.tree import DraftTree
-from spec.verify import accept_on_device, accept_paths
+from kernels.tree_accept import accept_on_device
+from spec.verify import accept_paths
 from test_overlap_schedule import count_chained, draft_every_other_step
 from wandb_records import history
 
