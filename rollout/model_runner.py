@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -308,6 +309,7 @@ class ModelRunner:
             step = DeviceStep(lay, draws, self.device)
             if prepare is not None:
                 prepare(step)
+                step.max_kv_len += after.handoff.max_advance - 1  # (a graph's attention is planned for any length)
             out = self._sample(self.forward(step), step)
             handoff = self.verify_handoff(step, out[0], int(lay.q_lens.max())) if trees else Handoff(out[0], None)
         if trees:  # a root is always kept; its drafts count once `collect` has the accepted paths
@@ -324,15 +326,7 @@ class ModelRunner:
         index = after.draw_index(seqs)
         if after.trees:  # the new tokens' positions are known once the paths are: their slots go into the table then
             after.chained_slots = dict(zip((s.seq_id for s in seqs), lay.out_slots.tolist()))
-        handoff = after.handoff
-        extra_keys = handoff.max_advance - 1
-
-        def prepare(step: DeviceStep) -> None:
-            handoff.feed(step, len(seqs), index, self.pool.slot_table)
-            if isinstance(step, DeviceStep):  # a graph's attention is planned for any length
-                step.max_kv_len += extra_keys
-
-        return prepare
+        return partial(after.handoff.feed, n=len(seqs), index=index, slot_table=self.pool.slot_table)
 
     def verify_handoff(self, step: DeviceStep, drawn: torch.Tensor, max_tree_tokens: int) -> Handoff:
         """Part of every verify step, on the device: its accepted paths, and the slot table brought up

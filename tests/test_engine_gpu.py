@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_probes import count_chained, draft_every_other_step
 from rollout import Engine, SamplingParams
 from rollout.datasets import arithmetic_tasks, chat_prompt_ids
-from test_overlap_schedule import count_chained, draft_every_other_step
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -3,11 +3,11 @@ tokens) changes when the host does its work, never what comes out."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 
+from engine_probes import count_chained, draft_every_other_step
 from rollout import Engine, SamplingParams
 from tiny_models import make_tiny_model
 
@@ -22,26 +22,6 @@ def model_dir(tmp_path_factory):
 def random_prompts(num: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 30))] for _ in range(num)]
-
-
-def count_chained(engine: Engine) -> list[int]:
-    """Counts the steps launched before the step they follow was collected: [all, after a verify step]."""
-    chained = [0, 0]
-    launch = engine.runner.launch
-
-    def counting(batch, trees, after=None):
-        chained[0] += after is not None
-        chained[1] += after is not None and bool(after.trees)
-        return launch(batch, trees, after)
-
-    engine.runner.launch = counting
-    return chained
-
-
-def draft_every_other_step(engine: Engine) -> None:
-    """Every other step plans drafts for every sequence, so that decode steps follow verify steps."""
-    turn = itertools.cycle([True, False])
-    engine.budget.for_batch = lambda seqs: {s.seq_id: 4 for s in seqs} if next(turn) else {}
 
 
 def mixed_run(engine: Engine, stop_token: int, repeats: int = 1) -> list[tuple]:

@@ -7,6 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine_probes import count_chained, draft_every_other_step
+from kernels.tree_accept import accept_on_device
 from rollout import Engine, SamplingParams, SpecConfig
 from rollout.datasets import arithmetic_tasks, chat_prompt_ids
 from rollout.sampler import SamplingTensors, sample, sequence_key
@@ -14,9 +16,7 @@ from rollout.wandb_log import WandbLogger
 from spec.budget import MIN_VALUE
 from spec.budget import PROBE_EVERY as PROBE_EVERY_STEPS
 from spec.tree import DraftTree
-from kernels.tree_accept import accept_on_device
 from spec.verify import accept_paths
-from test_overlap_schedule import count_chained, draft_every_other_step
 from wandb_records import history
 
 QUESTIONS = [
