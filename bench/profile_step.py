@@ -57,7 +57,7 @@ def main() -> None:
         timed(eng.runner, layout, "layout")
     if eng.runner.graphs is not None:
         timed(eng.runner.graphs, "launch", "graph replay (launch)")
-    timed(eng.runner, "_sample", "eager sample + copy back")
+    timed(eng.runner, "_sample", "eager sample")
     timed(eng.runner, "_chain", "chain (inputs after a step in flight)")
     timed(eng.runner, "collect", "collect (wait + emit)")
     timed(eng.runner, "_emit", "emit")

@@ -126,8 +126,9 @@ if triton is not None:
         length = tl.sum(accepted.to(tl.int64))
         root_position = tl.load(positions_ptr + start, mask=n > 0, other=0)
         depth = tl.load(positions_ptr + node, mask=ok, other=0) - root_position
-        # the accepted nodes form a chain from the root, one per depth: the path ends at the deepest
-        last = tl.max(tl.where(accepted, depth * BLOCK + local, 0)) % BLOCK
+        # the accepted nodes form a chain from the root, and children follow their parents: the path
+        # ends at the last of them
+        last = tl.max(tl.where(accepted, local, 0))
         bonus = tl.load(drawn_ptr + start + last, mask=n > 0, other=0.0).to(tl.int64)
         tl.store(bonus_ptr + b, bonus)
         tl.store(lengths_ptr + b, length)

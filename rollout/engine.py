@@ -126,7 +126,7 @@ class Engine:
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
         self._updated: dict[int, Request] = {}  # reported by the next step(): aborted, or completed by a drain
-        self._in_flight: tuple[StepInFlight, float] | None = None  # a decode step left running, and when it began
+        self._in_flight: tuple[StepInFlight, float] | None = None  # a decode or verify step left running, and when it began
         self._last_done = 0.0  # when the last step completed
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()

@@ -512,22 +512,27 @@ class ModelRunner:
         starts, rows = lay.positions[first[:-1]].tolist(), lay.seq_rows.tolist()
         chained = step.chained_slots or {}
         out: list[Emitted] = []
-        keep = np.zeros(len(slots), dtype=bool)
-        released: list[int] = []  # chained decode slots of sequences that kept nothing
-        moved_rows, moved_cols, moved_slots = [], [], []  # accepted drafts (and a chained token): position -> slot
+        kept: list[int] = []  # nodes whose slots stay: accepted paths, and the roots of sequences cut off
+        released: list[int] = []  # chained decode slots of sequences cut off
+        moved_rows, moved_cols, moved_nodes = [], [], []  # accepted drafts: slot-table position -> node
+        later_rows, later_cols, later_slots = [], [], []  # chained tokens: slot-table position -> slot
         for item, path, start, row, root in zip(items, paths, starts, rows, roots):
             seq = item.seq
             later = chained.get(seq.seq_id)
             if seq.row == row and seq.num_cached == start + 1:
-                keep[path] = True
+                kept += path
                 # the accepted drafts move to the positions right after the root, a chained token after them
-                cols = range(start + 1, start + len(path) + (later is not None))
-                moved_rows += [row] * len(cols)
-                moved_cols += cols
-                moved_slots += slots[path[1:]].tolist() + ([later] if later is not None else [])
-                seq.num_cached = start + len(cols) + 1
+                moved_rows += [row] * (len(path) - 1)
+                moved_cols += range(start + 1, start + len(path))
+                moved_nodes += path[1:]
+                seq.num_cached = start + len(path)
+                if later is not None:
+                    later_rows.append(row)
+                    later_cols.append(seq.num_cached)
+                    later_slots.append(later)
+                    seq.num_cached += 1
             else:  # its root went with the rest of its KV
-                keep[root] = True
+                kept.append(root)
                 if later is not None:
                     released.append(later)
             tree = step.trees.get(seq.seq_id)
@@ -538,9 +543,12 @@ class ModelRunner:
             else:
                 rejected = bool((tree.parents == path[-1] - root).any())  # the last accepted node had children
                 out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, rejected, tree.source))
-        if moved_rows:
-            self._set_slots(np.array(moved_rows, dtype=np.int64), np.array(moved_cols, dtype=np.int64),
-                            np.array(moved_slots, dtype=np.int64))
+        if moved_rows or later_rows:
+            self._set_slots(np.array(moved_rows + later_rows, dtype=np.int64),
+                            np.array(moved_cols + later_cols, dtype=np.int64),
+                            np.concatenate([slots[moved_nodes], np.array(later_slots, dtype=np.int64)]))
+        keep = np.zeros(len(slots), dtype=bool)
+        keep[kept] = True
         self.pool.release(np.concatenate([slots[~keep], np.array(released, dtype=np.int64)]))
         return out
 

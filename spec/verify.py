@@ -36,5 +36,3 @@ def accept_paths(parents: np.ndarray, tokens: np.ndarray, drawn: np.ndarray, roo
             path.append(follow[path[-1]])
         paths.append(path)
     return paths
-
-
