@@ -57,6 +57,7 @@ class Row:
     draft_ms_per_step: float = 0.0  # drafter host time the step waits for: catch-up and proposals
     shadow_ms_per_step: float = 0.0  # trie upkeep done while the device computes (hidden)
     unindexed: float = 0.0  # share of output tokens the trie never saw (no room in the shadow)
+    gc_ms: float = 0.0  # time in Python's cyclic garbage collector during the run
     repeats: int = 1  # with --repeats, this row holds medians; tok/s spread in min/max
     tokens_per_s_min: float = 0.0
     tokens_per_s_max: float = 0.0
@@ -108,10 +109,11 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
     engine.reset_stats()
     if not args.keep_history:
         engine.clear_speculation_history()  # no drafting from the warm-up or from other batch sizes
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    _sync(engine.device)
-    wall = time.perf_counter() - start
+    with GcTimer() as gc_time:
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        _sync(engine.device)
+        wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for group in outs for o in group)
     st = engine.stats()
     return Row(
@@ -121,8 +123,27 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         draft_ms_per_step=st["rollout/draft_s"] * 1e3 / max(st["rollout/steps"], 1),
         shadow_ms_per_step=st["rollout/drafter_shadow_s"] * 1e3 / max(st["rollout/steps"], 1),
         unindexed=st["rollout/drafter_dropped_tokens"] / max(tokens, 1),
+        gc_ms=gc_time.seconds * 1e3,
         accept_rate=st["rollout/spec_accept_rate"], accept_length=st["rollout/spec_accept_length"],
     )
+
+
+class GcTimer:
+    """Wall time spent in Python's cyclic garbage collector while the block runs."""
+
+    def __enter__(self) -> GcTimer:
+        self.seconds, self._began = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
 
 
 def median_rows(runs: list[Row]) -> list[Row]:
@@ -172,8 +193,8 @@ def _sync(device: torch.device) -> None:
 
 
 def markdown(rows: list[Row]) -> str:
-    head = "| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | steps | step ms | draft ms/step | shadow ms/step | unindexed | accept rate | accept len |"
-    lines = [head, "|" + "---|" * 16]
+    head = "| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | steps | step ms | draft ms/step | shadow ms/step | unindexed | gc ms | accept rate | accept len |"
+    lines = [head, "|" + "---|" * 17]
     off = {r.batch_size: r.tokens_per_s for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
         ratio = f"{r.tokens_per_s / off[r.batch_size]:.2f}x" if r.batch_size in off and r.system == "rollout" else "-"
@@ -183,7 +204,7 @@ def markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens:.0f} | "
             f"{r.wall_s:.2f} | {speed} | {ratio} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
-            f"{r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.unindexed:.0%} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
+            f"{r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.unindexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -210,7 +231,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from rollout.cli import engine_config
-    from rollout.engine import Engine
+    from rollout.engine import Engine, freeze_heap
 
     if args.random_model:
         if args.baseline_hf:
@@ -225,6 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         for spec in args.spec_modes.split(","):
             args.spec = spec
             engine = Engine(config=engine_config(args))
+            freeze_heap()  # as the server's engine process does
             tokenizer = engine.tokenizer
             for b in batch_sizes:
                 prompts, n = workload_prompts(args, tokenizer, b)
@@ -234,6 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 runs.append(run_rollout(engine, args, prompts, n, spec, b, seed=args.seed))
                 print(markdown(runs[-1:]).splitlines()[-1], flush=True)
             del engine
+            gc.unfreeze()
             gc.collect()  # the engine holds reference cycles; free its KV pool before the next one
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

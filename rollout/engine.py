@@ -8,6 +8,7 @@ applying stop conditions token by token so that speculation never changes the ou
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import random
@@ -38,6 +39,20 @@ log = logging.getLogger("rollout")
 
 DEFAULT_CPU_KV_TOKENS = 16384
 DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def freeze_heap() -> None:
+    """Hide every object alive now from Python's cyclic garbage collector: for a process that
+    has built its engine and keeps it.
+
+    A full collection walks every tracked object, and a built engine holds ~340k (modules,
+    tensors, the tokenizer, compiled kernels): ~0.15 s on the CI machine, at whichever step
+    happens to cross the allocation threshold. Frozen objects are still freed by reference
+    counting; only cycles among them outlive the freeze, so call `gc.unfreeze()` before
+    dropping an engine whose memory must come back.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass

@@ -39,7 +39,7 @@ import zmq
 
 from rollout import protocol
 from rollout.config import EngineConfig, SamplingParams, SpecConfig
-from rollout.engine import Engine
+from rollout.engine import Engine, freeze_heap
 from rollout.sequence import Request, Sequence
 from weight_sync.install import install as install_weight_sync
 
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         engine = Engine(config=config_from_json(args.config))
+        freeze_heap()  # this process lives and dies with its engine
         send.send(protocol.pack(protocol.ready(engine_info(engine))))
         log.info("engine ready: %s on %s", engine.model_path, engine.device)
         loop = EngineLoop(engine, recv, send, args.parent_pid)

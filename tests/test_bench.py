@@ -1,7 +1,9 @@
 """`rollout bench` end to end on the CPU: small, but every output it promises."""
 
+import gc
 import json
 
+from rollout.bench import GcTimer
 from rollout.cli import main
 
 
@@ -18,3 +20,11 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     assert off["output_tokens"] == ngram["output_tokens"] > 0  # greedy on the CPU: speculation changes no token
     assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in rows)
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
+
+
+def test_gc_timer_times_collections_only_inside_its_block():
+    with GcTimer() as timer:
+        gc.collect()
+    inside = timer.seconds
+    gc.collect()
+    assert inside > 0 and timer.seconds == inside
