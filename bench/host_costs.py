@@ -3,6 +3,7 @@
     python bench/host_costs.py trie-gc [--freeze]   # feed 512 streams into the tries: time and GC
     python bench/host_costs.py verify-host          # where a verify step's host time goes (tiny model)
     python bench/host_costs.py decode-host          # the same for a decode step of 256 sequences
+    python bench/host_costs.py engine-gc            # one full GC with the default engine built
 
 trie-gc: 64 prompts x 8 samples, 256 tokens each, fed one token per call as the engine's
 upkeep does; prints the wall time and, per GC generation, the collections and time spent
@@ -10,6 +11,8 @@ upkeep does; prints the wall time and, per GC generation, the collections and ti
 verify-host: a random-weight 2-layer model at 64 sequences, drafting every step (fixed
 budget), under cProfile; prints ms per step of the runner's and drafter's host functions.
 decode-host: the same at 256 sequences (32 prompts x 8), speculation off.
+engine-gc: builds the default engine on the default device and times full collections
+before and after `freeze_heap()` (the time any step may lose to one).
 """
 
 from __future__ import annotations
@@ -99,12 +102,35 @@ def step_host(what: str) -> None:
             print(f"  {Path(path).name}:{name:14s} {cumtime / steps * 1e3:.3f} ms per step")
 
 
+def engine_gc() -> None:
+    from rollout.config import SamplingParams
+    from rollout.engine import Engine, freeze_heap
+
+    eng = Engine()
+    eng.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=8))  # compiled kernels and graphs exist too
+    for label in ("engine built", "after freeze_heap()"):
+        if label != "engine built":
+            freeze_heap()
+        gc.collect()  # garbage from start-up first: the next one is what a step pays
+        start = time.perf_counter()
+        gc.collect()
+        took = time.perf_counter() - start
+        print(f"engine-gc on {eng.device}, {label}: full collection {took * 1e3:.1f} ms, "
+              f"{len(gc.get_objects())} objects tracked, {gc.get_freeze_count()} frozen")
+    gc.unfreeze()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host"])
+    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host", "engine-gc"])
     ap.add_argument("--freeze", action="store_true")
     args = ap.parse_args()
-    trie_gc(args.freeze) if args.what == "trie-gc" else step_host(args.what)
+    if args.what == "trie-gc":
+        trie_gc(args.freeze)
+    elif args.what == "engine-gc":
+        engine_gc()
+    else:
+        step_host(args.what)
 
 
 if __name__ == "__main__":
