@@ -54,6 +54,8 @@ class Row:
     tokens_per_s: float
     steps: int = 0
     step_ms_median: float = 0.0
+    draft_steps: int = 0  # steps that drained the pipeline to draft
+    empty_draft_steps: int = 0  # of those, steps for which the drafter had nothing
     draft_ms_per_step: float = 0.0  # drafter host time the step waits for: catch-up and proposals
     shadow_ms_per_step: float = 0.0  # trie upkeep done while the device computes (hidden)
     unindexed: float = 0.0  # share of output tokens the trie never saw (no room in the shadow)
@@ -120,6 +122,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         workload=args.workload, system="rollout", spec=spec, batch_size=batch_size, prompts=len(prompts), n=n,
         temperature=args.temperature, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
         steps=st["rollout/steps"], step_ms_median=statistics.median(engine.step_times_ms or [0.0]),
+        draft_steps=st["rollout/draft_steps"], empty_draft_steps=st["rollout/empty_draft_steps"],
         draft_ms_per_step=st["rollout/draft_s"] * 1e3 / max(st["rollout/steps"], 1),
         shadow_ms_per_step=st["rollout/drafter_shadow_s"] * 1e3 / max(st["rollout/steps"], 1),
         unindexed=st["rollout/drafter_dropped_tokens"] / max(tokens, 1),
@@ -193,8 +196,8 @@ def _sync(device: torch.device) -> None:
 
 
 def markdown(rows: list[Row]) -> str:
-    head = "| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | steps | step ms | draft ms/step | shadow ms/step | unindexed | gc ms | accept rate | accept len |"
-    lines = [head, "|" + "---|" * 17]
+    head = "| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | steps | step ms | draft steps (empty) | draft ms/step | shadow ms/step | unindexed | gc ms | accept rate | accept len |"
+    lines = [head, "|" + "---|" * 18]
     off = {r.batch_size: r.tokens_per_s for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
         ratio = f"{r.tokens_per_s / off[r.batch_size]:.2f}x" if r.batch_size in off and r.system == "rollout" else "-"
@@ -204,7 +207,7 @@ def markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens:.0f} | "
             f"{r.wall_s:.2f} | {speed} | {ratio} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
-            f"{r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.unindexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
+            f"{r.draft_steps:.0f} ({r.empty_draft_steps:.0f}) | {r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.unindexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 from functools import partial
 
 import torch
@@ -53,6 +54,14 @@ def freeze_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+class Launched(NamedTuple):
+    """A step on the device, as the engine tracks it until it completes."""
+
+    step: StepInFlight
+    began: float  # when the engine's step() that launched it began
+    drafted: bool  # the pipeline was drained to draft for it (whether or not the drafter had anything)
 
 
 @dataclass
@@ -141,7 +150,7 @@ class Engine:
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
         self._updated: dict[int, Request] = {}  # reported by the next step(): aborted, or completed by a drain
-        self._in_flight: tuple[StepInFlight, float] | None = None  # a decode or verify step left running, and when it began
+        self._in_flight: Launched | None = None  # a decode or verify step left running
         self._last_done = 0.0  # when the last step completed
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
@@ -244,7 +253,7 @@ class Engine:
         # step: sequences join the running batch only when a prefill step completes, and prefill
         # steps never stay in flight (StepInFlight.draw_index fails loudly otherwise).
         if prev is not None and batch is not None and not batch.is_prefill and not wanted:
-            self._in_flight = (self.runner.launch(batch, {}, after=prev[0]), began)
+            self._in_flight = Launched(self.runner.launch(batch, {}, after=prev.step), began, drafted=False)
             self._complete(prev, updated)
             if all(item.seq.finished for item in batch.items):  # nothing left to wait for
                 self._in_flight = None
@@ -272,15 +281,17 @@ class Engine:
             t0 = time.perf_counter()
             trees = self._draft([item.seq for item in batch.items], wanted)
             self._draft_s += time.perf_counter() - t0
-        step = (self.runner.launch(batch, trees), began)
-        if self.config.overlap_schedule and step[0].chainable:
-            self._in_flight = step
+            self._draft_steps += 1
+            self._empty_draft_steps += not trees
+        launched = Launched(self.runner.launch(batch, trees), began, drafted=bool(wanted))
+        if self.config.overlap_schedule and launched.step.chainable:
+            self._in_flight = launched
         else:
-            self._complete(step, updated)
+            self._complete(launched, updated)
 
-    def _complete(self, launched: tuple[StepInFlight, float], updated: dict) -> None:
+    def _complete(self, launched: Launched, updated: dict) -> None:
         """Wait for a launched step and apply what it emitted (feeding the drafter meanwhile)."""
-        step, began = launched
+        step, began = launched.step, launched.began
         if self.drafter is not None:
             if step.result.overlaps_host:
                 t1 = time.perf_counter()
@@ -489,6 +500,8 @@ class Engine:
         self._output_tokens = 0
         self._busy_s = 0.0
         self._draft_s = 0.0
+        self._draft_steps = 0  # steps that drained the pipeline to draft
+        self._empty_draft_steps = 0  # of those, steps for which the drafter had nothing
         self._shadow_s = 0.0
         if self.drafter is not None:
             self.upkeep.dropped_tokens = 0
@@ -507,6 +520,8 @@ class Engine:
             "rollout/output_tokens": self._output_tokens,
             "rollout/steps": len(self.step_times_ms),
             "rollout/draft_s": self._draft_s,
+            "rollout/draft_steps": self._draft_steps,
+            "rollout/empty_draft_steps": self._empty_draft_steps,
             "rollout/drafter_shadow_s": self._shadow_s,
             "rollout/drafter_dropped_tokens": self.upkeep.dropped_tokens if self.drafter is not None else 0,
             "rollout/weight_version": self.weight_version,

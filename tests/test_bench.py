@@ -19,6 +19,7 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     off, ngram = rows
     assert off["output_tokens"] == ngram["output_tokens"] > 0  # greedy on the CPU: speculation changes no token
     assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in rows)
+    assert off["draft_steps"] == 0 and ngram["draft_steps"] >= ngram["empty_draft_steps"] >= 0
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
 
 
