@@ -61,7 +61,8 @@ class Launched(NamedTuple):
 
     step: StepInFlight
     began: float  # when the engine's step() that launched it began
-    drafted: bool  # the pipeline was drained to draft for it (whether or not the drafter had anything)
+    drafted: bool = False  # the pipeline was drained to draft for it (whether or not the drafter had anything)
+    predicted_rate: float | None = None  # tokens/s the draft budget's plan expected of it (None: not its model's)
 
 
 @dataclass
@@ -253,7 +254,7 @@ class Engine:
         # step: sequences join the running batch only when a prefill step completes, and prefill
         # steps never stay in flight (StepInFlight.draw_index fails loudly otherwise).
         if prev is not None and batch is not None and not batch.is_prefill and not wanted:
-            self._in_flight = Launched(self.runner.launch(batch, {}, after=prev.step), began, drafted=False)
+            self._in_flight = Launched(self.runner.launch(batch, {}, after=prev.step), began)
             self._complete(prev, updated)
             if all(item.seq.finished for item in batch.items):  # nothing left to wait for
                 self._in_flight = None
@@ -283,7 +284,8 @@ class Engine:
             self._draft_s += time.perf_counter() - t0
             self._draft_steps += 1
             self._empty_draft_steps += not trees
-        launched = Launched(self.runner.launch(batch, trees), began, drafted=bool(wanted))
+        predicted = self.budget.predicted_rate if wanted else None
+        launched = Launched(self.runner.launch(batch, trees), began, bool(wanted), predicted)
         if self.config.overlap_schedule and launched.step.chainable:
             self._in_flight = launched
         else:
@@ -315,10 +317,13 @@ class Engine:
         cost = done - max(began, self._last_done)
         self._last_done = done
         self.step_times_ms.append(cost * 1e3)
-        if self.drafter is not None:
-            if not step.batch.is_prefill:
-                drafts = sum(t.num_drafts for t in step.trees.values())
-                self.budget.observe_step(len(step.batch.items), drafts, cost)
+        if self.drafter is not None and not step.batch.is_prefill:
+            num_seqs, drafts = len(step.batch.items), sum(t.num_drafts for t in step.trees.values())
+            if drafts or not launched.drafted:  # a drained step with no drafts is no decode step
+                self.budget.observe_step(num_seqs, drafts, cost)
+            if launched.predicted_rate is not None:
+                emitted_tokens = sum(len(e.tokens) for e in emitted)
+                self.budget.observe_drafting(num_seqs, emitted_tokens, cost, launched.predicted_rate)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between

@@ -24,9 +24,18 @@ tokens of each sequence, as values fall with depth), or none of it if plain deco
 expected to be faster. A sequence whose drafts keep failing is thereby paused; every
 PROBE_EVERY steps every sequence is valued at no less than PROBE_ACCEPT, so acceptance that
 returns is noticed, where the step costs let a draft worth that much pay (where verify steps
-are dear, e.g. batch 1 on an H100, they do not, and a paused sequence stays paused). One whose prompt was rolled out before drafts a little once, early,
-whatever the costs say (FIRST_LOOK), so that its own result takes over. At most
-`max_verify_tokens` are verified per step.
+are dear, e.g. batch 1 on an H100, they do not, and a paused sequence stays paused). One
+whose prompt was rolled out before drafts a little once, early, whatever the costs say
+(FIRST_LOOK), so that its own result takes over. At most `max_verify_tokens` are verified
+per step.
+
+The model can be wrong where it cannot see: step costs are medians, so rare long steps
+escape them; a trie that fell behind the text (spec/upkeep.py) drafts worse than its
+sequences' past acceptance says; a plan the drafter had nothing for costs a drained pipeline
+and brings nothing. So each drafting step's realized tokens per second are compared with
+what its plan predicted, and per batch-size bucket the decaying ratio scales the prediction
+before it is weighed against plain decoding: a bucket whose drafting steps keep falling
+short stops drafting but for probes, which measure it again.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ MIN_VALUE = 0.02  # draft tokens worth fewer expected accepted tokens are never 
 # it, so that its own acceptance replaces the all-sequence counts, which failing sequences of
 # new prompts may have pulled down far below what such a prompt gets accepted.
 FIRST_LOOK = 2
+REALIZED_WEIGHT = 0.25  # how much a drafting step moves its batch-size bucket's calibration
 
 
 class DraftBudget:
@@ -64,6 +74,9 @@ class DraftBudget:
         self._median_s: dict[tuple[int, int], float] = {}  # their medians, computed when first asked for
         self._steps = 0
         self._first_look: set[int] = set()  # sequences offered a first look that have not had it
+        # batch-size bucket -> realized over predicted tokens/s of its drafting steps (decaying)
+        self._calibration: dict[int, float] = {}
+        self.predicted_rate: float | None = None  # tokens/s the last plan was expected to emit at
 
     def per_sequence_cap(self, batch_size: int) -> int:
         return max(0, min(self.max_draft_tokens, self.max_verify_tokens // max(batch_size, 1) - 1))
@@ -74,8 +87,10 @@ class DraftBudget:
         return accepted / (accepted + rejected) if accepted + rejected > 0 else 0.0
 
     def for_batch(self, seqs: list[Sequence]) -> dict[int, int]:
-        """Draft budgets by seq_id for this step (empty: no speculation this step)."""
+        """Draft budgets by seq_id for this step (empty: no speculation this step). Sets
+        `predicted_rate` for `observe_drafting` (None where the plan is not the cost model's)."""
         self._steps += 1
+        self.predicted_rate = None
         cap = self.per_sequence_cap(len(seqs))
         if cap == 0:  # checked before the sequences are looked at: the common case at 256 sequences
             return {}
@@ -84,37 +99,52 @@ class DraftBudget:
         decode_s = self._cost(self._key(len(seqs), 0))
         if decode_s is None:
             return {}  # measure plain decoding at this batch size first
-        floor = PROBE_ACCEPT if self._steps % PROBE_EVERY == 0 else 0.0
-        ranked = []  # (expected accepted tokens, seq_id): every draft token worth ranking
-        for seq in seqs:
-            a = max(self.accept_chance(seq.seq_id), floor)
-            value = a
-            for _ in range(cap):
-                if value < MIN_VALUE:
-                    break
-                ranked.append((value, seq.seq_id))
-                value *= a
-        ranked.sort(key=lambda v: v[0], reverse=True)
-        best_rate, best_k = len(seqs) / decode_s, 0
-        expected = float(len(seqs))
-        costs: dict[tuple[int, int], float] = {}  # a few shapes cover every prefix; look each up once
-        for k, (value, _) in enumerate(ranked, 1):
-            expected += value
-            key = self._key(len(seqs), k)
-            if key not in costs:
-                costs[key] = self._cost(key) or decode_s
-            rate = expected / costs[key]
-            if rate > best_rate:
-                best_rate, best_k = rate, k
-        plan: dict[int, int] = {}
-        for _, seq_id in ranked[:best_k]:
-            plan[seq_id] = plan.get(seq_id, 0) + 1
+        plan = self._best_plan(seqs, cap, decode_s)
         if self._first_look:  # whatever the costs say: see FIRST_LOOK
             for seq in seqs:
                 if seq.seq_id in self._first_look:
                     self._first_look.discard(seq.seq_id)
                     if seq.seq_id not in self._counts:
                         plan.setdefault(seq.seq_id, min(cap, FIRST_LOOK))
+        return plan
+
+    def _best_plan(self, seqs: list[Sequence], cap: int, decode_s: float) -> dict[int, int]:
+        probe = self._steps % PROBE_EVERY == 0
+        floor = PROBE_ACCEPT if probe else 0.0
+        ranked = []  # (value ranked by, expected accepted tokens, seq_id): every draft token worth ranking
+        for seq in seqs:
+            chance = self.accept_chance(seq.seq_id)
+            a = max(chance, floor)
+            value, worth = a, chance
+            for _ in range(cap):
+                if value < MIN_VALUE:
+                    break
+                ranked.append((value, worth, seq.seq_id))
+                value *= a
+                worth *= chance
+        ranked.sort(key=lambda v: v[0], reverse=True)
+        decode_rate = len(seqs) / decode_s
+        best_rate, best_k, best_s = decode_rate, 0, decode_s
+        expected = float(len(seqs))
+        costs: dict[tuple[int, int], float] = {}  # a few shapes cover every prefix; look each up once
+        for k, (value, _, _) in enumerate(ranked, 1):
+            expected += value
+            key = self._key(len(seqs), k)
+            if key not in costs:
+                costs[key] = self._cost(key) or decode_s
+            rate = expected / costs[key]
+            if rate > best_rate:
+                best_rate, best_k, best_s = rate, k, costs[key]
+        predicted = (len(seqs) + sum(worth for _, worth, _ in ranked[:best_k])) / best_s  # probe floor aside
+        # What drafting steps of this batch size realized against their predictions corrects the
+        # model (step costs are medians, so tails and a trie that fell behind escape it). A probe
+        # drafts regardless, or a bucket written off would never be measured again.
+        if best_k == 0 or (not probe and predicted * self._calibration.get(len(seqs).bit_length(), 1.0) <= decode_rate):
+            return {}
+        self.predicted_rate = predicted
+        plan: dict[int, int] = {}
+        for _, _, seq_id in ranked[:best_k]:
+            plan[seq_id] = plan.get(seq_id, 0) + 1
         return plan
 
     def offer_first_look(self, seq_id: int) -> None:
@@ -141,6 +171,15 @@ class DraftBudget:
             key = self._key(num_seqs, num_drafts)
             self._step_s.setdefault(key, deque(maxlen=COST_WINDOW)).append(seconds)
             self._median_s.pop(key, None)
+
+    def observe_drafting(self, num_seqs: int, emitted: int, seconds: float, predicted_rate: float) -> None:
+        """A step planned at `predicted_rate` tokens/s emitted `emitted` tokens in `seconds`, its wait
+        for the step before it included (also when the drafter had nothing for it)."""
+        if seconds > 0 and predicted_rate > 0:
+            bucket = num_seqs.bit_length()
+            ratio = emitted / seconds / predicted_rate
+            old = self._calibration.get(bucket, 1.0)
+            self._calibration[bucket] = old + REALIZED_WEIGHT * (ratio - old)
 
     def observe(self, seq_id: int, accepted: int, rejected: bool) -> None:
         """Verification accepted `accepted` of the sequence's draft tokens in a row, then rejected the

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from spec.budget import COST_WINDOW, FIRST_LOOK, MIN_OBSERVED, PROBE_EVERY, DraftBudget
 
 
@@ -107,3 +109,22 @@ def test_a_sequence_offered_a_first_look_drafts_once_even_when_drafting_looks_de
     for drafts in range(1, 17):
         measured(budget, 2, drafts, 1.2e-3)
     assert 8 in budget.for_batch([seqs(1)[0], seqs(1, first=8)[0]])
+
+
+def test_drafting_steps_that_fall_short_of_their_prediction_stop_drafting_at_their_batch_size():
+    budget = DraftBudget(8, 256)
+    for n in (2, 8):
+        measured(budget, n, 0, 1e-3)
+        for drafts in range(1, 8 * n + 1):
+            measured(budget, n, drafts, 1.2e-3)
+    assert budget.for_batch(seqs(2)) == {0: 5, 1: 5}  # a = 1/2: ~2.9 tokens per sequence in 1.2 ms
+    predicted = budget.predicted_rate
+    assert predicted == pytest.approx(2 * (1 + 0.5 + 0.25 + 0.125 + 0.0625 + 0.03125) / 1.2e-3)
+    for _ in range(8):  # each of them emitted one token per sequence, and took 2 ms
+        budget.observe_drafting(2, 2, 2e-3, predicted)
+    plans = [budget.for_batch(seqs(2)) for _ in range(PROBE_EVERY)]
+    assert sum(bool(p) for p in plans) == 1  # but for the probe step
+    assert budget.for_batch(seqs(8, first=10))  # another batch-size bucket is not affected
+    for _ in range(8):  # probes that realize what they predict bring it back
+        budget.observe_drafting(2, 2 * 2.9375, 1.2e-3, predicted)
+    assert budget.for_batch(seqs(2)) == {0: 5, 1: 5}
