@@ -4,6 +4,7 @@
     python bench/host_costs.py verify-host          # where a verify step's host time goes (tiny model)
     python bench/host_costs.py decode-host          # the same for a decode step of 256 sequences
     python bench/host_costs.py engine-gc            # one full GC with the default engine built
+    python bench/host_costs.py budget-plan [--budget-file F]   # the draft budget's planning time per step
 
 trie-gc: 64 prompts x 8 samples, 256 tokens each, fed one token per call as the engine's
 upkeep does; prints the wall time and, per GC generation, the collections and time spent
@@ -11,6 +12,11 @@ upkeep does; prints the wall time and, per GC generation, the collections and ti
 verify-host: a random-weight 2-layer model at 64 sequences, drafting every step (fixed
 budget), under cProfile; prints ms per step of the runner's and drafter's host functions.
 decode-host: the same at 256 sequences (32 prompts x 8), speculation off.
+budget-plan: `DraftBudget.for_batch` at 8, 64 and 128 sequences (3, 3 and 1 draft tokens each
+at most) with every step shape measured and each sequence's chance ~0.3, so that every token
+is ranked and the prefixes are searched; median of 15 rounds of 100 calls. It runs before
+each launch. `--budget-file` times another version of spec/budget.py in the same rounds
+(e.g. `git show REV:spec/budget.py > /tmp/old_budget.py`).
 engine-gc: builds the default engine on the default device and times full collections
 before and after `freeze_heap()` (the time any step may lose to one).
 """
@@ -120,15 +126,50 @@ def engine_gc() -> None:
     gc.unfreeze()
 
 
+def budget_plan(other: str | None) -> None:
+    import statistics
+    from types import SimpleNamespace
+
+    from budget_replay import load_budget_class
+
+    from spec.budget import COST_WINDOW
+
+    versions = {"this checkout": load_budget_class(None)}
+    if other:
+        versions[other] = load_budget_class(other)
+    for n in (8, 64, 128):
+        seqs = [SimpleNamespace(seq_id=i) for i in range(n)]
+        budgets = {}
+        for name, cls in versions.items():
+            budget = budgets[name] = cls(8, 256)
+            for drafts in range(0, n * budget.per_sequence_cap(n) + 1):
+                for _ in range(COST_WINDOW):
+                    budget.observe_step(n, drafts, 1e-3 + drafts * 1e-6)
+            for s in range(n):
+                budget.observe(s, 0, True)
+        rounds: dict[str, list[float]] = defaultdict(list)
+        for _ in range(15):  # the versions alternate, so drift hits them alike
+            for name, budget in budgets.items():
+                start = time.perf_counter()
+                for _ in range(100):
+                    budget.for_batch(seqs)
+                rounds[name].append((time.perf_counter() - start) / 100)
+        times = ", ".join(f"{name} {statistics.median(r) * 1e6:.1f} us" for name, r in rounds.items())
+        print(f"budget-plan: {n} sequences, per step: {times}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host", "engine-gc"])
+    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host", "engine-gc", "budget-plan"])
     ap.add_argument("--freeze", action="store_true")
+    ap.add_argument("--budget-file", default=None, help="budget-plan: also time this spec/budget.py, alternating")
     args = ap.parse_args()
     if args.what == "trie-gc":
         trie_gc(args.freeze)
     elif args.what == "engine-gc":
         engine_gc()
+    elif args.what == "budget-plan":
+        budget_plan(args.budget_file)
     else:
         step_host(args.what)
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from itertools import accumulate
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -112,8 +114,10 @@ class DraftBudget:
         probe = self._steps % PROBE_EVERY == 0
         floor = PROBE_ACCEPT if probe else 0.0
         ranked = []  # (value ranked by, expected accepted tokens, seq_id): every draft token worth ranking
+        counts, prior = self._counts, self._prior
         for seq in seqs:
-            chance = self.accept_chance(seq.seq_id)
+            accepted, rejected = counts.get(seq.seq_id, prior)  # accept_chance, inlined: this runs every step
+            chance = accepted / (accepted + rejected) if accepted + rejected > 0 else 0.0
             a = max(chance, floor)
             value, worth = a, chance
             for _ in range(cap):
@@ -122,24 +126,28 @@ class DraftBudget:
                 ranked.append((value, worth, seq.seq_id))
                 value *= a
                 worth *= chance
-        ranked.sort(key=lambda v: v[0], reverse=True)
-        decode_rate = len(seqs) / decode_s
+        ranked.sort(key=itemgetter(0), reverse=True)
+        n = len(seqs)
+        decode_rate = n / decode_s
         best_rate, best_k, best_s = decode_rate, 0, decode_s
-        expected = float(len(seqs))
-        costs: dict[tuple[int, int], float] = {}  # a few shapes cover every prefix; look each up once
-        for k, (value, _, _) in enumerate(ranked, 1):
-            expected += value
-            key = self._key(len(seqs), k)
-            if key not in costs:
-                costs[key] = self._cost(key) or decode_s
-            rate = expected / costs[key]
+        # A prefix costs what its shape costs, and the shape changes only at powers of two of the
+        # tokens verified; within one shape every token adds value, so only a shape's longest
+        # prefix can be the best (this runs every step, over every token of the batch).
+        value_of_prefix = list(accumulate(value for value, _, _ in ranked))
+        k = 1
+        while k <= len(ranked):
+            key = self._key(n, k)
+            k = min(len(ranked), (1 << key[1]) - n)  # the longest prefix of this shape: n + k <= 2**bucket
+            cost = self._cost(key) or decode_s
+            rate = (n + value_of_prefix[k - 1]) / cost
             if rate > best_rate:
-                best_rate, best_k, best_s = rate, k, costs[key]
-        predicted = (len(seqs) + sum(worth for _, worth, _ in ranked[:best_k])) / best_s  # probe floor aside
+                best_rate, best_k, best_s = rate, k, cost
+            k += 1
+        predicted = (n + sum(worth for _, worth, _ in ranked[:best_k])) / best_s  # probe floor aside
         # What drafting steps of this batch size realized against their predictions corrects the
         # model (step costs are medians, so tails and a trie that fell behind escape it). A probe
         # drafts regardless, or a bucket written off would never be measured again.
-        if best_k == 0 or (not probe and predicted * self._calibration.get(len(seqs).bit_length(), 1.0) <= decode_rate):
+        if best_k == 0 or (not probe and predicted * self._calibration.get(n.bit_length(), 1.0) <= decode_rate):
             return {}
         self.predicted_rate = predicted
         plan: dict[int, int] = {}

@@ -1,10 +1,11 @@
 """The draft budget: drafting is chosen from measured step costs and expected acceptance."""
 
+import random
 from types import SimpleNamespace
 
 import pytest
 
-from spec.budget import COST_WINDOW, FIRST_LOOK, MIN_OBSERVED, PROBE_EVERY, DraftBudget
+from spec.budget import COST_WINDOW, FIRST_LOOK, MIN_OBSERVED, MIN_VALUE, PROBE_EVERY, DraftBudget
 
 
 def seqs(n: int, first: int = 0):
@@ -128,3 +129,32 @@ def test_drafting_steps_that_fall_short_of_their_prediction_stop_drafting_at_the
     for _ in range(8):  # probes that realize what they predict bring it back
         budget.observe_drafting(2, 2 * 2.9375, 1.2e-3, predicted)
     assert budget.for_batch(seqs(2)) == {0: 5, 1: 5}
+
+
+def test_the_plan_is_the_best_of_all_prefixes_of_the_ranked_draft_tokens():
+    """The budget evaluates only each step shape's longest prefix; a plain search over every
+    prefix (step shapes: power-of-two buckets of the tokens verified) must find no better one."""
+    rng = random.Random(0)
+    for case in range(200):
+        n = rng.choice([1, 2, 3, 8, 31, 64, 100])
+        budget = DraftBudget(8, rng.choice([64, 256, 512]))
+        cap = budget.per_sequence_cap(n)
+        measured(budget, n, 0, 1e-3)
+        shape_cost = {}
+        for drafts in range(1, n * cap + 1):
+            bucket = (n + drafts - 1).bit_length()
+            shape_cost.setdefault(bucket, rng.uniform(0.8e-3, 3e-3))
+            measured(budget, n, drafts, shape_cost[bucket])
+        chances = []
+        for s in range(n):
+            accepted, rejected = rng.randrange(0, 9), rng.random() < 0.7
+            for _ in range(10):
+                budget.observe(s, accepted, rejected)
+            chances.append(budget.accept_chance(s))
+        plan = budget.for_batch(seqs(n))  # a new budget's first step is no probe step
+        values = sorted((c**j for c in chances for j in range(1, cap + 1) if c**j >= MIN_VALUE), reverse=True)
+        rates = [n / 1e-3] + [
+            (n + sum(values[:k])) / shape_cost[(n + k - 1).bit_length()] for k in range(1, len(values) + 1)
+        ]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        assert sum(plan.values()) == best, case
