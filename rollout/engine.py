@@ -15,8 +15,8 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from transformers import AutoTokenizer
@@ -46,9 +46,10 @@ def freeze_heap() -> None:
     """Hide every object alive now from Python's cyclic garbage collector: for a process that
     has built its engine and keeps it.
 
-    A full collection walks every tracked object, and a built engine holds ~340k (modules,
-    tensors, the tokenizer, compiled kernels): ~0.15 s on the CI machine, at whichever step
-    happens to cross the allocation threshold. Frozen objects are still freed by reference
+    A full collection walks every tracked object, and a built engine holds ~340k on the CPU and
+    ~450k on CUDA (modules, tensors, the tokenizer, compiled kernels): 0.2 s on either machine
+    measured (`bench/host_costs.py engine-gc`), at whichever step happens to cross the
+    collector's threshold. Frozen objects are still freed by reference
     counting; only cycles among them outlive the freeze, so call `gc.unfreeze()` before
     dropping an engine whose memory must come back.
     """
