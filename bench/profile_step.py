@@ -43,6 +43,7 @@ def main() -> None:
         fn = getattr(obj, name, None)
         if fn is None:  # a phase this version of the engine does not have (see bench/ab_versions.sh)
             return
+        spent.setdefault(label, 0.0)  # printed in this order
 
         def wrapper(*a, **k):
             t = time.perf_counter()
@@ -64,8 +65,12 @@ def main() -> None:
     timed(eng.runner, "_emit_trees", "emit")
     timed(eng, "_append", "append (stops, drafter)")
     if eng.drafter is not None:
+        timed(eng.budget, "for_batch", "draft budget (plan)")
         timed(eng, "_draft", "draft")
         timed(eng.upkeep, "apply", "drafter upkeep (shadow)")
+        # lifecycle updates run inside the upkeep, shadow or not: a new prompt's trie is built there
+        for update in ("add_group", "add_sequence", "remove_sequence", "remove_group"):
+            timed(eng.drafter, update, "  of which lifecycle updates")
     reqs = [eng.add_request(p, params) for p in prompts]
     eng.step_times_ms.clear()
     t0 = time.perf_counter()
