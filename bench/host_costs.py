@@ -5,9 +5,11 @@
     python bench/host_costs.py decode-host          # the same for a decode step of 256 sequences
     python bench/host_costs.py engine-gc            # one full GC with the default engine built
     python bench/host_costs.py budget-plan [--budget-file F]   # the draft budget's planning time per step
+    python bench/host_costs.py trie-feed [--trie-file F]       # building prompt tries, feeding new text
 
-trie-gc: 64 prompts x 8 samples, 256 tokens each, fed one token per call as the engine's
-upkeep does; prints the wall time and, per GC generation, the collections and time spent
+trie-gc: 64 prompts (60 tokens) x 8 samples, 256 tokens each, fed one token per call as the
+engine's upkeep does; prints the wall time (and that of adding the prompts, whose tries are
+built then) and, per GC generation, the collections and time spent
 (`--freeze` first moves every object alive, torch's included, out of the collector's sight).
 verify-host: a random-weight 2-layer model at 64 sequences, drafting every step (fixed
 budget), under cProfile; prints ms per step of the runner's and drafter's host functions.
@@ -17,6 +19,10 @@ at most) with every step shape measured and each sequence's chance ~0.3, so that
 is ranked and the prefixes are searched; median of 15 rounds of 100 calls. It runs before
 each launch. `--budget-file` times another version of spec/budget.py in the same rounds
 (e.g. `git show REV:spec/budget.py > /tmp/old_budget.py`).
+trie-feed: 16 prompt tries (60 random tokens each), then 8 streams each fed 256 tokens of
+little repetition one at a time (T=1-like text: nearly every token makes max_depth new
+nodes); medians of 7 rounds. `--trie-file` times another spec/ngram_trie.py in alternating
+rounds.
 engine-gc: builds the default engine on the default device and times full collections
 before and after `freeze_heap()` (the time any step may lose to one).
 """
@@ -62,13 +68,15 @@ def trie_gc(freeze: bool) -> None:
         for _ in range(8):
             seq_ids.append(len(seq_ids))
             drafter.add_sequence(group, seq_ids[-1])
+    prompts = time.perf_counter() - start
     for _ in range(256):
         for seq_id in seq_ids:
             drafter.extend(seq_id, [rng.randrange(2000)])
     wall = time.perf_counter() - start
     gc.callbacks.remove(on_gc)
     per_generation = ", ".join(f"gen {g}: {count[g]} in {spent[g]:.3f} s" for g in sorted(count))
-    print(f"trie-gc{' --freeze' if freeze else ''}: {drafter.memory_nodes()} nodes, feed {wall:.2f} s; {per_generation}")
+    print(f"trie-gc{' --freeze' if freeze else ''}: {drafter.memory_nodes()} nodes, feed {wall:.2f} s "
+          f"(the 64 prompts {prompts * 1e3:.1f} ms); {per_generation}")
     start = time.perf_counter()
     gc.collect()
     print(f"  one full collection now: {time.perf_counter() - start:.3f} s")
@@ -158,11 +166,57 @@ def budget_plan(other: str | None) -> None:
         print(f"budget-plan: {n} sequences, per step: {times}")
 
 
+def trie_feed(other: str | None) -> None:
+    import importlib.util
+    import statistics
+
+    from spec import ngram_trie
+
+    versions = {"this checkout": ngram_trie}
+    if other:
+        spec = importlib.util.spec_from_file_location("other_trie", other)
+        versions[other] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(versions[other])
+    rng = random.Random(0)
+    prompts = [[rng.randrange(49152) for _ in range(60)] for _ in range(16)]
+    outputs = [[rng.randrange(2000) for _ in range(256)] for _ in range(16 * 8)]
+
+    def run(module) -> tuple[float, float]:
+        start = time.perf_counter()
+        budget = module.NodeBudget(10**7)
+        tries = []
+        for prompt in prompts:
+            trie = module.NgramTrie(14, budget)
+            stream = trie.open_stream()
+            trie.extend(stream, prompt)
+            tries.append((trie, stream))
+        built = time.perf_counter()
+        streams = [(trie, trie.open_stream(fork_of=stream)) for trie, stream in tries for _ in range(8)]
+        for i in range(256):
+            for (trie, stream), out in zip(streams, outputs):
+                trie.extend(stream, (out[i],))
+        return built - start, time.perf_counter() - built
+
+    gc.collect()
+    gc.freeze()  # the collector's share is trie-gc's subject, not this one's
+    rounds: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in range(7):  # alternating, each version first in turn
+        for name, module in sorted(versions.items(), reverse=r % 2 == 1):
+            rounds[name].append(run(module))
+            gc.collect()
+    for name, times in rounds.items():
+        build = statistics.median(b for b, _ in times)
+        feed = statistics.median(f for _, f in times)
+        print(f"trie-feed, {name}: 16 prompt tries {build * 1e3:.1f} ms, 128 streams x 256 tokens {feed:.3f} s")
+    gc.unfreeze()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host", "engine-gc", "budget-plan"])
+    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host", "engine-gc", "budget-plan", "trie-feed"])
     ap.add_argument("--freeze", action="store_true")
     ap.add_argument("--budget-file", default=None, help="budget-plan: also time this spec/budget.py, alternating")
+    ap.add_argument("--trie-file", default=None, help="trie-feed: also time this spec/ngram_trie.py, alternating")
     args = ap.parse_args()
     if args.what == "trie-gc":
         trie_gc(args.freeze)
@@ -170,6 +224,8 @@ def main() -> None:
         engine_gc()
     elif args.what == "budget-plan":
         budget_plan(args.budget_file)
+    elif args.what == "trie-feed":
+        trie_feed(args.trie_file)
     else:
         step_host(args.what)
 

@@ -71,25 +71,44 @@ class NgramTrie:
         cur = self._cursor(stream)
         # The hot path of the drafter (max_depth steps per token): locals, and no allocation per token.
         kids, count, budget, max_depth = self.kids, self.count, self.budget, self.max_depth
+        parent, token, depth, free = self.parent, self.token, self.depth, self._free
         created = 0
         for t in tokens:
             t = int(t)
             n = min(len(cur), max_depth)
             if budget.used + n <= budget.limit:
                 # The cursor moves in place, longest suffix first (cur[k + 1] is written after it was
-                # read): no list per token, so the cyclic GC runs far less often.
+                # read): no list per token, so the cyclic GC runs far less often. New nodes are made
+                # inline (as `_new_node` does): most tokens of a new text make max_depth of them.
                 if n == len(cur):
                     cur.append(ROOT)
+                made = 0
                 for k in range(n - 1, -1, -1):
                     node = cur[k]
                     d = kids[node]
-                    child = None if d is None else d.get(t)
+                    if d is None:
+                        d = kids[node] = {}
+                        child = None
+                    else:
+                        child = d.get(t)
                     if child is not None:
                         count[child] += 1
                     else:
-                        child = self._new_node(node, t)
-                        created += 1
+                        if free:
+                            child = free.pop()
+                            count[child], parent[child], token[child], depth[child] = 1, node, t, depth[node] + 1
+                        else:
+                            child = len(count)
+                            kids.append(None)
+                            count.append(1)
+                            parent.append(node)
+                            token.append(t)
+                            depth.append(depth[node] + 1)
+                        d[t] = child
+                        made += 1
                     cur[k + 1] = child
+                budget.used += made
+                created += made
                 continue
             nxt = [ROOT]  # near the node limit: shorter suffixes first, the longer ones go uncounted
             for node in cur[:n]:
