@@ -87,15 +87,20 @@ def replay(seq_id: int, sample, plan_fn, observe_fn, observe_step_fn, args) -> f
     return len(out) / cost
 
 
+def module_from_file(path: str, name: str):
+    """Another version of one of this repository's modules, loaded from `path` under `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_budget_class(path: str | None):
     if path is None:
         from spec.budget import DraftBudget
 
         return DraftBudget
-    spec = importlib.util.spec_from_file_location("replayed_budget", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.DraftBudget
+    return module_from_file(path, "replayed_budget").DraftBudget
 
 
 def main() -> None:

@@ -167,16 +167,15 @@ def budget_plan(other: str | None) -> None:
 
 
 def trie_feed(other: str | None) -> None:
-    import importlib.util
     import statistics
+
+    from budget_replay import module_from_file
 
     from spec import ngram_trie
 
     versions = {"this checkout": ngram_trie}
     if other:
-        spec = importlib.util.spec_from_file_location("other_trie", other)
-        versions[other] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(versions[other])
+        versions[other] = module_from_file(other, "other_trie")
     rng = random.Random(0)
     prompts = [[rng.randrange(49152) for _ in range(60)] for _ in range(16)]
     outputs = [[rng.randrange(2000) for _ in range(256)] for _ in range(16 * 8)]
