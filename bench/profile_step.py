@@ -1,11 +1,21 @@
 """Where a decode step's time goes: GPU graph replay alone vs the engine's host phases.
 
-    python bench/profile_step.py [--batch 1] [--spec off] [--no-overlap] [--no-skinny-gemm] [--no-pdl]
+    python bench/profile_step.py [--batch 1] [--spec off] [--workload repeat|grpo] [--temperature 0]
+                                 [--cprofile] [--no-overlap] [--no-skinny-gemm] [--no-pdl]
+
+`repeat` (default): every sequence a repeating 64-token prompt, 200 tokens, EOS ignored.
+`grpo`: `rollout bench`'s grpo workload (mixed prompts, 8 samples each, 256 tokens, EOS ends
+a sample), so the batch shrinks as samples finish, as in the benchmark. `--cprofile` adds the
+host functions that took the most time over the timed run (cProfile slows the host down, so
+its shares matter, not its times).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import pstats
 import time
 from collections import defaultdict
 
@@ -13,6 +23,8 @@ import numpy as np
 import torch
 
 from rollout import Engine, SamplingParams
+from rollout.bench import GcTimer, workload_prompts
+from rollout.engine import freeze_heap
 
 
 def main() -> None:
@@ -20,6 +32,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="off")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--workload", choices=["repeat", "grpo"], default="repeat")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--cprofile", action="store_true", help="also profile the host's functions (slower steps)")
     ap.add_argument("--no-overlap", action="store_true", help="wait for every step's tokens (no overlap schedule)")
     ap.add_argument("--no-skinny-gemm", action="store_true", help="every product on cuBLAS (kernels/skinny_gemm.py off)")
     ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch (kernels/pdl.py)")
@@ -32,12 +47,21 @@ def main() -> None:
         skinny_gemm.linear = lambda x, weight, bias=None: F.linear(x, weight, bias)
     eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000, overlap_schedule=not args.no_overlap,
                  pdl=not args.no_pdl)
-    prompts = [[100 + i, 200, 300, 400] * 16 for i in range(args.batch)]
-    params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+    if args.workload == "grpo":
+        grpo = argparse.Namespace(workload="grpo", n=8, prompt_set="mixed", seed=0)
+        prompts, n = workload_prompts(grpo, eng.tokenizer, args.batch)
+        params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=256, seed=0)
+    else:
+        prompts = [[100 + i, 200, 300, 400] * 16 for i in range(args.batch)]
+        params = SamplingParams(temperature=args.temperature, max_new_tokens=200, ignore_eos=True, seed=0)
     eng.generate(prompts, params)  # warm up: compile, capture
+    if eng.drafter is not None:
+        eng.clear_speculation_history()  # as `rollout bench` does: no drafting from the warm-up
+    freeze_heap()  # as the server and `rollout bench` do
 
     # host phases of the engine step, by wrapping the pieces it calls
     spent = defaultdict(float)
+    calls = defaultdict(int)
 
     def timed(obj, name, label):
         fn = getattr(obj, name, None)
@@ -49,6 +73,7 @@ def main() -> None:
             t = time.perf_counter()
             out = fn(*a, **k)
             spent[label] += time.perf_counter() - t
+            calls[label] += 1
             return out
 
         setattr(obj, name, wrapper)
@@ -68,22 +93,28 @@ def main() -> None:
         timed(eng.budget, "for_batch", "draft budget (plan)")
         timed(eng, "_draft", "draft")
         timed(eng.upkeep, "apply", "drafter upkeep (shadow)")
-        # lifecycle updates run inside the upkeep, shadow or not: a new prompt's trie is built there
+        # lifecycle updates run inside the upkeep, shadow or not (a prompt's trie is built at its first feed)
         for update in ("add_group", "add_sequence", "remove_sequence", "remove_group"):
             timed(eng.drafter, update, "  of which lifecycle updates")
     reqs = [eng.add_request(p, params) for p in prompts]
     eng.step_times_ms.clear()
-    t0 = time.perf_counter()
-    steps = 0
-    while not all(r.finished for r in reqs):
-        eng.step()
-        steps += 1
-    total = time.perf_counter() - t0
-    print(f"batch {args.batch} spec {args.spec} overlap {not args.no_overlap}: {steps} steps, {total / steps * 1e3:.3f} ms/step")
+    profiler = cProfile.Profile() if args.cprofile else contextlib.nullcontext()
+    with GcTimer() as gc_time, profiler:
+        t0 = time.perf_counter()
+        steps = 0
+        while not all(r.finished for r in reqs):
+            eng.step()
+            steps += 1
+        total = time.perf_counter() - t0
+    print(f"batch {args.batch} spec {args.spec} workload {args.workload} overlap {not args.no_overlap}: "
+          f"{steps} steps, {total / steps * 1e3:.3f} ms/step")
     for k, v in spent.items():
-        print(f"  {k:28s} {v / steps * 1e3:.3f} ms/step")
+        print(f"  {k:28s} {v / steps * 1e3:.3f} ms/step  ({calls[k]} calls, {v * 1e3:.1f} ms)")
     p10, p50, p90 = (float(x) for x in np.percentile(eng.step_times_ms, [10, 50, 90]))
     print(f"  step ms p10 / p50 / p90       {p10:.3f} / {p50:.3f} / {p90:.3f}")
+    print(f"  garbage collector            {gc_time.seconds * 1e3:.1f} ms in all")
+    if args.cprofile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
     if eng.runner.graphs is None:  # on the CPU: the host phases are all there is to show
         return
