@@ -158,3 +158,33 @@ def test_the_plan_is_the_best_of_all_prefixes_of_the_ranked_draft_tokens():
         ]
         best = max(range(len(rates)), key=rates.__getitem__)
         assert sum(plan.values()) == best, case
+
+
+def test_a_plan_that_drafts_nothing_stands_until_what_it_was_made_from_changes(monkeypatch):
+    budget = DraftBudget(8, 256)
+    for num_seqs in (3, 6):
+        measured(budget, num_seqs, 0, 1e-3)
+        for drafts in range(1, 8 * num_seqs + 1):
+            measured(budget, num_seqs, drafts, 3e-3)  # verify steps three times as dear as decoding: nothing pays
+    plans = []
+    best_plan = budget._best_plan
+    monkeypatch.setattr(budget, "_best_plan", lambda *a: plans.append(a) or best_plan(*a))
+
+    def planned(batch) -> bool:
+        before = len(plans)
+        assert budget.for_batch(batch) == {}
+        return len(plans) > before
+
+    assert planned(seqs(6))  # the first step (not a probe)
+    assert not planned(seqs(6)) and not planned(seqs(5))  # the same batch, or one with a sequence less
+    assert planned(seqs(7))  # a sequence joined
+    budget.observe(0, 0, rejected=True)
+    assert planned(seqs(7))  # a verify step's acceptance
+    budget.observe_step(7, 3, 3e-3)
+    assert planned(seqs(7))  # a verify step's cost
+    budget.observe_step(7, 0, 1e-3)
+    assert not planned(seqs(7))  # a decode step's cost: the probes follow it
+    assert planned(seqs(3))  # another batch-size bucket
+    while budget._steps % PROBE_EVERY != PROBE_EVERY - 1:
+        assert not planned(seqs(3))
+    assert planned(seqs(3))  # the probe step
