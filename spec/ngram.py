@@ -7,6 +7,13 @@ re-samples its prompts). None of this depends on the model's weights, so drafts 
 valid across weight updates. A sample matches the suffix of its own context (prompt and
 its own output) against the trie and drafts the likeliest continuations as a tree.
 
+A prompt's trie is built when one of its samples first needs it: to be fed (in the
+device's shadow, see spec/upkeep.py) or to draft. Building it costs ~0.5 ms per 100-token
+prompt, which at admission would stall the first step of a large batch (64 prompts: 30-40
+ms on an H100 host); where the batch is too large to draft or the host has no shadow to
+feed in, it is never built. A request that finishes before its trie was built leaves no
+history: the trie would have held the prompt only.
+
 Memory: all tries share one node budget, which refuses creation at its limit. Before
 each insertion that might hit it, room is made down to a low-water mark: first the least
 recently used history tries are dropped whole, then the largest live tries lose up to
@@ -51,8 +58,9 @@ class NgramConfig:
 
 @dataclass(eq=False)
 class _PromptTrie:
-    trie: NgramTrie
-    prompt_stream: int  # stands after the prompt; samples fork from it
+    prompt: tuple[int, ...]
+    trie: NgramTrie | None = None  # built when a sample first needs it
+    prompt_stream: int = -1  # stands after the prompt; samples fork from it
     live_groups: int = 0
 
 
@@ -60,7 +68,7 @@ class _PromptTrie:
 class _Stream:
     group_id: Hashable
     entry: _PromptTrie  # shared by the prompt's samples, or private to this one
-    handle: int
+    handle: int | None  # the stream in the entry's trie, opened when first needed
     private: bool  # owns its trie (no sibling sharing)
     fed: int  # tokens of the sequence (prompt included) the stream stands after
 
@@ -96,7 +104,7 @@ class NgramDrafter:
             raise ValueError("n-gram drafter: the prompt is empty")
         entry = None
         if self.cfg.share_siblings:
-            entry = self._live.get(key) or self._history.pop(key, None) or self._new_entry(key)
+            entry = self._live.get(key) or self._history.pop(key, None) or _PromptTrie(key)
             self._live[key] = entry
             entry.live_groups += 1
         self._groups[group_id] = _Group(key, entry)
@@ -104,18 +112,18 @@ class NgramDrafter:
     def knows_prompt(self, prompt: Sequence[int]) -> bool:
         """Whether samples of this prompt are in a trie already (live, or history of an earlier epoch)."""
         key = _prompt_key(prompt)
-        return self.cfg.share_siblings and (key in self._live or key in self._history)
+        if not self.cfg.share_siblings:
+            return False
+        entry = self._live.get(key) or self._history.get(key)
+        return entry is not None and entry.trie is not None
 
     def add_sequence(self, group_id: Hashable, seq_id: int) -> None:
         """A sample of the group; its context starts as the prompt."""
         group = self._group(group_id)
         if seq_id in self._streams:
             raise ValueError(f"n-gram drafter: sequence {seq_id} already exists; remove it first")
-        entry = group.entry or self._new_entry(group.prompt)
-        handle = entry.trie.open_stream(fork_of=entry.prompt_stream)
-        self._streams[seq_id] = _Stream(
-            group_id, entry, handle, private=group.entry is None, fed=len(group.prompt)
-        )
+        entry = group.entry or _PromptTrie(group.prompt)
+        self._streams[seq_id] = _Stream(group_id, entry, None, private=group.entry is None, fed=len(group.prompt))
         group.seq_ids.add(seq_id)
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
@@ -123,9 +131,10 @@ class NgramDrafter:
         s = self._stream(seq_id)
         if not len(tokens):
             return
+        trie = self._open(s)
         self._prune_wait -= len(tokens)
         self._make_room(len(tokens))
-        s.entry.trie.extend(s.handle, tokens)
+        trie.extend(s.handle, tokens)
         s.fed += len(tokens)
 
     def fed(self, seq_id: int) -> int:
@@ -135,7 +144,7 @@ class NgramDrafter:
     def resync(self, seq_id: int, tokens: Sequence[int], upto: int) -> None:
         """Tokens were skipped: stand after `tokens[:upto]` (prompt and output) again."""
         s = self._stream(seq_id)
-        s.entry.trie.resync(s.handle, tokens[max(0, upto - self.cfg.max_depth) : upto])
+        self._open(s).resync(s.handle, tokens[max(0, upto - self.cfg.max_depth) : upto])
         s.fed = upto
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -144,10 +153,13 @@ class NgramDrafter:
         del self._streams[seq_id]
         self._groups[s.group_id].seq_ids.discard(seq_id)
         self._prune_wait = 0  # its cursor no longer protects anything
+        trie = s.entry.trie
+        if trie is None:
+            return
         if s.private:  # a private trie dies with its sample
-            self.budget.release(s.entry.trie.num_nodes)
-        else:
-            s.entry.trie.close_stream(s.handle)
+            self.budget.release(trie.num_nodes)
+        elif s.handle is not None:
+            trie.close_stream(s.handle)
 
     def remove_group(self, group_id: Hashable) -> None:
         """The request is done (its remaining samples are removed); the prompt's trie stays as history."""
@@ -161,6 +173,8 @@ class NgramDrafter:
         entry.live_groups -= 1
         if entry.live_groups == 0:
             del self._live[group.prompt]
+            if entry.trie is None:
+                return  # never built: it would hold the prompt only
             self._history[group.prompt] = entry
             while len(self._history) > self.cfg.max_history_prompts:
                 self._drop_oldest_history()
@@ -172,7 +186,7 @@ class NgramDrafter:
     def propose(self, seq_id: int, context: Sequence[int], budget: int) -> DraftTree:
         """At most `budget` drafts (capped at 63) after `context`, the sequence's tokens so far (prompt
         included; only the last max_match are read); root-only if nothing matches."""
-        trie = self._stream(seq_id).entry.trie
+        trie = self._open(self._stream(seq_id))
         budget = min(budget, MAX_TREE_TOKENS - 1)
         node = trie.match(context, self.cfg.min_match, self.cfg.max_match) if budget > 0 else None
         if node is None:
@@ -188,13 +202,19 @@ class NgramDrafter:
         """Trie nodes alive across all prompts, live and history; never above cfg.max_trie_nodes."""
         return self.budget.used
 
+    def _open(self, s: _Stream) -> NgramTrie:
+        """The stream's trie, with the stream open in it: the prompt's trie is built on first need."""
+        entry = s.entry
+        if entry.trie is None:
+            self._make_room(len(entry.prompt))
+            entry.trie = NgramTrie(self.cfg.max_depth, self.budget)
+            entry.prompt_stream = entry.trie.open_stream()
+            entry.trie.extend(entry.prompt_stream, entry.prompt)
+        if s.handle is None:
+            s.handle = entry.trie.open_stream(fork_of=entry.prompt_stream)
+        return entry.trie
+
     # ---- memory ----
-    def _new_entry(self, prompt: tuple[int, ...]) -> _PromptTrie:
-        self._make_room(len(prompt))
-        trie = NgramTrie(self.cfg.max_depth, self.budget)
-        stream = trie.open_stream()
-        trie.extend(stream, prompt)
-        return _PromptTrie(trie, stream)
 
     def _make_room(self, num_tokens: int) -> None:
         """Before inserting `num_tokens`, free enough that they cannot hit the budget's limit."""
@@ -213,6 +233,7 @@ class NgramDrafter:
         trie, so this bounds the pause by the tries touched; the largest has the most to spare, and
         taking at most half never wipes a prompt's data while smaller tries keep theirs."""
         tries = [e.trie for e in self._live.values()] + [s.entry.trie for s in self._streams.values() if s.private]
+        tries = [t for t in tries if t is not None]
         for trie in sorted(tries, key=lambda t: t.num_nodes, reverse=True):
             to_free -= trie.prune(min(to_free, max(1, trie.num_nodes // 2)))
             if to_free <= 0:

@@ -96,11 +96,35 @@ def test_history_survives_remove_group_and_is_reused():
 def test_prompt_is_counted_once_across_epochs():
     d = NgramDrafter()
     d.add_group("a", PROMPT)
+    d.add_sequence("a", 0)
+    d.propose(0, PROMPT, 4)  # builds the prompt's trie
     nodes = d.memory_nodes()
     d.remove_group("a")
-    d.add_group("b", PROMPT)
-    d.add_group("c", PROMPT)  # the same prompt twice at once shares one trie
+    for group, seq_id in (("b", 1), ("c", 2)):  # the same prompt twice at once shares one trie
+        d.add_group(group, PROMPT)
+        d.add_sequence(group, seq_id)
+        d.propose(seq_id, PROMPT, 4)
     assert d.memory_nodes() == nodes
+
+
+def test_a_prompts_trie_is_built_when_a_sample_first_needs_it():
+    d = NgramDrafter()
+    d.add_group("a", PROMPT)
+    d.add_sequence("a", 0)
+    assert d.memory_nodes() == 0 and d.fed(0) == len(PROMPT)  # admission builds nothing
+    assert not d.knows_prompt(PROMPT)
+    d.remove_group("a")
+    assert not d.knows_prompt(PROMPT)  # never built, so no history: it would hold the prompt only
+    d.add_group("b", PROMPT)
+    d.add_sequence("b", 1)
+    d.add_sequence("b", 2)
+    d.extend(1, ANSWER)  # the first feed builds the prompt's trie, then counts the sample
+    assert d.memory_nodes() > 0 and d.knows_prompt(PROMPT)
+    assert drafted_paths(d.propose(2, PROMPT, 3))[-1] == (PROMPT[-1], *ANSWER[:3])  # a sibling never fed drafts from it
+    d.resync(2, PROMPT + ANSWER[:6], len(PROMPT) + 6)
+    assert d.fed(2) == len(PROMPT) + 6
+    d.remove_group("b")
+    assert d.knows_prompt(PROMPT)
 
 
 def test_history_is_lru_bounded():
