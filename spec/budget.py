@@ -21,19 +21,20 @@ into two things learned separately while running, so neither needs exploring the
 Each step the draft tokens of all sequences are ranked by value, and the prefix of that
 ranking with the best expected tokens per second is drafted (the prefix holds the first
 tokens of each sequence, as values fall with depth), or none of it if plain decoding is
-expected to be faster. Planning costs 0.05-0.15 ms of host time per step at 64-256
-sequences on an H100 host, a tenth of a step, so a plan that drafts nothing stands while
-what it was made from stays: until a verify step is observed (acceptance or cost), a first
-look is waiting, the batch grows or leaves its batch-size bucket, or a probe step comes.
-Meanwhile the decode cost moves a little and sequences finish, which rarely turns a plan
-of nothing into a plan of something; the next probe, at most PROBE_EVERY steps later,
-re-plans with both. A sequence whose drafts keep failing is thereby paused; every
+expected to be faster. A sequence whose drafts keep failing is thereby paused; every
 PROBE_EVERY steps every sequence is valued at no less than PROBE_ACCEPT, so acceptance that
 returns is noticed, where the step costs let a draft worth that much pay (where verify steps
 are dear, e.g. batch 1 on an H100, they do not, and a paused sequence stays paused). One
 whose prompt was rolled out before drafts a little once, early, whatever the costs say
 (FIRST_LOOK), so that its own result takes over. At most `max_verify_tokens` are verified
 per step.
+
+Planning costs ~0.08 ms of host time per step at 64-128 sequences on an H100 host, 5-8% of
+a step, so a plan that drafts nothing stands while what it was made from stays: until a
+verify step is observed (acceptance or cost), a first look is waiting, the batch grows or
+leaves its batch-size bucket, or a probe step comes. Meanwhile the decode cost moves a
+little and sequences finish, which rarely turns a plan of nothing into a plan of something;
+the next probe, at most PROBE_EVERY steps later, re-plans with both.
 
 The model can be wrong where it cannot see: step costs are medians, so rare long steps
 escape them; a trie that fell behind the text (spec/upkeep.py) drafts worse than its

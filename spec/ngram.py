@@ -215,7 +215,6 @@ class NgramDrafter:
         return entry.trie
 
     # ---- memory ----
-
     def _make_room(self, num_tokens: int) -> None:
         """Before inserting `num_tokens`, free enough that they cannot hit the budget's limit."""
         b = self.budget
