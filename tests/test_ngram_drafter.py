@@ -121,8 +121,11 @@ def test_a_prompts_trie_is_built_when_a_sample_first_needs_it():
     d.extend(1, ANSWER)  # the first feed builds the prompt's trie, then counts the sample
     assert d.memory_nodes() > 0 and d.knows_prompt(PROMPT)
     assert drafted_paths(d.propose(2, PROMPT, 3))[-1] == (PROMPT[-1], *ANSWER[:3])  # a sibling never fed drafts from it
-    d.resync(2, PROMPT + ANSWER[:6], len(PROMPT) + 6)
-    assert d.fed(2) == len(PROMPT) + 6
+    d.add_sequence("b", 3)
+    d.resync(3, PROMPT + ANSWER[:6], len(PROMPT) + 6)  # a stream first used to skip ahead
+    assert d.fed(3) == len(PROMPT) + 6
+    d.extend(3, ANSWER[6:8])
+    assert d.fed(3) == len(PROMPT) + 8
     d.remove_group("b")
     assert d.knows_prompt(PROMPT)
 
