@@ -35,7 +35,9 @@ class WandbLogger:
         return Path(self.run.dir).parent
 
     def log(self, metrics: dict, step: int | None = None) -> None:
-        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        """One whole row per call, written at once (with an explicit step, W&B would otherwise hold
+        the row until a later step or `finish`)."""
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step, commit=True)
 
     def finish(self) -> None:
         self.run.finish()
