@@ -106,13 +106,13 @@ class DraftBudget:
             return {}
         if not self.adaptive:
             return {seq.seq_id: cap for seq in seqs}
-        decode_s = self._cost(self._key(len(seqs), 0))
-        if decode_s is None:
-            return {}  # measure plain decoding at this batch size first
         n, standing = len(seqs), self._nothing_planned_for
         stands = n <= standing and n.bit_length() == standing.bit_length() and not self._first_look
         if stands and self._steps % PROBE_EVERY:
             return {}  # the plan that drafts nothing stands (see the module docstring)
+        decode_s = self._cost(self._key(n, 0))  # (a median, recomputed after every decode step)
+        if decode_s is None:
+            return {}  # measure plain decoding at this batch size first
         plan = self._best_plan(seqs, cap, decode_s)
         self._nothing_planned_for = 0 if plan else n
         if self._first_look:  # whatever the costs say: see FIRST_LOOK
