@@ -8,9 +8,9 @@ valid across weight updates. A sample matches the suffix of its own context (pro
 its own output) against the trie and drafts the likeliest continuations as a tree.
 
 A prompt's trie is built when one of its samples first needs it: to be fed (in the
-device's shadow, see spec/upkeep.py) or to draft. Building it costs ~0.5 ms per 100-token
-prompt, which at admission would stall the first step of a large batch (64 prompts: 30-40
-ms on an H100 host); where the batch is too large to draft or the host has no shadow to
+device's shadow, see spec/upkeep.py) or to draft. Building it costs 0.4-0.6 ms for a
+prompt of ~94 tokens on an H100 host, which at admission would stall the first step of a
+large batch (64 prompts: 28-41 ms); where the batch is too large to draft or the host has no shadow to
 feed in, it is never built. A request that finishes before its trie was built leaves no
 history: the trie would have held the prompt only.
 
