@@ -5,6 +5,8 @@ sample index, output position). A token therefore depends only on its own logits
 key, not on batch composition, preemption or speculation: with the same seed, spec on and
 spec off draw the same tokens, and a draft-tree node at depth d uses the key of output
 position p + d. Sampling is inverse-CDF over the vocabulary with that one uniform per row.
+On CUDA, rows without truncation are drawn by the fused kernels of `kernels/sampling.py`;
+the torch code here is their reference and serves everything else.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels import sampling as sampling_kernels
 
 MASK32 = 0xFFFFFFFF
 
@@ -83,6 +87,13 @@ def _truncate(z: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of logits [L, V]; returns (tokens [L] int64, logprobs [L] float32)."""
+    if not st.any_truncation and sampling_kernels.available(logits):
+        return sampling_kernels.draw(logits, st.temperature, st.keys, st.positions, greedy_only=st.all_greedy)
+    return sample_reference(logits, st)
+
+
+def sample_reference(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` in torch: the definition the kernels are held to, and the path for truncation."""
     logprobs = processed_logprobs(logits, st)
     greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
