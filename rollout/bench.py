@@ -157,8 +157,12 @@ def median_rows(runs: list[Row]) -> list[Row]:
     rows = []
     for group in groups.values():
         spread = ("repeats", "tokens_per_s_min", "tokens_per_s_max")
-        numeric = [f.name for f in fields(Row) if f.type in ("float", "int") and f.name not in spread]
-        medians = {name: statistics.median(getattr(r, name) for r in group) for name in numeric}
+        # counts stay whole numbers: the lower median for an even number of repeats
+        middle = {"float": statistics.median, "int": statistics.median_low}
+        medians = {
+            f.name: middle[f.type](getattr(r, f.name) for r in group)
+            for f in fields(Row) if f.type in middle and f.name not in spread
+        }
         speeds = [r.tokens_per_s for r in group]
         rows.append(replace(group[0], **medians, repeats=len(group), tokens_per_s_min=min(speeds),
                             tokens_per_s_max=max(speeds)))

@@ -16,6 +16,8 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     (result,) = tmp_path.glob("grpo-*.json")
     rows = json.loads(result.read_text())["rows"]
     assert [(r["spec"], r["batch_size"], r["repeats"]) for r in rows] == [("off", 2, 2), ("ngram", 2, 2)]
+    counts = ("batch_size", "prompts", "n", "output_tokens", "steps", "draft_steps")
+    assert all(isinstance(r[k], int) for r in rows for k in counts)  # an even number of repeats: no 2.0 or 7.5
     off, ngram = rows
     assert off["output_tokens"] == ngram["output_tokens"] > 0  # greedy on the CPU: speculation changes no token
     assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in rows)
