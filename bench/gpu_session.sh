@@ -31,7 +31,8 @@ for _ in range(3): y.copy_(x)
 ms = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median")
 print(f"device-to-device copy: {2 * x.numel() / ms / 1e9:.2f} TB/s (read + write, median of do_bench)")
 EOF
-  timeout 480 python3 -m pytest -q -m gpu -x tests/test_fused_kernels.py tests/test_triton_attention.py 2>&1 | tee "$OUT/kernels.log" | tail -15
+  timeout 480 python3 -m pytest -q -m gpu -x tests/test_fused_kernels.py tests/test_triton_attention.py tests/test_sampling_kernel.py 2>&1 | tee "$OUT/kernels.log" | tail -15
+  python3 bench/sampling_bench.py 2>&1 | tee "$OUT/sampling-bench.log"
   ;;
 engine)
   python3 -c "from rollout.default_model import ensure_default_model as e; print(e())"
