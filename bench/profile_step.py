@@ -7,7 +7,8 @@
 `grpo`: `rollout bench`'s grpo workload (mixed prompts, 8 samples each, 256 tokens, EOS ends
 a sample), so the batch shrinks as samples finish, as in the benchmark. `--cprofile` adds the
 host functions that took the most time over the timed run (cProfile slows the host down, so
-its shares matter, not its times).
+its shares matter, not its times). "graph replay alone" replays each graph with the inputs
+its last step left, which differ between shapes (see below).
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ def main() -> None:
 
     if eng.runner.graphs is None:  # on the CPU: the host phases are all there is to show
         return
-    # every captured graph alone, replayed back to back: the device time of each step shape
+    # every captured graph alone, replayed back to back: the device time of each step shape.
+    # Each replays with the inputs its last step left (sequences, context lengths, temperatures),
+    # so a shape that ran with long contexts reads more KV than one that never ran: compare a
+    # shape with itself across versions, not shapes with each other.
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for shape, graph in sorted(eng.runner.graphs._graphs.items()):
