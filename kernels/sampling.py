@@ -18,8 +18,9 @@ So the logits are read once in full and one chunk again, and a row's work is spr
 its chunks, which keeps a batch of one from being one program's serial loop. Sums are
 taken in another order than torch's cumsum, so a uniform within float32 rounding of a
 CDF step can land on the neighbouring token: the same law, not always the same draw as
-the CPU reference (the GPU draws identically in every step kind, spec on or off).
-Truncation (top-k, top-p, min-p) needs a sort and stays in torch.
+the CPU reference. Truncation (top-k, top-p, min-p) needs a sort and stays in torch, and a
+step with any truncated row draws all its rows there, so on the GPU a row's draw is the
+same in every step kind (spec on or off) only up to that rounding.
 """
 
 from __future__ import annotations
