@@ -38,7 +38,7 @@ CHUNK = 2048
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
          greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [L] int64 and their logprobs [L] float32 for logits [L, V] float32 (rows contiguous):
+    """Tokens [L] int64 and their logprobs [L] float32 for logits [L, V] float32 (columns contiguous):
     temperature [L] float32 (0: greedy), keys and positions [L] int64 (the RNG counter of
     `rollout.sampler.uniforms`). `greedy_only`: every row is greedy, skip the hashing."""
     rows, vocab = logits.shape
