@@ -6,20 +6,14 @@ Triton's interpreter: `TRITON_INTERPRET=1 pytest -o addopts='' tests/test_fused_
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_kernels import DEVICE, GPU_ONLY, ON_GPU
 
-triton = pytest.importorskip("triton")
-from kernels import fused  # noqa: E402
+from kernels import fused
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32, torch.float16]
-pytestmark = pytest.mark.gpu if ON_GPU else []
+pytestmark = GPU_ONLY
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:

@@ -6,20 +6,14 @@ Triton's interpreter: `TRITON_INTERPRET=1 pytest -o addopts='' tests/test_sampli
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_kernels import DEVICE, GPU_ONLY, ON_GPU
 
-triton = pytest.importorskip("triton")
-from kernels import sampling  # noqa: E402
-from rollout import sampler  # noqa: E402
+from kernels import sampling
+from rollout import sampler
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = "cuda" if ON_GPU else "cpu"
-pytestmark = pytest.mark.gpu if ON_GPU else []
+pytestmark = GPU_ONLY
 VOCABS = [49152, 5000, 2 * sampling.CHUNK + 7] if ON_GPU else [5000, 2 * sampling.CHUNK + 7]
 
 

@@ -1,0 +1,18 @@
+"""Where the Triton kernel tests run: on a CUDA GPU (their tests are then marked `gpu`) or, without
+one, under Triton's CPU interpreter (`TRITON_INTERPRET=1 pytest -o addopts='' <file>`). A test
+module that imports this is skipped anywhere else (CI: no Triton, no GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cuda" if ON_GPU else "cpu"
+GPU_ONLY = pytest.mark.gpu if ON_GPU else []  # a module's `pytestmark`
