@@ -308,7 +308,7 @@ class Engine:
         for item in step.batch.items:  # (a decode item may be waiting too: preempted while this step ran)
             if item.samples and not item.decode and item.seq.status is Status.WAITING:
                 self.scheduler.on_prefill_done(item.seq)
-        if self.drafter is not None and self.budget.per_sequence_cap(len(step.batch.items)):
+        if self.drafter is not None and self.budget.per_sequence_cap(len(emitted)):
             self.upkeep.step([e.seq for e in emitted])  # (a batch too large to draft is not fed: spec/upkeep.py)
         for e in emitted:
             self._append(e)

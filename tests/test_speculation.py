@@ -279,6 +279,25 @@ def test_trie_upkeep_stays_in_the_device_shadow_and_changes_no_output(default_en
     assert len(engine.upkeep) == 0  # idle: nothing left queued
 
 
+def test_a_batch_too_large_to_draft_is_not_fed_and_smaller_ones_skip_ahead(default_model_dir, prompts):
+    """Verify room for no draft token per sequence (16 sequences, 16 verify tokens): the tries
+    count none of those steps' tokens; once one request is left, its samples skip ahead and
+    are fed again."""
+    engine = Engine(model=str(default_model_dir), device="cpu",
+                    spec=SpecConfig(method="ngram", max_verify_tokens=16))
+    short, long = (SamplingParams(temperature=0.8, max_new_tokens=k, n=8, seed=1, ignore_eos=True) for k in (6, 24))
+    reqs = [engine.add_request(prompts[0], short), engine.add_request(prompts[1], long)]
+    while not reqs[0].finished:
+        engine.step()
+    engine.drain()
+    for seq in reqs[1].sequences:
+        assert engine.drafter.fed(seq.seq_id) == len(prompts[1])  # 16 sequences ran: nothing fed
+    while engine.has_work:
+        engine.step()
+    assert all(len(s.output_ids) == 24 for s in reqs[1].sequences)
+    assert engine.stats()["rollout/drafter_dropped_tokens"] > 0  # skipped ahead once 8 were left
+
+
 def test_a_planned_sequence_without_a_match_counts_as_a_failed_draft(default_model_dir, prompts):
     """Planning a draft drains the overlap pipeline, so a sequence the trie has nothing for is
     charged like a rejected draft (its chance falls with every such plan), and the step like a
