@@ -6,6 +6,7 @@
     python bench/host_costs.py engine-gc            # one full GC with the default engine built
     python bench/host_costs.py budget-plan [--budget-file F]   # the draft budget's planning time per step
     python bench/host_costs.py trie-feed [--trie-file F]       # building prompt tries, feeding new text
+    python bench/host_costs.py upkeep-poll      # the upkeep's feed of one sequence against a poll of the device
 
 trie-gc: 64 prompts (60 tokens) x 8 samples, 256 tokens each, fed one token per call as the
 engine's upkeep does; prints the wall time (and that of admitting the prompts, and of the
@@ -24,6 +25,10 @@ trie-feed: 16 prompt tries (60 random tokens each), then 8 streams each fed 256 
 little repetition one at a time (T=1-like text: nearly every token makes max_depth new
 nodes); medians of 7 rounds. `--trie-file` times another spec/ngram_trie.py in alternating
 rounds.
+upkeep-poll: 32 prompt tries (90 random tokens) x 8 streams, each fed one token per step as
+`DrafterUpkeep` does, 100 steps: the median time to feed one sequence; on CUDA also the time
+of one `torch.cuda.Event.query()` (the upkeep's poll), median of 1,000. Their ratio sets
+`spec.upkeep.POLL_EVERY`.
 engine-gc: builds the default engine on the default device and times full collections
 before and after `freeze_heap()` (the time any step may lose to one).
 """
@@ -35,6 +40,7 @@ import cProfile
 import gc
 import pstats
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -139,7 +145,6 @@ def engine_gc() -> None:
 
 
 def budget_plan(other: str | None) -> None:
-    import statistics
     from types import SimpleNamespace
 
     from budget_replay import load_budget_class
@@ -171,7 +176,6 @@ def budget_plan(other: str | None) -> None:
 
 
 def trie_feed(other: str | None) -> None:
-    import statistics
 
     from budget_replay import module_from_file
 
@@ -214,9 +218,50 @@ def trie_feed(other: str | None) -> None:
     gc.unfreeze()
 
 
+def upkeep_poll() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from spec.ngram import NgramDrafter
+    from spec.upkeep import DrafterUpkeep
+
+    rng = random.Random(0)
+    drafter = NgramDrafter()
+    upkeep = DrafterUpkeep(drafter, max_step_tokens=9)
+    seqs = []
+    for g in range(32):
+        prompt = [rng.randrange(49152) for _ in range(90)]
+        drafter.add_group(g, prompt)
+        for j in range(8):
+            drafter.add_sequence(g, 8 * g + j)
+            seqs.append(SimpleNamespace(seq_id=8 * g + j, tokens=list(prompt)))
+    per_seq = []
+    for step in range(101):
+        for seq in seqs:
+            seq.tokens.append(rng.randrange(500))  # a small alphabet: n-grams repeat, as in real text
+        t0 = time.perf_counter()
+        upkeep.step(seqs)
+        upkeep.apply()
+        if step:  # the first step builds the prompt tries
+            per_seq.append((time.perf_counter() - t0) / len(seqs))
+    print(f"upkeep-poll: feeding one sequence {statistics.median(per_seq) * 1e6:.2f} us (median of 100 steps)")
+    if torch.cuda.is_available():
+        event = torch.cuda.Event()
+        event.record()
+        torch.cuda.synchronize()
+        polls = []
+        for _ in range(1000):
+            t0 = time.perf_counter()
+            event.query()
+            polls.append(time.perf_counter() - t0)
+        print(f"upkeep-poll: one Event.query() {statistics.median(polls) * 1e6:.2f} us (median of 1,000)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host", "engine-gc", "budget-plan", "trie-feed"])
+    ap.add_argument("what", choices=["trie-gc", "verify-host", "decode-host", "engine-gc", "budget-plan", "trie-feed",
+                                     "upkeep-poll"])
     ap.add_argument("--freeze", action="store_true")
     ap.add_argument("--budget-file", default=None, help="budget-plan: also time this spec/budget.py, alternating")
     ap.add_argument("--trie-file", default=None, help="trie-feed: also time this spec/ngram_trie.py, alternating")
@@ -229,6 +274,8 @@ def main() -> None:
         budget_plan(args.budget_file)
     elif args.what == "trie-feed":
         trie_feed(args.trie_file)
+    elif args.what == "upkeep-poll":
+        upkeep_poll()
     else:
         step_host(args.what)
 

@@ -36,7 +36,10 @@ from spec.ngram import NgramDrafter
 if TYPE_CHECKING:  # rollout imports spec, not the other way round
     from rollout.sequence import Sequence
 
-POLL_EVERY = 8  # sequences fed between polls of the device's progress
+# Sequences fed between polls of the device's progress. The chunk that is running when the
+# device finishes overshoots the shadow and delays the step after by half a chunk on average;
+# a poll (an event query) costs a fraction of one sequence's feed (`bench/host_costs.py upkeep-poll`).
+POLL_EVERY = 2
 
 
 class DrafterUpkeep:
