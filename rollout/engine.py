@@ -274,6 +274,9 @@ class Engine:
             return {}
         t0 = time.perf_counter()
         wanted = self.budget.for_batch([item.seq for item in batch.items])
+        if wanted:  # a sequence whose prompt's trie is still being built (spec/upkeep.py) waits for it
+            ready = self.drafter.ready
+            wanted = {seq_id: n for seq_id, n in wanted.items() if ready(seq_id)}
         self._draft_s += time.perf_counter() - t0
         return wanted
 
@@ -367,7 +370,7 @@ class Engine:
         trees = {}
         for seq in seqs:
             n = min(wanted.get(seq.seq_id, 0), free)
-            if n <= 0 or not self.drafter.has_sequence(seq.seq_id):  # its arrival may still be queued
+            if n <= 0:
                 continue
             tree = self.drafter.propose(seq.seq_id, seq.tokens, n)
             if tree.num_drafts:

@@ -7,12 +7,16 @@ re-samples its prompts). None of this depends on the model's weights, so drafts 
 valid across weight updates. A sample matches the suffix of its own context (prompt and
 its own output) against the trie and drafts the likeliest continuations as a tree.
 
-A prompt's trie is built when one of its samples first needs it: to be fed (in the
-device's shadow, see spec/upkeep.py) or to draft. Building it costs 0.4-0.6 ms for a
-prompt of ~94 tokens on an H100 host, which at admission would stall the first step of a
-large batch (64 prompts: 28-41 ms); where the batch is too large to draft or the host has no shadow to
-feed in, it is never built. A request that finishes before its trie was built leaves no
-history: the trie would have held the prompt only.
+A prompt's trie is built when one of its samples first needs it, to be fed or to draft,
+and the upkeep builds it a chunk of the prompt at a time (`build`) in the device's shadow
+(spec/upkeep.py). Counting a prompt costs ~5 us per token on an H100 host, 0.4-0.6 ms
+for one of ~94 tokens and several ms for a long chat prompt: built whole at admission it
+would stall the first step of a large batch (64 prompts: 28-41 ms), and built whole when a
+step first drafts it would stall that step (one drafting step at 256 sequences took 8 ms).
+So a sample drafts only once its prompt's trie is `ready`; where the batch is too large to
+draft or the host has no shadow to build in, the trie is never built. A request that
+finishes before its trie was complete leaves no history: the trie would have held (part
+of) the prompt only.
 
 Memory: all tries share one node budget, which refuses creation at its limit. Before
 each insertion that might hit it, room is made down to a low-water mark: first the least
@@ -60,8 +64,13 @@ class NgramConfig:
 class _PromptTrie:
     prompt: tuple[int, ...]
     trie: NgramTrie | None = None  # built when a sample first needs it
-    prompt_stream: int = -1  # stands after the prompt; samples fork from it
+    prompt_stream: int = -1  # stands after the prompt's counted tokens; samples fork from it
+    counted: int = 0  # prompt tokens in the trie so far: the trie is ready when all are
     live_groups: int = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.counted == len(self.prompt)
 
 
 @dataclass(eq=False)
@@ -115,7 +124,7 @@ class NgramDrafter:
         if not self.cfg.share_siblings:
             return False
         entry = self._live.get(key) or self._history.get(key)
-        return entry is not None and entry.trie is not None
+        return entry is not None and entry.ready
 
     def add_sequence(self, group_id: Hashable, seq_id: int) -> None:
         """A sample of the group; its context starts as the prompt."""
@@ -173,15 +182,36 @@ class NgramDrafter:
         entry.live_groups -= 1
         if entry.live_groups == 0:
             del self._live[group.prompt]
-            if entry.trie is None:
-                return  # never built: it would hold the prompt only
+            if not entry.ready:  # no sample was counted: it would hold (part of) the prompt only
+                if entry.trie is not None:
+                    self.budget.release(entry.trie.num_nodes)
+                return
             self._history[group.prompt] = entry
             while len(self._history) > self.cfg.max_history_prompts:
                 self._drop_oldest_history()
 
+    def build(self, seq_id: int, max_tokens: int) -> bool:
+        """Count up to `max_tokens` more tokens of the sequence's prompt into its trie; returns
+        whether the trie is `ready` (at once, and counting nothing, if it was)."""
+        return self._build(self._stream(seq_id).entry, max_tokens)
+
+    def _build(self, entry: _PromptTrie, max_tokens: int) -> bool:
+        if entry.ready:
+            return True
+        if entry.trie is None:
+            entry.trie = NgramTrie(self.cfg.max_depth, self.budget)
+            entry.prompt_stream = entry.trie.open_stream()
+        end = min(len(entry.prompt), entry.counted + max_tokens)
+        self._make_room(end - entry.counted)
+        entry.trie.extend(entry.prompt_stream, entry.prompt[entry.counted : end])
+        entry.counted = end
+        return entry.ready
+
     # ---- drafting ----
-    def has_sequence(self, seq_id: int) -> bool:
-        return seq_id in self._streams
+    def ready(self, seq_id: int) -> bool:
+        """Whether the sequence can draft without building its prompt's trie (False if unknown)."""
+        s = self._streams.get(seq_id)
+        return s is not None and s.entry.ready
 
     def propose(self, seq_id: int, context: Sequence[int], budget: int) -> DraftTree:
         """At most `budget` drafts (capped at 63) after `context`, the sequence's tokens so far (prompt
@@ -203,13 +233,10 @@ class NgramDrafter:
         return self.budget.used
 
     def _open(self, s: _Stream) -> NgramTrie:
-        """The stream's trie, with the stream open in it: the prompt's trie is built on first need."""
+        """The stream's trie, with the stream open in it: what is left of the prompt's build is done now."""
         entry = s.entry
-        if entry.trie is None:
-            self._make_room(len(entry.prompt))
-            entry.trie = NgramTrie(self.cfg.max_depth, self.budget)
-            entry.prompt_stream = entry.trie.open_stream()
-            entry.trie.extend(entry.prompt_stream, entry.prompt)
+        if not entry.ready:
+            self._build(entry, len(entry.prompt))
         if s.handle is None:
             s.handle = entry.trie.open_stream(fork_of=entry.prompt_stream)
         return entry.trie

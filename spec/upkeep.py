@@ -8,21 +8,23 @@ the engine applies the queue in the device's shadow: after launching a step and 
 until the device finishes it.
 
 Each step queues its batch, not its tokens: applying a sequence feeds it whatever it has
-emitted since it was last fed. When the host is the bottleneck (a small model at a large
-batch) the shadow is too short, and a backlog would only move the cost elsewhere, so a
-step's batch that did not fit into the shadow is dropped, and a sequence that fell further
-behind than one step's tokens skips ahead: the skipped n-grams are never counted, and its
-match position is rebuilt from its last tokens. Drafts stay lossless (verification decides
-what is emitted); only the trie knows a little less. Lifecycle updates (a new prompt, a
-finished sample) are never dropped.
+emitted since it was last fed, once its prompt's trie is built. Builds happen here too, a
+chunk of the prompt between polls, since a whole one can take longer than the shadow (a
+chat prompt of several hundred tokens takes milliseconds). When the host is the
+bottleneck (a small model at a large batch) the shadow is too short, and a backlog would
+only move the cost elsewhere, so a step's batch that did not fit into the shadow is
+dropped, and a sequence that fell further behind than one step's tokens skips ahead: the
+skipped n-grams are never counted, and its match position is rebuilt from its last tokens.
+Drafts stay lossless (verification decides what is emitted); only the trie knows a little
+less. Lifecycle updates (a new prompt, a finished sample) are never dropped.
 
 A step whose batch is too large to draft at all (the verify limit leaves no draft token
 per sequence: 129 or more sequences by default) is not queued either. Its tokens would
 serve only later steps, once the batch has shrunk, and its host has the least shadow to
-spare: each poll's chunk runs past the end of the shadow, and so does a prompt trie's build
-(0.4-0.6 ms) on a sequence's first feed. Once the batch is small enough to draft, each
-sequence skips ahead as above. The cost is history: a sample that finishes while the batch
-is that large leaves none of its tokens for the next epoch of its prompt.
+spare: the chunk being fed when the device finishes runs past the end of the shadow. Once
+the batch is small enough to draft, each sequence skips ahead as above. The cost is
+history: a sample that finishes while the batch is that large leaves none of its tokens
+for the next epoch of its prompt.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ if TYPE_CHECKING:  # rollout imports spec, not the other way round
 # device finishes overshoots the shadow and delays the step after by half a chunk on average;
 # a poll (an event query) costs a fraction of one sequence's feed (`bench/host_costs.py upkeep-poll`).
 POLL_EVERY = 2
+BUILD_CHUNK = 16  # prompt tokens counted into a trie between polls (~5 us each on an H100 host)
 
 
 class DrafterUpkeep:
@@ -83,10 +86,11 @@ class DrafterUpkeep:
             else:
                 batch, i = op
                 end = min(i + POLL_EVERY, len(batch))
-                for seq in batch[i:end]:
-                    self._feed(seq)
-                op[1] = end
-                if end == len(batch):
+                while i < end and self.drafter.build(batch[i].seq_id, BUILD_CHUNK):
+                    self._feed(batch[i])
+                    i += 1
+                op[1] = i  # (short of `end`: a chunk of a prompt's trie was built, poll before the next)
+                if i == len(batch):
                     q.popleft()
 
     def drop_unfed_steps(self) -> None:

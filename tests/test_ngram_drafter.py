@@ -130,6 +130,32 @@ def test_a_prompts_trie_is_built_when_a_sample_first_needs_it():
     assert d.knows_prompt(PROMPT)
 
 
+def test_a_prompts_trie_is_built_in_chunks_and_drafts_only_when_whole():
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(50, size=40).tolist()
+    whole, chunked = NgramDrafter(), NgramDrafter()
+    for d in (whole, chunked):
+        d.add_group("g", prompt)
+        d.add_sequence("g", 0)
+        d.add_sequence("g", 1)
+    whole.extend(0, ANSWER)  # built at once by the first feed
+    assert [chunked.build(0, 16), chunked.ready(1), chunked.build(1, 16)] == [False, False, False]
+    assert 0 < chunked.memory_nodes() < whole.memory_nodes() and not chunked.knows_prompt(prompt)
+    assert chunked.build(0, 16) and chunked.ready(1) and chunked.build(1, 16)  # 40 tokens: a third chunk
+    chunked.extend(0, ANSWER)
+    assert chunked.memory_nodes() == whole.memory_nodes()  # the same n-grams, counted once
+    assert dict(chunked._live[tuple(prompt)].trie.items()) == dict(whole._live[tuple(prompt)].trie.items())
+    assert drafted_paths(chunked.propose(1, prompt, 4)) == drafted_paths(whole.propose(1, prompt, 4))
+
+    partial = NgramDrafter()
+    partial.add_group("g", prompt)
+    partial.add_sequence("g", 0)
+    partial.build(0, 16)
+    partial.remove_group("g")  # never ready: no history, and its nodes are given back
+    assert partial.memory_nodes() == 0 and not partial.knows_prompt(prompt)
+    assert not partial.ready(0)  # unknown sequences are not ready
+
+
 def test_history_is_lru_bounded():
     d = NgramDrafter(NgramConfig(max_history_prompts=2))
     prompts = {p: [p, p + 1, p + 2] for p in (100, 200, 300)}
@@ -297,6 +323,32 @@ def test_upkeep_feeds_what_fits_skips_ahead_when_behind_and_never_drops_lifecycl
     # the skipped tokens' n-grams were never counted: (3, 10) only in the first POLL_EVERY samples' trie paths
     trie = drafter._live[tuple(prompt)].trie
     assert trie.count_of([3, 10]) == POLL_EVERY
+
+
+def test_upkeep_builds_a_long_prompts_trie_a_chunk_per_poll_before_feeding_its_samples():
+    from types import SimpleNamespace
+
+    from spec.upkeep import BUILD_CHUNK, DrafterUpkeep
+
+    prompt = list(range(100, 100 + 3 * BUILD_CHUNK + 1))  # four chunks
+    drafter = NgramDrafter()
+    upkeep = DrafterUpkeep(drafter, max_step_tokens=3)
+    upkeep.lifecycle(lambda: drafter.add_group("g", prompt))
+    seqs = [SimpleNamespace(seq_id=i, tokens=[*prompt, 7]) for i in range(2)]
+    for s in seqs:
+        upkeep.lifecycle(lambda s=s: drafter.add_sequence("g", s.seq_id))
+    upkeep.step(seqs)
+    built = []
+    for _ in range(3):  # a shadow of one poll builds one chunk, and the step is dropped after it
+        polls = iter([False])
+        upkeep.apply(until=lambda: next(polls, True))
+        upkeep.drop_unfed_steps()
+        built.append(drafter._live[tuple(prompt)].counted)
+        upkeep.step(seqs)
+    assert built == [BUILD_CHUNK, 2 * BUILD_CHUNK, 3 * BUILD_CHUNK] and not drafter.ready(0)
+    assert [drafter.fed(s.seq_id) for s in seqs] == [len(prompt)] * 2  # nothing fed before the trie is whole
+    upkeep.apply()
+    assert drafter.ready(0) and [drafter.fed(s.seq_id) for s in seqs] == [len(prompt) + 1] * 2
 
 
 def test_drafts_from_the_context_even_when_its_newest_tokens_are_not_yet_fed():

@@ -298,6 +298,30 @@ def test_a_batch_too_large_to_draft_is_not_fed_and_smaller_ones_skip_ahead(defau
     assert engine.stats()["rollout/drafter_dropped_tokens"] > 0  # skipped ahead once 8 were left
 
 
+def test_a_sequence_drafts_only_once_its_prompts_trie_is_built_in_the_shadow(default_engine, default_model_dir, prompts):
+    """Each shadow builds one chunk of the prompt's trie; until it is whole no step drafts or
+    counts as drafting (the overlap is not drained for it), and the drafts after it still give
+    spec-off's tokens."""
+    from spec.upkeep import BUILD_CHUNK
+
+    engine = Engine(model=str(default_model_dir), spec=SpecConfig(method="ngram", adaptive=False), device="cpu")
+    launch, drafted = engine.runner.launch, []
+
+    def short_shadow_launch(batch, trees, after=None):
+        drafted.append(bool(trees))
+        step = launch(batch, trees, after)
+        step.result = _ShortShadow(step.result)  # room for one poll's worth of updates
+        return step
+
+    engine.runner.launch = short_shadow_launch
+    params = SamplingParams(temperature=0, max_new_tokens=24, n=2)
+    on, off = run(engine, prompts[1:2], params), run(default_engine, prompts[1:2], params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    chunks = -(-len(prompts[1]) // BUILD_CHUNK)
+    assert not any(drafted[: chunks + 1]) and any(drafted)  # the prefill, then one chunk per shadow
+    assert engine.stats()["rollout/draft_steps"] <= len(drafted) - chunks - 1  # those steps planned nothing
+
+
 def test_a_planned_sequence_without_a_match_counts_as_a_failed_draft(default_model_dir, prompts):
     """Planning a draft drains the overlap pipeline, so a sequence the trie has nothing for is
     charged like a rejected draft (its chance falls with every such plan), and the step like a
