@@ -21,10 +21,14 @@ into two things learned separately while running, so neither needs exploring the
 Each step the draft tokens of all sequences are ranked by value, and the prefix of that
 ranking with the best expected tokens per second is drafted (the prefix holds the first
 tokens of each sequence, as values fall with depth), or none of it if plain decoding is
-expected to be faster. A sequence whose drafts keep failing is thereby paused; every
-PROBE_EVERY steps every sequence is valued at no less than PROBE_ACCEPT, so acceptance that
-returns is noticed, where the step costs let a draft worth that much pay (where verify steps
-are dear, e.g. batch 1 on an H100, they do not, and a paused sequence stays paused). One
+expected to be faster. A sequence whose drafts keep failing is thereby paused; on a probe
+step every sequence is valued at no less than PROBE_ACCEPT, so acceptance that returns is
+noticed, where the step costs let a draft worth that much pay (where verify steps are dear,
+e.g. batch 1 on an H100, they do not, and a paused sequence stays paused). Probes come every
+PROBE_EVERY steps, but a probe drains the overlap pipeline and verifies a wider step (at 64
+sequences on an H100, 3-4 ms against a 1.2 ms decode step), so where drafting steps keep
+falling short of plain decoding the interval doubles per batch-size bucket, up to
+MAX_PROBE_EVERY, and one drafting step that beats plain decoding brings it back. One
 whose prompt was rolled out before drafts a little once, early, whatever the costs say
 (FIRST_LOOK), so that its own result takes over. At most `max_verify_tokens` are verified
 per step.
@@ -34,7 +38,7 @@ a step, so a plan that drafts nothing stands while what it was made from stays: 
 verify step is observed (acceptance or cost), a first look is waiting, the batch grows or
 leaves its batch-size bucket, or a probe step comes. Meanwhile the decode cost moves a
 little and sequences finish, which rarely turns a plan of nothing into a plan of something;
-the next probe, at most PROBE_EVERY steps later, re-plans with both.
+the next probe re-plans with both.
 
 The model can be wrong where it cannot see: step costs are medians, so rare long steps
 escape them; a trie that fell behind the text (spec/upkeep.py) drafts worse than its
@@ -61,7 +65,8 @@ PRIOR_WEIGHT = 0.05  # how much each verify step moves the all-sequence counts (
 FIRST_PRIOR = (1.0, 1.0)  # (accepted, rejected) counts before any draft was verified: a = 0.5
 COST_WINDOW = 5  # a shape's cost is the median of its last this many steps
 MIN_OBSERVED = 2  # steps of a shape before its measured cost replaces the optimistic guess
-PROBE_EVERY = 16
+PROBE_EVERY = 16  # steps between probes while drafting at a batch size pays off (powers of two)
+MAX_PROBE_EVERY = 256  # ... and the longest interval, after drafting steps that did not
 PROBE_ACCEPT = 0.5  # on a probe step, every sequence's per-token acceptance is taken as at least this
 MIN_VALUE = 0.02  # draft tokens worth fewer expected accepted tokens are never ranked
 # A sequence offered a first look (its prompt was rolled out before, so the trie holds earlier
@@ -85,6 +90,7 @@ class DraftBudget:
         self._first_look: set[int] = set()  # sequences offered a first look that have not had it
         # batch-size bucket -> realized over predicted tokens/s of its drafting steps (decaying)
         self._calibration: dict[int, float] = {}
+        self._probe_every: dict[int, int] = {}  # batch-size bucket -> steps between its probes
         self.predicted_rate: float | None = None  # tokens/s the last plan was expected to emit at
         self._nothing_planned_for = 0  # batch size of the last plan while it drafts nothing and stands
 
@@ -108,7 +114,7 @@ class DraftBudget:
             return {seq.seq_id: cap for seq in seqs}
         n, standing = len(seqs), self._nothing_planned_for
         stands = n <= standing and n.bit_length() == standing.bit_length() and not self._first_look
-        if stands and self._steps % PROBE_EVERY:
+        if stands and not self._probes(n):
             return {}  # the plan that drafts nothing stands (see the module docstring)
         decode_s = self._cost(self._key(n, 0))  # (a median, recomputed after every decode step)
         if decode_s is None:
@@ -124,7 +130,7 @@ class DraftBudget:
         return plan
 
     def _best_plan(self, seqs: list[Sequence], cap: int, decode_s: float) -> dict[int, int]:
-        probe = self._steps % PROBE_EVERY == 0
+        probe = self._probes(len(seqs))
         floor = PROBE_ACCEPT if probe else 0.0
         ranked = []  # (value ranked by, expected accepted tokens, seq_id): every draft token worth ranking
         counts, prior = self._counts, self._prior
@@ -168,6 +174,10 @@ class DraftBudget:
             plan[seq_id] = plan.get(seq_id, 0) + 1
         return plan
 
+    def _probes(self, num_seqs: int) -> bool:
+        # (intervals are powers of two, so a bucket's probes stay on the steps of the shorter ones)
+        return self._steps % self._probe_every.get(num_seqs.bit_length(), PROBE_EVERY) == 0
+
     def offer_first_look(self, seq_id: int) -> None:
         """This sequence's prompt was rolled out before: it drafts once early, whatever the costs say."""
         self._first_look.add(seq_id)
@@ -199,11 +209,15 @@ class DraftBudget:
         """A step planned at `predicted_rate` tokens/s emitted `emitted` tokens in `seconds`, its wait
         for the step before it included (also when the drafter had nothing for it)."""
         if seconds > 0 and predicted_rate > 0:
-            bucket = num_seqs.bit_length()
-            ratio = emitted / seconds / predicted_rate
+            bucket, realized = num_seqs.bit_length(), emitted / seconds
             old = self._calibration.get(bucket, 1.0)
-            self._calibration[bucket] = old + REALIZED_WEIGHT * (ratio - old)
+            self._calibration[bucket] = old + REALIZED_WEIGHT * (realized / predicted_rate - old)
             self._nothing_planned_for = 0
+            decode_s = self._cost(self._key(num_seqs, 0))
+            if decode_s is not None:  # probe less where drafting does not beat plain decoding
+                every = self._probe_every.get(bucket, PROBE_EVERY)
+                paid = realized > num_seqs / decode_s
+                self._probe_every[bucket] = PROBE_EVERY if paid else min(2 * every, MAX_PROBE_EVERY)
 
     def observe(self, seq_id: int, accepted: int, rejected: bool) -> None:
         """Verification accepted `accepted` of the sequence's draft tokens in a row, then rejected the

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spec.budget import COST_WINDOW, FIRST_LOOK, MIN_OBSERVED, MIN_VALUE, PROBE_EVERY, DraftBudget
+from spec.budget import COST_WINDOW, FIRST_LOOK, MAX_PROBE_EVERY, MIN_OBSERVED, MIN_VALUE, PROBE_EVERY, DraftBudget
 
 
 def seqs(n: int, first: int = 0):
@@ -123,8 +123,8 @@ def test_drafting_steps_that_fall_short_of_their_prediction_stop_drafting_at_the
     assert predicted == pytest.approx(2 * (1 + 0.5 + 0.25 + 0.125 + 0.0625 + 0.03125) / 1.2e-3)
     for _ in range(8):  # each of them emitted one token per sequence, and took 2 ms
         budget.observe_drafting(2, 2, 2e-3, predicted)
-    plans = [budget.for_batch(seqs(2)) for _ in range(PROBE_EVERY)]
-    assert sum(bool(p) for p in plans) == 1  # but for the probe step
+    plans = [budget.for_batch(seqs(2)) for _ in range(MAX_PROBE_EVERY)]
+    assert sum(bool(p) for p in plans) == 1  # but for the probe step (probes backed off: see below)
     assert budget.for_batch(seqs(8, first=10))  # another batch-size bucket is not affected
     for _ in range(8):  # probes that realize what they predict bring it back
         budget.observe_drafting(2, 2 * 2.9375, 1.2e-3, predicted)
@@ -188,3 +188,28 @@ def test_a_plan_that_drafts_nothing_stands_until_what_it_was_made_from_changes(m
     while budget._steps % PROBE_EVERY != PROBE_EVERY - 1:
         assert not planned(seqs(3))
     assert planned(seqs(3))  # the probe step
+
+
+def test_probes_back_off_while_drafting_falls_short_of_plain_decoding_and_return_when_it_pays():
+    budget = DraftBudget(8, 256)
+    measured(budget, 4, 0, 1e-3)
+    for drafts in range(1, 33):
+        measured(budget, 4, drafts, 1.5e-3)
+    for s in range(4):  # paused sequences: only probes draft
+        for _ in range(20):
+            budget.observe(s, 0, rejected=True)
+    probes = []
+    for _ in range(1000):
+        if budget.for_batch(seqs(4)):
+            probes.append(budget._steps)
+            budget.observe_drafting(4, 4, 3e-3, budget.predicted_rate)  # 4 tokens in 3 ms < 4 in 1 ms
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    # each interval doubles after a probe that fell short (the next probe comes on the next step
+    # that the doubled interval divides, so the first gap after a change may be shorter)
+    assert probes[0] == PROBE_EVERY and gaps[:6] == [PROBE_EVERY << i for i in range(5)] + [MAX_PROBE_EVERY]
+    assert budget._probes(16) == (budget._steps % PROBE_EVERY == 0)  # other buckets keep their own
+    budget.observe_drafting(4, 12, 1.5e-3, 1.0)  # 12 tokens in 1.5 ms against 4 in 1 ms: drafting paid
+    last = budget._steps
+    while not budget.for_batch(seqs(4)):
+        pass
+    assert budget._steps - last <= PROBE_EVERY  # probes come at the first interval again
