@@ -5,13 +5,14 @@
 # .whl/. Each stage is one device call; logs and result files go to $OUT.
 #
 #   call 1: carry .devcache/smol.part.aa .devcache/sharegpt.jsonl .whl
+#           (sharegpt.jsonl: `python bench/sharegpt_subset.py` writes it here)
 #           mkdir -p /root/mcache && cp .devcache/smol.part.aa .devcache/sharegpt.jsonl /root/mcache/ && bash bench/gpu_session.sh kernels
 #   call 2: carry .devcache/smol.part.ab .whl (with .whl_server too the call is over 64 MiB)
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   the sync and grpo stages need .whl_server (fastapi, uvicorn, pyzmq, wandb and their needs): carry it then
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | profile256 | speed | overlap | overlap-sampled | overlap-big | pdl | pdl-big | spec-history | history | phases | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | probe-backoff | profile256 | speed | overlap | overlap-sampled | overlap-big | pdl | pdl-big | spec-history | history | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -109,13 +110,29 @@ phases)
   python3 bench/rollout_phases.py admission 2>&1 | grep -v -i warn | tee "$OUT/admission.log"
   python3 bench/rollout_phases.py breakdown 2>&1 | grep -v -i warn | tee "$OUT/phases.log"
   ;;
-spec)
-  for t in 0 0.6 1.0; do
-    bench --workload grpo --prompt-set arithmetic --spec-modes off,ngram --batch-sizes 8,64 --temperature $t --output-len 256
-  done
-  bench --workload grpo --prompt-set humaneval --spec-modes off,ngram --batch-sizes 8,64 --temperature 0 --output-len 256
-  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1,64 --output-len 256
-  rm -f "$OUT"/*.json  # the tables are enough here, and at most 8 files come back
+probe-backoff)  # probes backed off (HEAD) against f22a2a8 on ShareGPT; where n-gram's time at b64 goes (carry: ab)
+  bash bench/ab_versions.sh run f22a2a8 head -- --workload sharegpt --sharegpt-file $SHAREGPT \
+    --spec-modes off,ngram --batch-sizes 1,64 --output-len 256 --repeats 3 2>&1 | tee "$OUT/ab-sharegpt-x3.log"
+  for spec in off ngram; do
+    python3 bench/profile_step.py --batch 64 --spec $spec --workload sharegpt --sharegpt-file $SHAREGPT
+  done > "$OUT/profile-sharegpt-b64.log" 2>&1
+  echo "== b64 alone (no b1 run on the engine before it)"
+  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 64 --output-len 256 \
+    --repeats 3 | grep runs | tee "$OUT/sharegpt-b64-alone.log"
+  grep -E "^batch|step ms|outside|admission|slowest|draft|shadow" "$OUT/profile-sharegpt-b64.log"
+  rm -f "$OUT"/*.json "$OUT"/*/*.json "$OUT"/*/*.png
+  ;;
+spec)  # the issue-4 table: n-gram against spec off, medians of 3
+  (for t in 0 0.6 1.0; do
+     echo "== arithmetic T=$t"
+     bench --workload grpo --prompt-set arithmetic --spec-modes off,ngram --batch-sizes 8,64 --temperature $t --output-len 256 --repeats 3 | grep runs
+   done
+   echo "== humaneval T=0"
+   bench --workload grpo --prompt-set humaneval --spec-modes off,ngram --batch-sizes 8,64 --temperature 0 --output-len 256 --repeats 3 | grep runs
+   echo "== sharegpt T=0"
+   bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1,64 --output-len 256 --repeats 3 | grep runs
+  ) 2>&1 | tee "$OUT/spec-issue4.log"
+  rm -f "$OUT"/*.json "$OUT"/*.png  # the log is enough here, and at most 8 files come back
   ;;
 big)
   python3 bench/gemm_sweep.py --rows 1 2>&1 | grep -v -i warn | tee "$OUT/gemm_sweep.log"

@@ -1,11 +1,16 @@
 """Where a decode step's time goes: GPU graph replay alone vs the engine's host phases.
 
-    python bench/profile_step.py [--batch 1] [--spec off] [--workload repeat|grpo] [--temperature 0]
+    python bench/profile_step.py [--batch 1] [--spec off] [--workload repeat|grpo|sharegpt] [--temperature 0]
+                                 [--sharegpt-file F] [--build-chunk N] [--poll-every N]
                                  [--cprofile] [--no-overlap] [--no-skinny-gemm] [--no-pdl]
 
 `repeat` (default): every sequence a repeating 64-token prompt, 200 tokens, EOS ignored.
 `grpo`: `rollout bench`'s grpo workload (mixed prompts, 8 samples each, 256 tokens, EOS ends
-a sample), so the batch shrinks as samples finish, as in the benchmark. `--cprofile` adds the
+a sample), so the batch shrinks as samples finish, as in the benchmark. `sharegpt`: as
+`rollout bench --workload sharegpt` (first-turn chat prompts, one sample each, 256 tokens).
+The run is timed from admission on, as the benchmark times it; what the steps' costs do not
+account for (admission, the loop between steps) is printed apart. `--build-chunk` and
+`--poll-every` override spec/upkeep.py's constants of the same names. `--cprofile` adds the
 host functions that took the most time over the timed run (cProfile slows the host down, so
 its shares matter, not its times). "graph replay alone" replays each graph with the inputs
 its last step left, which differ between shapes (see below).
@@ -33,7 +38,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="off")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--workload", choices=["repeat", "grpo"], default="repeat")
+    ap.add_argument("--workload", choices=["repeat", "grpo", "sharegpt"], default="repeat")
+    ap.add_argument("--sharegpt-file", default=None, help="sharegpt: a ShareGPT JSON/JSONL file")
+    ap.add_argument("--build-chunk", type=int, default=None, help="prompt tokens built into a trie between polls")
+    ap.add_argument("--poll-every", type=int, default=None, help="sequences fed between polls")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--cprofile", action="store_true", help="also profile the host's functions (slower steps)")
     ap.add_argument("--no-overlap", action="store_true", help="wait for every step's tokens (no overlap schedule)")
@@ -46,11 +54,16 @@ def main() -> None:
         from kernels import skinny_gemm
 
         skinny_gemm.linear = lambda x, weight, bias=None: F.linear(x, weight, bias)
+    from spec import upkeep
+
+    upkeep.BUILD_CHUNK = args.build_chunk or upkeep.BUILD_CHUNK
+    upkeep.POLL_EVERY = args.poll_every or upkeep.POLL_EVERY
     eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000, overlap_schedule=not args.no_overlap,
                  pdl=not args.no_pdl)
-    if args.workload == "grpo":
-        grpo = argparse.Namespace(workload="grpo", n=8, prompt_set="mixed", seed=0)
-        prompts, n = workload_prompts(grpo, eng.tokenizer, args.batch)
+    if args.workload in ("grpo", "sharegpt"):
+        wl = argparse.Namespace(workload=args.workload, n=8, prompt_set="mixed", seed=0,
+                                sharegpt_file=args.sharegpt_file, max_prompt_len=1024)
+        prompts, n = workload_prompts(wl, eng.tokenizer, args.batch)
         params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=256, seed=0)
     else:
         prompts = [[100 + i, 200, 300, 400] * 16 for i in range(args.batch)]
@@ -97,11 +110,12 @@ def main() -> None:
         # lifecycle updates run inside the upkeep, shadow or not (a prompt's trie is built at its first feed)
         for update in ("add_group", "add_sequence", "remove_sequence", "remove_group"):
             timed(eng.drafter, update, "  of which lifecycle updates")
-    reqs = [eng.add_request(p, params) for p in prompts]
+    timed(eng, "add_request", "admission (add_request)")
     eng.step_times_ms.clear()
     profiler = cProfile.Profile() if args.cprofile else contextlib.nullcontext()
     with GcTimer() as gc_time, profiler:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # from admission on, as `rollout bench` times a run
+        reqs = [eng.add_request(p, params) for p in prompts]
         steps = 0
         while not all(r.finished for r in reqs):
             eng.step()
@@ -114,6 +128,9 @@ def main() -> None:
     p10, p50, p90 = (float(x) for x in np.percentile(eng.step_times_ms, [10, 50, 90]))
     print(f"  step ms p10 / p50 / p90       {p10:.3f} / {p50:.3f} / {p90:.3f}")
     print(f"  garbage collector            {gc_time.seconds * 1e3:.1f} ms in all")
+    print(f"  outside the steps' costs     {total * 1e3 - sum(eng.step_times_ms):.1f} ms in all")
+    slowest = sorted(range(len(eng.step_times_ms)), key=eng.step_times_ms.__getitem__, reverse=True)[:8]
+    print("  slowest steps (index: ms)    " + ", ".join(f"{i}: {eng.step_times_ms[i]:.2f}" for i in sorted(slowest)))
     if args.cprofile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
