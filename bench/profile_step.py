@@ -1,6 +1,7 @@
 """Where a decode step's time goes: GPU graph replay alone vs the engine's host phases.
 
     python bench/profile_step.py [--batch 1] [--spec off] [--workload repeat|grpo|sharegpt] [--temperature 0]
+                                 [--random-model llama3-8b]
                                  [--sharegpt-file F] [--build-chunk N] [--poll-every N]
                                  [--cprofile] [--no-overlap] [--no-skinny-gemm] [--no-pdl]
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import pstats
 import time
 from collections import defaultdict
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from rollout import Engine, SamplingParams
-from rollout.bench import GcTimer, workload_prompts
+from rollout.bench import GcTimer, speed_model_dir, workload_prompts
 from rollout.engine import freeze_heap
 
 
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="off")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--random-model", default=None, help="random weights of a speed shape (rollout bench's names)")
     ap.add_argument("--workload", choices=["repeat", "grpo", "sharegpt"], default="repeat")
     ap.add_argument("--sharegpt-file", default=None, help="sharegpt: a ShareGPT JSON/JSONL file")
     ap.add_argument("--build-chunk", type=int, default=None, help="prompt tokens built into a trie between polls")
@@ -58,8 +61,11 @@ def main() -> None:
 
     upkeep.BUILD_CHUNK = args.build_chunk or upkeep.BUILD_CHUNK
     upkeep.POLL_EVERY = args.poll_every or upkeep.POLL_EVERY
-    eng = Engine(model=args.model, spec=args.spec, kv_cache_tokens=200_000, overlap_schedule=not args.no_overlap,
-                 pdl=not args.no_pdl)
+    model, load_format = args.model, "auto"
+    if args.random_model:
+        model, load_format = speed_model_dir(args.random_model), "dummy"
+    eng = Engine(model=model, spec=args.spec, kv_cache_tokens=200_000, overlap_schedule=not args.no_overlap,
+                 pdl=not args.no_pdl, load_format=load_format)
     if args.workload in ("grpo", "sharegpt"):
         wl = argparse.Namespace(workload=args.workload, n=8, prompt_set="mixed", seed=0,
                                 sharegpt_file=args.sharegpt_file, max_prompt_len=1024)
@@ -76,6 +82,9 @@ def main() -> None:
     # host phases of the engine step, by wrapping the pieces it calls
     spent = defaultdict(float)
     calls = defaultdict(int)
+    # step index -> label -> seconds; a phase counts toward the step whose completion comes next,
+    # as the step's cost does (under the overlap schedule, a step's cost holds the next one's launch)
+    by_step = defaultdict(lambda: defaultdict(float))
 
     def timed(obj, name, label):
         fn = getattr(obj, name, None)
@@ -86,7 +95,9 @@ def main() -> None:
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            spent[label] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            spent[label] += dt
+            by_step[len(eng.step_times_ms)][label] += dt
             calls[label] += 1
             return out
 
@@ -97,6 +108,7 @@ def main() -> None:
         timed(eng.runner, layout, "layout")
     if eng.runner.graphs is not None:
         timed(eng.runner.graphs, "launch", "graph replay (launch)")
+    timed(eng.runner, "forward", "eager forward (launch)")
     timed(eng.runner, "_sample", "eager sample")
     timed(eng.runner, "_chain", "chain (inputs after a step in flight)")
     timed(eng.runner, "collect", "collect (wait + emit)")
@@ -111,6 +123,15 @@ def main() -> None:
         for update in ("add_group", "add_sequence", "remove_sequence", "remove_group"):
             timed(eng.drafter, update, "  of which lifecycle updates")
     timed(eng, "add_request", "admission (add_request)")
+    gc_began = [0.0]
+
+    def gc_by_step(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_began[0] = time.perf_counter()
+        else:
+            by_step[len(eng.step_times_ms)]["garbage collector"] += time.perf_counter() - gc_began[0]
+
+    gc.callbacks.append(gc_by_step)
     eng.step_times_ms.clear()
     profiler = cProfile.Profile() if args.cprofile else contextlib.nullcontext()
     with GcTimer() as gc_time, profiler:
@@ -131,6 +152,9 @@ def main() -> None:
     print(f"  outside the steps' costs     {total * 1e3 - sum(eng.step_times_ms):.1f} ms in all")
     slowest = sorted(range(len(eng.step_times_ms)), key=eng.step_times_ms.__getitem__, reverse=True)[:8]
     print("  slowest steps (index: ms)    " + ", ".join(f"{i}: {eng.step_times_ms[i]:.2f}" for i in sorted(slowest)))
+    for i in sorted(slowest)[:4]:  # where their time went (step 0's admissions are not in its cost)
+        phases = sorted(by_step[i].items(), key=lambda kv: -kv[1])
+        print(f"    step {i}: " + ", ".join(f"{label.strip()} {dt * 1e3:.2f}" for label, dt in phases if dt >= 5e-5))
     if args.cprofile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
