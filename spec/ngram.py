@@ -14,9 +14,9 @@ for one of ~94 tokens and several ms for a long chat prompt: built whole at admi
 would stall the first step of a large batch (64 prompts: 28-41 ms), and built whole when a
 step first drafts it would stall that step (one drafting step at 256 sequences took 8 ms).
 So a sample drafts only once its prompt's trie is `ready`; where the batch is too large to
-draft or the host has no shadow to build in, the trie is never built. A request that
-finishes before its trie was complete leaves no history: the trie would have held (part
-of) the prompt only.
+draft, the trie is not built, and a host with no shadow builds one chunk per step. A
+request that finishes before its trie was complete leaves no history: the trie would have
+held (part of) the prompt only.
 
 Memory: all tries share one node budget, which refuses creation at its limit. Before
 each insertion that might hit it, room is made down to a low-water mark: first the least

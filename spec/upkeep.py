@@ -16,7 +16,9 @@ only move the cost elsewhere, so a step's batch that did not fit into the shadow
 dropped, and a sequence that fell further behind than one step's tokens skips ahead: the
 skipped n-grams are never counted, and its match position is rebuilt from its last tokens.
 Drafts stay lossless (verification decides what is emitted); only the trie knows a little
-less. Lifecycle updates (a new prompt, a finished sample) are never dropped.
+less. A step with no shadow at all still builds one chunk of a prompt's trie, so that
+where every step is host-bound each trie is whole after a bounded number of steps.
+Lifecycle updates (a new prompt, a finished sample) are never dropped.
 
 A step whose batch is too large to draft at all (the verify limit leaves no draft token
 per sequence: 129 or more sequences by default) is not queued either. Its tokens would
@@ -76,14 +78,18 @@ class DrafterUpkeep:
         """Apply queued updates in order: all of them, or until `until()` says the device is done
         (lifecycle updates at the head of the queue are applied regardless)."""
         q = self._queue
+        progressed = False
         while q:
             op = q[0]
             if callable(op):  # lifecycle updates go through shadow or not, so none piles up
                 q.popleft()
                 op()
             elif until is not None and until():  # checked first: a host-bound step has no shadow at all
+                if not progressed:
+                    self._build_a_chunk(op)
                 return
             else:
+                progressed = True
                 batch, i = op
                 end = min(i + POLL_EVERY, len(batch))
                 while i < end and self.drafter.build(batch[i].seq_id, BUILD_CHUNK):
@@ -92,6 +98,15 @@ class DrafterUpkeep:
                 op[1] = i  # (short of `end`: a chunk of a prompt's trie was built, poll before the next)
                 if i == len(batch):
                     q.popleft()
+
+    def _build_a_chunk(self, op: list) -> None:
+        """A step with no shadow still builds one chunk of a prompt's trie, or where every step is
+        host-bound (eager steps, no CUDA graphs) no trie would ever be whole and nothing drafted."""
+        batch, i = op
+        for seq in batch[i:]:
+            if not self.drafter.ready(seq.seq_id):
+                self.drafter.build(seq.seq_id, BUILD_CHUNK)
+                return
 
     def drop_unfed_steps(self) -> None:
         """After a step's shadow: steps whose batch did not fit into it are not fed."""

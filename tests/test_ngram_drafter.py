@@ -351,6 +351,30 @@ def test_upkeep_builds_a_long_prompts_trie_a_chunk_per_poll_before_feeding_its_s
     assert drafter.ready(0) and [drafter.fed(s.seq_id) for s in seqs] == [len(prompt) + 1] * 2
 
 
+def test_upkeep_without_any_shadow_still_builds_a_chunk_per_step_and_feeds_nothing():
+    # where every step is host-bound (eager steps), tries must still become whole
+    from types import SimpleNamespace
+
+    from spec.upkeep import BUILD_CHUNK, DrafterUpkeep
+
+    prompt = list(range(100, 100 + 2 * BUILD_CHUNK + 1))  # three chunks
+    drafter = NgramDrafter()
+    upkeep = DrafterUpkeep(drafter, max_step_tokens=3)
+    upkeep.lifecycle(lambda: drafter.add_group("g", prompt))
+    seqs = [SimpleNamespace(seq_id=i, tokens=[*prompt, 7]) for i in range(2)]
+    for s in seqs:
+        upkeep.lifecycle(lambda s=s: drafter.add_sequence("g", s.seq_id))
+    built = []
+    for _ in range(4):
+        upkeep.step(seqs)
+        upkeep.apply(until=lambda: True)
+        upkeep.drop_unfed_steps()
+        built.append(drafter._live[tuple(prompt)].counted)
+    assert built == [BUILD_CHUNK, 2 * BUILD_CHUNK, len(prompt), len(prompt)] and drafter.ready(0)
+    assert [drafter.fed(s.seq_id) for s in seqs] == [len(prompt)] * 2  # no feeding without a shadow
+    assert len(upkeep) == 0
+
+
 def test_drafts_from_the_context_even_when_its_newest_tokens_are_not_yet_fed():
     # the engine proposes before the last step's tokens reach the trie (spec/upkeep.py)
     d = NgramDrafter()
