@@ -12,7 +12,7 @@
 #   the sync and grpo stages need .whl_server (fastapi, uvicorn, pyzmq, wandb and their needs): carry it then
 #   later:  bash bench/gpu_session.sh <stage>   (while the machine is warm; stages below)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | profile | probe-backoff | profile256 | speed | overlap | overlap-sampled | overlap-big | pdl | pdl-big | spec-history | history | phases | spec | big | sync | grpo}
+stage=${1:?stage: kernels | engine | profile | probe-backoff | prefill-cost | kernels-8b | prefill-launch | profile256 | speed | overlap | overlap-sampled | overlap-big | pdl | pdl-big | spec-history | history | phases | spec | big | sync | grpo}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -122,16 +122,46 @@ probe-backoff)  # probes backed off (HEAD) against f22a2a8 on ShareGPT; where n-
   grep -E "^batch|step ms|outside|admission|slowest|draft|shadow" "$OUT/profile-sharegpt-b64.log"
   rm -f "$OUT"/*.json "$OUT"/*/*.json "$OUT"/*/*.png
   ;;
-spec)  # the issue-4 table: n-gram against spec off, medians of 3
-  (for t in 0 0.6 1.0; do
-     echo "== arithmetic T=$t"
-     bench --workload grpo --prompt-set arithmetic --spec-modes off,ngram --batch-sizes 8,64 --temperature $t --output-len 256 --repeats 3 | grep runs
-   done
-   echo "== humaneval T=0"
-   bench --workload grpo --prompt-set humaneval --spec-modes off,ngram --batch-sizes 8,64 --temperature 0 --output-len 256 --repeats 3 | grep runs
-   echo "== sharegpt T=0"
-   bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1,64 --output-len 256 --repeats 3 | grep runs
-  ) 2>&1 | tee "$OUT/spec-issue4.log"
+prefill-cost)  # where n-gram mode's prefill steps go at sharegpt b64 (per-step phases); the 8B b1 graph's kernels
+  for spec in off ngram; do
+    python3 bench/profile_step.py --batch 64 --spec $spec --workload sharegpt --sharegpt-file $SHAREGPT
+  done > "$OUT/profile-sharegpt-b64.log" 2>&1
+  python3 bench/profile_step.py --random-model llama3-8b --batch 1 > "$OUT/profile-8b-b1.log" 2>&1
+  grep -E "^batch|step ms|outside|admission|slowest|step [0-9]+:|shadow|garbage" "$OUT/profile-sharegpt-b64.log"
+  grep -E "^batch|step ms|replay alone \(1, 1, False, 'greedy'\)|_kernel|gemm|Self CUDA" "$OUT/profile-8b-b1.log"
+  ;;
+kernels-8b)  # the 8B b1 graph's kernels without PDL (under it a kernel's time includes waiting for the one before), and its speed
+  python3 bench/profile_step.py --random-model llama3-8b --batch 1 --no-pdl > "$OUT/profile-8b-b1-nopdl.log" 2>&1
+  bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --repeats 3 \
+    | grep runs | tee "$OUT/bench-8b-b1.log"
+  grep -E "^batch|step ms|replay alone \(1, 1, False, 'greedy'\)|_kernel|gemm|Self CUDA" "$OUT/profile-8b-b1-nopdl.log"
+  rm -f "$OUT"/*.json "$OUT"/*.png
+  ;;
+prefill-launch)  # eager prefill steps: host against device time (with and without PDL), cuBLAS's host time
+  # per product, and the prefill steps of the T=1 64 x 8 workload in both spec modes
+  for flag in --no-pdl ""; do
+    echo "== ${flag:-pdl}"; python3 bench/prefill_launch.py $flag 2>&1 | grep -v -i warn
+  done > "$OUT/prefill-launch-pdl.log"
+  python3 bench/prefill_launch.py --products 2>&1 | grep -v -i warn | tee "$OUT/products.log"
+  for spec in off ngram; do
+    python3 bench/profile_step.py --workload grpo --batch 512 --temperature 1.0 --spec $spec 2>&1 | grep -v "replay alone"
+  done > "$OUT/profile-t1-512.log"
+  grep -E "aten::mm|aten::index|eager forward|^==" "$OUT/prefill-launch-pdl.log"
+  grep -E "^batch|step ms|slowest|step [0-9]+:" "$OUT/profile-t1-512.log"
+  ;;
+spec)  # the issue-4 table, n-gram against spec off, medians of 3. Parts (default all; four fit in one call):
+  # a temperature (arithmetic grpo), humaneval, sharegpt, e.g. `spec 0 0.6`
+  parts="${*:2}"
+  (for part in ${parts:-0 0.6 1.0 humaneval sharegpt}; do
+     case $part in
+     humaneval) echo "== humaneval T=0"
+       bench --workload grpo --prompt-set humaneval --spec-modes off,ngram --batch-sizes 8,64 --temperature 0 --output-len 256 --repeats 3 | grep runs ;;
+     sharegpt) echo "== sharegpt T=0"
+       bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1,64 --output-len 256 --repeats 3 | grep runs ;;
+     *) echo "== arithmetic T=$part"
+       bench --workload grpo --prompt-set arithmetic --spec-modes off,ngram --batch-sizes 8,64 --temperature $part --output-len 256 --repeats 3 | grep runs ;;
+     esac
+   done) 2>&1 | tee "$OUT/spec-issue4.log"
   rm -f "$OUT"/*.json "$OUT"/*.png  # the log is enough here, and at most 8 files come back
   ;;
 big)
