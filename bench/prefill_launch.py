@@ -11,12 +11,14 @@ torch's profiler, whose table of host time by operation comes first.
 
 `--products`: the host time of `F.linear` (bf16, the default model's four layer shapes, 30
 layers' weights) per call, when the row count M was seen before and when every pass over
-the layers brings a new one, as successive prefill steps do.
+the layers brings a new one, as successive prefill steps do; `--in-engine` runs them in a
+process with the engine built, on its model's weights, in inference mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import torch
@@ -37,11 +39,13 @@ def main() -> None:
                     help="torch.backends.cuda.preferred_blas_library for the products cuBLAS serves")
     ap.add_argument("--products", action="store_true", help="time cuBLAS's host cost per product instead")
     ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch (kernels/pdl.py)")
+    ap.add_argument("--in-engine", action="store_true",
+                    help="--products with an engine built, on its model's weights, in inference mode")
     args = ap.parse_args()
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     if args.products:
-        return product_host_time()
+        return product_host_time(args.in_engine)
     eng = Engine(spec="off", kv_cache_tokens=200_000, pdl=not args.no_pdl)
     tasks = arithmetic_tasks(args.prompts + args.running, seed=0)
     prompts = [chat_prompt_ids(eng.tokenizer, t.question) for t in tasks]
@@ -77,9 +81,14 @@ def main() -> None:
         print(f"eager forward of {tokens:5d} tokens: host {host:6.2f} ms, until the device is done {total:6.2f} ms")
 
 
-def product_host_time() -> None:
+def product_host_time(in_engine: bool) -> None:
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down (N, K)
     layers = [[torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for n, k in shapes] for _ in range(30)]
+    if in_engine:  # the same products in the engine's process, on its weights
+        eng = Engine(spec="off", kv_cache_tokens=20_000)
+        layers = [[lay.self_attn.qkv_proj.weight, lay.self_attn.o_proj.weight, lay.mlp.gate_up_proj.weight,
+                   lay.mlp.down_proj.weight] for lay in eng.model.model.layers]
+        print("threads:", [t.name for t in threading.enumerate()])
 
     def one_pass(m: int, between=None) -> float:
         """Host microseconds per product over the layers (`between(x)`: launched after each product)."""
@@ -96,23 +105,24 @@ def product_host_time() -> None:
         torch.cuda.synchronize()
         return spent / (len(layers) * len(shapes)) * 1e6
 
-    one_pass(600)
-    print(f"30 layers x 4 products, M = 600 again:          {one_pass(600):6.1f} us of host time per product")
-    print(f"30 layers x 4 products, M = 601 (new):           {one_pass(601):6.1f} us")
-    print(f"30 layers x 4 products, M = 601 again:          {one_pass(601):6.1f} us")
-    news = [one_pass(700 + m) for m in range(8)]
-    print(f"8 passes, a new M each (700-707), median:        {sorted(news)[4]:6.1f} us")
-    # as in the decoder, other kernels run between the products: a torch one, or one of ours (Triton)
-    torch_op = lambda y: y.mul_(1.0)  # noqa: E731
-    triton_op = lambda y: fused.rms_norm(y, torch.ones(y.shape[1], dtype=y.dtype, device="cuda"), 1e-5)  # noqa: E731
-    one_pass(600, torch_op)  # warm up (the Triton kernel compiles)
-    one_pass(600, triton_op)
-    print(f"M = 600, a torch kernel after each product:      {one_pass(600, torch_op):6.1f} us")
-    print(f"M = 600, a Triton kernel after each product:     {one_pass(600, triton_op):6.1f} us")
-    pdl.set_enabled(True)
-    one_pass(600, triton_op)
-    print(f"M = 600, the same launched with PDL:             {one_pass(600, triton_op):6.1f} us")
-    pdl.set_enabled(False)
+    with torch.inference_mode(in_engine):  # the engine launches its steps in inference mode
+        one_pass(600)
+        print(f"30 layers x 4 products, M = 600 again:          {one_pass(600):6.1f} us of host time per product")
+        print(f"30 layers x 4 products, M = 601 (new):           {one_pass(601):6.1f} us")
+        print(f"30 layers x 4 products, M = 601 again:          {one_pass(601):6.1f} us")
+        news = [one_pass(700 + m) for m in range(8)]
+        print(f"8 passes, a new M each (700-707), median:        {sorted(news)[4]:6.1f} us")
+        # as in the decoder, other kernels run between the products: a torch one, or one of ours (Triton)
+        torch_op = lambda y: y.mul_(1.0)  # noqa: E731
+        triton_op = lambda y: fused.rms_norm(y, torch.ones(y.shape[1], dtype=y.dtype, device="cuda"), 1e-5)  # noqa: E731
+        one_pass(600, torch_op)  # warm up (the Triton kernel compiles)
+        one_pass(600, triton_op)
+        print(f"M = 600, a torch kernel after each product:      {one_pass(600, torch_op):6.1f} us")
+        print(f"M = 600, a Triton kernel after each product:     {one_pass(600, triton_op):6.1f} us")
+        pdl.set_enabled(True)
+        one_pass(600, triton_op)
+        print(f"M = 600, the same launched with PDL:             {one_pass(600, triton_op):6.1f} us")
+        pdl.set_enabled(False)
 
 
 if __name__ == "__main__":
