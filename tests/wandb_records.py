@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32768
@@ -28,7 +29,7 @@ def records(path: Path):
             pos += room
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
-        if kind == 0:
+        if kind == 0 or pos + HEADER + length > len(data):  # the end, or a record still being written
             break
         payload = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
@@ -39,9 +40,16 @@ def records(path: Path):
             yield rec
 
 
-def history(run_dir: Path) -> list[dict]:
-    """Every logged row of the run in `run_dir` (an offline-run-* directory), in order."""
+def history(run_dir: Path, timeout_s: float = 30.0) -> list[dict]:
+    """Every logged row of the run in `run_dir` (an offline-run-* directory), in order.
+
+    Waits for the run's exit record, the file's last: W&B's service may still be writing the
+    file when `finish()` has returned (once, under a loaded CI machine, no row was there yet)."""
     (run_file,) = Path(run_dir).glob("run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while not any(rec.WhichOneof("record_type") == "exit" for rec in records(run_file)):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after {timeout_s} s"
+        time.sleep(0.1)
     rows = []
     for rec in records(run_file):
         if rec.WhichOneof("record_type") == "history":
