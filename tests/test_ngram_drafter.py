@@ -325,18 +325,27 @@ def test_upkeep_feeds_what_fits_skips_ahead_when_behind_and_never_drops_lifecycl
     assert trie.count_of([3, 10]) == POLL_EVERY
 
 
-def test_upkeep_builds_a_long_prompts_trie_a_chunk_per_poll_before_feeding_its_samples():
+def _upkeep_of_two_samples(prompt_chunks: int):
+    """An upkeep with one prompt of `prompt_chunks` build chunks (the last one a single token)
+    and two samples that have each emitted one token, none of it applied yet."""
     from types import SimpleNamespace
 
     from spec.upkeep import BUILD_CHUNK, DrafterUpkeep
 
-    prompt = list(range(100, 100 + 3 * BUILD_CHUNK + 1))  # four chunks
+    prompt = list(range(100, 100 + (prompt_chunks - 1) * BUILD_CHUNK + 1))
     drafter = NgramDrafter()
     upkeep = DrafterUpkeep(drafter, max_step_tokens=3)
     upkeep.lifecycle(lambda: drafter.add_group("g", prompt))
     seqs = [SimpleNamespace(seq_id=i, tokens=[*prompt, 7]) for i in range(2)]
     for s in seqs:
         upkeep.lifecycle(lambda s=s: drafter.add_sequence("g", s.seq_id))
+    return prompt, drafter, upkeep, seqs
+
+
+def test_upkeep_builds_a_long_prompts_trie_a_chunk_per_poll_before_feeding_its_samples():
+    from spec.upkeep import BUILD_CHUNK
+
+    prompt, drafter, upkeep, seqs = _upkeep_of_two_samples(prompt_chunks=4)
     upkeep.step(seqs)
     built = []
     for _ in range(3):  # a shadow of one poll builds one chunk, and the step is dropped after it
@@ -353,17 +362,9 @@ def test_upkeep_builds_a_long_prompts_trie_a_chunk_per_poll_before_feeding_its_s
 
 def test_upkeep_without_any_shadow_still_builds_a_chunk_per_step_and_feeds_nothing():
     # where every step is host-bound (eager steps), tries must still become whole
-    from types import SimpleNamespace
+    from spec.upkeep import BUILD_CHUNK
 
-    from spec.upkeep import BUILD_CHUNK, DrafterUpkeep
-
-    prompt = list(range(100, 100 + 2 * BUILD_CHUNK + 1))  # three chunks
-    drafter = NgramDrafter()
-    upkeep = DrafterUpkeep(drafter, max_step_tokens=3)
-    upkeep.lifecycle(lambda: drafter.add_group("g", prompt))
-    seqs = [SimpleNamespace(seq_id=i, tokens=[*prompt, 7]) for i in range(2)]
-    for s in seqs:
-        upkeep.lifecycle(lambda s=s: drafter.add_sequence("g", s.seq_id))
+    prompt, drafter, upkeep, seqs = _upkeep_of_two_samples(prompt_chunks=3)
     built = []
     for _ in range(4):
         upkeep.step(seqs)
