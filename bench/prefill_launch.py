@@ -115,14 +115,17 @@ def product_host_time(in_engine: bool) -> None:
         # as in the decoder, other kernels run between the products: a torch one, or one of ours (Triton)
         torch_op = lambda y: y.mul_(1.0)  # noqa: E731
         triton_op = lambda y: fused.rms_norm(y, torch.ones(y.shape[1], dtype=y.dtype, device="cuda"), 1e-5)  # noqa: E731
-        one_pass(600, torch_op)  # warm up (the Triton kernel compiles)
-        one_pass(600, triton_op)
+        pdl_before = pdl.enabled()  # (an engine turns it on)
+        one_pass(600, torch_op)  # warm up (the Triton kernel compiles, with and without PDL)
+        for on in (False, True):
+            pdl.set_enabled(on)
+            one_pass(600, triton_op)
         print(f"M = 600, a torch kernel after each product:      {one_pass(600, torch_op):6.1f} us")
+        pdl.set_enabled(False)
         print(f"M = 600, a Triton kernel after each product:     {one_pass(600, triton_op):6.1f} us")
         pdl.set_enabled(True)
-        one_pass(600, triton_op)
         print(f"M = 600, the same launched with PDL:             {one_pass(600, triton_op):6.1f} us")
-        pdl.set_enabled(False)
+        pdl.set_enabled(pdl_before)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import gc
 import pstats
 import time
 from collections import defaultdict
@@ -123,18 +122,12 @@ def main() -> None:
         for update in ("add_group", "add_sequence", "remove_sequence", "remove_group"):
             timed(eng.drafter, update, "  of which lifecycle updates")
     timed(eng, "add_request", "admission (add_request)")
-    gc_began = [0.0]
 
-    def gc_by_step(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_began[0] = time.perf_counter()
-        else:
-            by_step[len(eng.step_times_ms)]["garbage collector"] += time.perf_counter() - gc_began[0]
-
-    gc.callbacks.append(gc_by_step)
+    def gc_by_step(seconds: float) -> None:
+        by_step[len(eng.step_times_ms)]["garbage collector"] += seconds
     eng.step_times_ms.clear()
     profiler = cProfile.Profile() if args.cprofile else contextlib.nullcontext()
-    with GcTimer() as gc_time, profiler:
+    with GcTimer(on_pause=gc_by_step) as gc_time, profiler:
         t0 = time.perf_counter()  # from admission on, as `rollout bench` times a run
         reqs = [eng.add_request(p, params) for p in prompts]
         steps = 0
@@ -152,7 +145,7 @@ def main() -> None:
     print(f"  outside the steps' costs     {total * 1e3 - sum(eng.step_times_ms):.1f} ms in all")
     slowest = sorted(range(len(eng.step_times_ms)), key=eng.step_times_ms.__getitem__, reverse=True)[:8]
     print("  slowest steps (index: ms)    " + ", ".join(f"{i}: {eng.step_times_ms[i]:.2f}" for i in sorted(slowest)))
-    for i in sorted(slowest)[:4]:  # where their time went (step 0's admissions are not in its cost)
+    for i in sorted(slowest[:4]):  # where the 4 slowest went (step 0's admissions are not in its cost)
         phases = sorted(by_step[i].items(), key=lambda kv: -kv[1])
         print(f"    step {i}: " + ", ".join(f"{label.strip()} {dt * 1e3:.2f}" for label, dt in phases if dt >= 5e-5))
     if args.cprofile:

@@ -17,6 +17,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -132,7 +133,11 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
 
 
 class GcTimer:
-    """Wall time spent in Python's cyclic garbage collector while the block runs."""
+    """Wall time spent in Python's cyclic garbage collector while the block runs; `on_pause`, if
+    given, is also called with each collection's seconds."""
+
+    def __init__(self, on_pause: Callable[[float], None] | None = None):
+        self.on_pause = on_pause
 
     def __enter__(self) -> GcTimer:
         self.seconds, self._began = 0.0, 0.0
@@ -146,7 +151,10 @@ class GcTimer:
         if phase == "start":
             self._began = time.perf_counter()
         else:
-            self.seconds += time.perf_counter() - self._began
+            pause = time.perf_counter() - self._began
+            self.seconds += pause
+            if self.on_pause is not None:
+                self.on_pause(pause)
 
 
 def median_rows(runs: list[Row]) -> list[Row]:

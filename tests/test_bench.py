@@ -3,6 +3,8 @@
 import gc
 import json
 
+import pytest
+
 from rollout.bench import GcTimer
 from rollout.cli import main
 
@@ -26,8 +28,11 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
 
 
 def test_gc_timer_times_collections_only_inside_its_block():
-    with GcTimer() as timer:
+    pauses = []
+    with GcTimer(on_pause=pauses.append) as timer:
+        gc.collect()
         gc.collect()
     inside = timer.seconds
     gc.collect()
     assert inside > 0 and timer.seconds == inside
+    assert len(pauses) >= 2 and sum(pauses) == pytest.approx(inside)  # each collection, reported as it ends
