@@ -117,20 +117,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     from rollout.bench import add_bench_parser
     add_bench_parser(sub)
-    try:
+    missing = _missing_server_package()
+    if missing is None:
         from rollout.server import add_serve_parser
-    except ImportError as e:  # a machine without the server's packages can still generate and bench
-        missing = e.name
-        s = sub.add_parser("serve", help=f"unavailable: {missing} is not installed")
-        s.set_defaults(func=lambda _: sys.exit(f"rollout serve needs {missing}: pip install fastapi uvicorn pyzmq"))
-    else:
+
         add_serve_parser(sub)
+    else:  # a machine without the server's packages can still generate and bench
+        sub.add_parser("serve", help=f"unavailable: {missing} is not installed", add_help=False)
     return parser
 
 
+def _missing_server_package() -> str | None:
+    try:
+        import rollout.server  # noqa: F401
+    except ImportError as e:
+        return e.name
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"] and (missing := _missing_server_package()) is not None:  # whatever its arguments
+        sys.exit(f"rollout serve needs the package {missing}: pip install fastapi uvicorn pyzmq msgpack")
     args = build_parser().parse_args(argv)
-    args.command_line = "rollout " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.command_line = "rollout " + " ".join(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -41,7 +41,7 @@ class Sample:
     prompt_tokens: int
     weight_version: str  # the server's weight version when the sample finished
     rid: str
-    spec: dict = field(default_factory=dict)  # verify_ct, accept_length, draft_tokens, accepted_tokens
+    spec: dict = field(default_factory=dict)  # verify_ct, accept_length, draft_token_num, accept_token_num
 
     @classmethod
     def from_result(cls, r: dict) -> "Sample":

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+
+
+INT64_MAX = 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # the most likely tokens reported per output token, at most (as OpenAI's API)
+GREEDY_BELOW = 1e-6  # a temperature below this is greedy (SGLang's rule): logits / T would overflow
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling; names follow SGLang's `sampling_params`.
+    """Per-request sampling; names and meanings follow SGLang's `sampling_params`.
 
-    Logprobs are those of the distribution each token was drawn from: softmax(logits / T)
-    restricted to the top-k / top-p / min-p set and renormalized; raw log-softmax for greedy.
+    Logits are processed in this order: repetition penalty (prompt and output tokens; a
+    positive logit is divided by it, a negative one multiplied), frequency and presence
+    penalties (output tokens), logit bias, and until `min_new_tokens` are out the stop
+    tokens are banned; then temperature and top-k / top-p / min-p. Logprobs are those of
+    the distribution each token was drawn from, after all of that; raw log-softmax (of the
+    processed logits) for greedy.
     """
 
     n: int = 1
@@ -19,45 +29,83 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # no stop (token or string) ends a sample before this many tokens
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0  # [-2, 2], times each output token's count
+    presence_penalty: float = 0.0  # [-2, 2], once for every token in the output
+    repetition_penalty: float = 1.0  # (0, 2], for every token in the prompt or the output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep a matched stop string at the end of the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        self.logit_bias = self.logit_bias or None
         self.validate()
+        if 0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
 
     def validate(self) -> None:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"sampling_params.{name} {why} (got {getattr(self, name)!r})")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", "must be an integer >= 1")
-        if not self.temperature >= 0:
-            fail("temperature", "must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
+        def integer(name: str, low: int, high: int = INT64_MAX) -> None:
+            v = getattr(self, name)
+            if not _is_int(v) or not low <= v <= high:
+                fail(name, f"must be an integer in [{low}, {high}]")
+
+        def number(name: str, ok) -> bool:
+            v = getattr(self, name)
+            return _is_number(v) and ok(v)
+
+        integer("n", 1)
+        if not number("temperature", lambda t: t >= 0):
+            fail("temperature", "must be a number >= 0 (0 = greedy)")
+        if not number("top_p", lambda p: 0 < p <= 1):
             fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail("top_k", "must be -1 (off) or a positive integer")
-        if not 0 <= self.min_p <= 1:
+        integer("top_k", -1)
+        if not number("min_p", lambda p: 0 <= p <= 1):
             fail("min_p", "must be in [0, 1]")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            fail("max_new_tokens", "must be an integer >= 1")
+        integer("max_new_tokens", 1)
+        integer("min_new_tokens", 0, self.max_new_tokens if _is_int(self.max_new_tokens) else INT64_MAX)
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be a non-empty string or a list of them")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail("stop_token_ids", "must be a list of non-negative token ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed <= INT64_MAX):
+            fail("seed", "must be a 64-bit integer")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not number(name, lambda p: -2 <= p <= 2):
+                fail(name, "must be in [-2, 2]")
+        if not number("repetition_penalty", lambda p: 0 < p <= 2):
+            fail("repetition_penalty", "must be in (0, 2]")
+        for token, bias in (self.logit_bias or {}).items():
+            if not (0 <= token <= INT64_MAX and _is_number(bias) and -100 <= bias <= 100):
+                fail("logit_bias", "must map token ids to numbers in [-100, 100]")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be true or false")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits are edited before sampling (penalties, bias, min_new_tokens)."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+            or self.logit_bias or self.min_new_tokens
+        )
 
     @classmethod
     def from_dict(cls, raw: dict) -> "SamplingParams":
@@ -66,6 +114,23 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling_params field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**raw)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _token_key(k) -> int:
+    """A logit_bias key: a token id, or its decimal string (JSON object keys are strings)."""
+    if _is_int(k):
+        return k
+    if isinstance(k, str) and k.strip().isdigit():
+        return int(k)
+    raise ValueError(f"sampling_params.logit_bias keys must be token ids (got {k!r})")
 
 
 @dataclass
@@ -102,7 +167,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped at 8192
     max_running_seqs: int = 256
     max_prefill_tokens: int = 4096  # tokens per step across prefill chunks
-    kv_cache_tokens: int | None = None  # default: from kv_cache_memory_fraction (CUDA) or 64k tokens (CPU)
+    kv_cache_tokens: int | None = None  # default: from kv_cache_memory_fraction (CUDA) or 16,384 tokens (CPU)
     kv_cache_memory_fraction: float = 0.85
     cuda_graphs: bool = True
     overlap_schedule: bool = True  # launch each decode step before the host has the previous step's tokens

@@ -95,6 +95,14 @@ class CudaGraphs:
         self.max_context = runner.pool.max_context
         self._graphs: dict[tuple[int, int, bool, str], _Graph] = {}
 
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._mempool = torch.cuda.graph_pool_handle()
+
     def shape(self, lay: "StepLayout", mode: str) -> tuple[int, int, bool, str] | None:
         """The captured shape serving this layout, or None (too large: run eagerly)."""
         num_seqs = len(lay.seq_rows)

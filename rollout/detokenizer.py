@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from rollout.config import SamplingParams
 
-def final_text(tokenizer, ids: list[int], matched_stop: int | str | None, skip_special_tokens: bool = True) -> str:
-    """The text `Engine.output` gives: the decoded ids, cut before a matched stop string."""
-    return trim_at_stop(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), matched_stop)
+
+def final_text(tokenizer, ids: list[int], matched_stop: int | str | None, params: SamplingParams) -> str:
+    """The text `Engine.output` gives: the decoded ids, cut before a matched stop string (unless no_stop_trim)."""
+    text = decode(tokenizer, ids, params)
+    return text if params.no_stop_trim else trim_at_stop(text, matched_stop)
+
+
+def decode(tokenizer, ids: list[int], params: SamplingParams) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                            spaces_between_special_tokens=params.spaces_between_special_tokens)
 
 
 def trim_at_stop(text: str, matched_stop: int | str | None) -> str:
@@ -22,10 +30,10 @@ class StreamDetokenizer:
     as a stop string could still claim.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+    def __init__(self, tokenizer, params: SamplingParams):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.holdback = max((len(s) for s in stop or []), default=1) - 1
+        self.params = params
+        self.holdback = 0 if params.no_stop_trim else max((len(s) for s in params.stop), default=1) - 1
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] is the context for the next window
         self.read_offset = 0
         self.text = ""  # decoded so far
@@ -34,7 +42,7 @@ class StreamDetokenizer:
     def update(self, ids: list[int], finish: dict | None = None) -> str:
         """The new text after `ids` (the whole output so far); `finish` from the last update."""
         if finish is not None:
-            full = final_text(self.tokenizer, ids, finish.get("matched"), self.skip_special_tokens)
+            full = final_text(self.tokenizer, ids, finish.get("matched"), self.params)
             delta = full[self.sent :] if full.startswith(self.text[: self.sent]) else ""
             self.sent = len(full)
             return delta
@@ -49,4 +57,4 @@ class StreamDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        return decode(self.tokenizer, ids, self.params) if ids else ""

@@ -8,13 +8,14 @@ applying stop conditions token by token so that speculation never changes the ou
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
 import random
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
@@ -23,7 +24,8 @@ from transformers import AutoTokenizer
 
 from kernels import pdl
 from kernels.attention import create_backend
-from rollout.config import EngineConfig, SamplingParams, SpecConfig
+from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig
+from rollout.detokenizer import final_text
 from rollout.kv_pool import KVPool
 from rollout.model_config import ModelConfig
 from rollout.model_loader import build_model, load_checkpoint, randomize, resolve_model_path
@@ -40,6 +42,7 @@ log = logging.getLogger("rollout")
 
 DEFAULT_CPU_KV_TOKENS = 16384
 DEFAULT_MAX_MODEL_LEN = 8192
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names
 
 
 def freeze_heap() -> None:
@@ -78,6 +81,8 @@ class Output:
     weight_versions: list[int]
     spec: dict
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV this sample took from its request's prefill (its forks')
+    top_logprobs: list[tuple[list[int], list[float]]] | None = field(default=None, repr=False)  # per token, if asked
 
 
 class Engine:
@@ -132,19 +137,7 @@ class Engine:
             count = self.runner.graphs.capture_all(speculation=cfg.spec.enabled)
             log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
 
-        spec_cfg = cfg.spec
-        self.drafter = None
-        if spec_cfg.enabled:
-            self.drafter = NgramDrafter(
-                NgramConfig(
-                    min_match=spec_cfg.min_match,
-                    max_match=spec_cfg.max_match,
-                    max_trie_nodes=spec_cfg.max_trie_nodes,
-                    share_siblings=spec_cfg.share_siblings,
-                )
-            )
-            self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens, spec_cfg.adaptive)
-            self.upkeep = DrafterUpkeep(self.drafter, max_step_tokens=spec_cfg.max_draft_tokens + 1)
+        self._build_speculation()
 
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -159,7 +152,39 @@ class Engine:
         self._seq_ids = itertools.count()
         self._rids = itertools.count()
         self._weight_sync_s = 0.0
+        self._editing_logits = 0  # live requests whose logits are edited: their steps need the host's tokens
+        self.released: set[str] = set()  # memory let go by release_memory: nothing runs until it is back
         self.reset_stats()
+
+    def _build_speculation(self) -> None:
+        spec_cfg = self.config.spec
+        self.drafter = None
+        if spec_cfg.enabled:
+            self.drafter = NgramDrafter(
+                NgramConfig(
+                    min_match=spec_cfg.min_match,
+                    max_match=spec_cfg.max_match,
+                    max_trie_nodes=spec_cfg.max_trie_nodes,
+                    share_siblings=spec_cfg.share_siblings,
+                )
+            )
+            self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens, spec_cfg.adaptive)
+            self.upkeep = DrafterUpkeep(self.drafter, max_step_tokens=spec_cfg.max_draft_tokens + 1)
+
+    def recover(self) -> list[Request]:
+        """After a step raised: drop every request and start over with an empty KV pool (the model
+        and its weights are untouched). Returns the requests dropped, for their callers to fail."""
+        dropped = list(self.requests.values())
+        self.requests.clear()
+        self._updated, self._ended, self._in_flight = {}, {}, None
+        self._editing_logits = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.pool.reset()
+        self.runner.reset()
+        self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.config.max_prefill_tokens)
+        self._build_speculation()  # (its history too: it may hold what broke the step)
+        return dropped
 
     # ---------------- requests ----------------
     def add_request(
@@ -168,12 +193,15 @@ class Engine:
         params: SamplingParams | None = None,
         rid: str | None = None,
         return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> Request:
-        params = params or SamplingParams()
+        params = self._checked(params or SamplingParams())
         prompt_ids = self._encode(prompt)
         rid = rid if rid is not None else f"req-{next(self._rids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
+        if not (isinstance(top_logprobs_num, int) and 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {top_logprobs_num!r})")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -187,7 +215,7 @@ class Engine:
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        req = Request(rid, prompt_ids, params, seed, return_logprob, stop_ids=stop_ids,
+        req = Request(rid, prompt_ids, params, seed, return_logprob, top_logprobs_num, stop_ids=stop_ids,
                       max_len=len(prompt_ids) + params.max_new_tokens)  # within max_model_len, checked above
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), req, i, sequence_key(seed, i), list(prompt_ids), len(prompt_ids))
@@ -195,6 +223,7 @@ class Engine:
         leader, *forks = req.sequences
         leader.forks = forks
         self.requests[rid] = req
+        self._editing_logits += params.processes_logits
         self.scheduler.add(leader)
         if self.drafter is not None:
             rolled_out_before = self.drafter.knows_prompt(prompt_ids)
@@ -204,6 +233,24 @@ class Engine:
                 if rolled_out_before:
                     self.budget.offer_first_look(seq.seq_id)
         return req
+
+    def _checked(self, params: SamplingParams) -> SamplingParams:
+        """The request's params, checked against what this engine can ever run."""
+        vocab = self.model_config.vocab_size
+        if params.n > self.config.max_running_seqs:
+            raise ValueError(
+                f"sampling_params.n ({params.n}) exceeds the {self.config.max_running_seqs} sequences the engine runs "
+                "at once (--max-running-seqs); send at most that many samples per request"
+            )
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"sampling_params.stop_token_ids must be in [0, {vocab}) (got {bad[0]})")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"sampling_params.logit_bias keys must be token ids in [0, {vocab}) (got {bad[0]})")
+        if params.top_k >= vocab:  # keeps every token: no truncation at all
+            params = dataclasses.replace(params, top_k=-1)
+        return params
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -247,6 +294,8 @@ class Engine:
         host to know the tokens, so the pipeline drains before them. The drafter is fed in the
         device's shadow (see spec/upkeep.py).
         """
+        if self.released:
+            raise MemoryStateError(f"memory released ({', '.join(sorted(self.released))}): resume it before stepping")
         updated, self._updated = self._updated, {}
         began = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
@@ -255,7 +304,8 @@ class Engine:
         # A decode batch scheduled while a decode step is in flight holds only sequences of that
         # step: sequences join the running batch only when a prefill step completes, and prefill
         # steps never stay in flight (StepInFlight.draw_index fails loudly otherwise).
-        if prev is not None and batch is not None and not batch.is_prefill and not wanted:
+        # (A step whose logits are edited needs every earlier token on the host: rollout/logits_processing.py.)
+        if prev is not None and batch is not None and not batch.is_prefill and not wanted and not self._editing_logits:
             self._in_flight = Launched(self.runner.launch(batch, {}, after=prev.step), began)
             self._complete(prev, updated)
             if all(item.seq.finished for item in batch.items):  # nothing left to wait for
@@ -348,6 +398,7 @@ class Engine:
         for req in ended.values():  # (only these can have finished: asking every updated request costs)
             if req.finished and self.requests.get(req.rid) is req:
                 del self.requests[req.rid]
+                self._editing_logits -= req.params.processes_logits
                 if self.drafter is not None:
                     self.upkeep.lifecycle(partial(self.drafter.remove_group, req.rid))
         if self.drafter is not None and not self.has_work:
@@ -397,6 +448,12 @@ class Engine:
                 reason = self._stop_reason(seq, token, req)
                 if reason is not None:
                     break
+        if req.params.processes_logits:
+            counts = seq.output_counts
+            for token in tokens[len(tokens) - appended :]:
+                counts[token] = counts.get(token, 0) + 1
+        if e.top is not None:
+            seq.top_logprobs.extend(e.top[:appended])
         self._output_tokens += appended
         if e.drafted:
             seq.spec.record(e.source, e.drafted, e.accepted, appended)
@@ -413,17 +470,18 @@ class Engine:
             self._finish(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int, req: Request) -> str | None:
-        if token in req.stop_ids:
-            seq.matched_stop = token
-            return "stop"
-        stop = req.params.stop
-        if stop:
-            window = max(len(s) for s in stop) + 2
-            tail = self.tokenizer.decode(seq.output_ids[-window:])
-            hit = next((s for s in stop if s in tail), None)
-            if hit is not None:
-                seq.matched_stop = hit
+        if seq.num_output >= req.params.min_new_tokens:
+            if token in req.stop_ids:
+                seq.matched_stop = token
                 return "stop"
+            stop = req.params.stop
+            if stop:
+                window = max(len(s) for s in stop) + 2
+                tail = self.tokenizer.decode(seq.output_ids[-window:])
+                hit = next((s for s in stop if s in tail), None)
+                if hit is not None:
+                    seq.matched_stop = hit
+                    return "stop"
         if len(seq.tokens) >= req.max_len:
             return "length"
         return None
@@ -456,10 +514,7 @@ class Engine:
         return [[self.output(s) for s in r.sequences] for r in reqs]
 
     def output(self, seq: Sequence) -> Output:
-        params = seq.request.params
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
-        if isinstance(seq.matched_stop, str):
-            text = text[: text.find(seq.matched_stop)] if seq.matched_stop in text else text
+        text = final_text(self.tokenizer, seq.output_ids, seq.matched_stop, seq.request.params)
         return Output(
             token_ids=list(seq.output_ids),
             logprobs=list(seq.logprobs) if seq.request.return_logprob else None,
@@ -469,6 +524,8 @@ class Engine:
             weight_versions=list(seq.weight_versions),
             spec=seq.spec.as_dict(),
             prompt_tokens=seq.num_prompt,
+            cached_tokens=seq.cached_tokens,
+            top_logprobs=list(seq.top_logprobs) if seq.request.top_logprobs_num else None,
         )
 
     # ---------------- weights ----------------
@@ -510,6 +567,45 @@ class Engine:
         if version <= self.weight_version:
             log.warning("weight version %d is not above the current %d", version, self.weight_version)
         self.weight_version = version
+
+    # ---------------- memory (a colocated trainer's turn on the GPU) ----------------
+    def release_memory(self, tags: Iterable[str] | None = None) -> dict:
+        """Let go of GPU memory while no sequence holds KV: `kv_cache` (the KV pool), `weights` (moved
+        to pinned host memory), `cuda_graph` (the captured graphs and their pool; releasing either of
+        the others drops them too, as they hold those addresses). None: all. Nothing runs until all
+        is back; requests that arrive meanwhile wait."""
+        tags = _memory_tags(tags)
+        if self.pool.used_slots:
+            raise MemoryStateError(f"{len(self.scheduler.running)} sequence(s) hold KV cache: abort them or wait "
+                                   "(pause_generation) before releasing memory")
+        if self.runner.graphs is None:
+            tags.discard("cuda_graph")
+        before = _device_bytes(self.device)
+        new = tags - self.released
+        if new:
+            self.runner.drop_graphs()
+        if "kv_cache" in new:
+            self.pool.free_memory()
+        if "weights" in new:
+            self.model.to_host()
+        self.released |= tags
+        _empty_device_cache(self.device)
+        return {"released": sorted(self.released), "freed_bytes": before - _device_bytes(self.device)}
+
+    def resume_memory(self, tags: Iterable[str] | None = None) -> dict:
+        """Take back what `release_memory` let go (None: all); graphs are captured again once nothing
+        is released any more."""
+        tags = _memory_tags(tags) & self.released
+        before = _device_bytes(self.device)
+        if "weights" in tags:
+            self.model.to(self.device)
+        if "kv_cache" in tags:
+            self.pool.allocate()
+        self.released -= tags
+        graphs = self.runner.graphs
+        if not self.released and graphs is not None and not graphs.captured:
+            graphs.capture_all(speculation=self.config.spec.enabled)
+        return {"released": sorted(self.released), "allocated_bytes": _device_bytes(self.device) - before}
 
     def invalidate_kv(self) -> None:
         """Drop every cached KV entry; running and half-prefilled sequences are recomputed."""
@@ -570,6 +666,30 @@ class Engine:
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * self.config.kv_cache_memory_fraction) // per_token
+
+
+class MemoryStateError(RuntimeError):
+    """Memory cannot be released now (requests in flight); the HTTP answer is 409."""
+
+    status = 409
+
+
+def _memory_tags(tags: Iterable[str] | None) -> set[str]:
+    tags = set(MEMORY_TAGS if tags is None else tags)
+    unknown = tags - set(MEMORY_TAGS)
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {sorted(unknown)}: choose from {', '.join(MEMORY_TAGS)}")
+    return tags
+
+
+def _device_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _without_finished(batch: Batch | None) -> Batch | None:

@@ -1,10 +1,16 @@
-"""The front end's handle on the engine process: start it, feed it, hear back, notice its death.
+"""The front end's handle on the engine process: start it, feed it, hear back, restart it.
 
 `EngineClient` owns the subprocess (`python -m rollout.engine_loop`) and the two ZMQ pipes
 (rollout.protocol). Requests are queued with `submit()` and go out together at the end of
 the event-loop tick; one receive task turns `out` messages into `RequestState` updates and
-`ctl_reply` messages into the results of `control()` calls. When the process exits, every
-waiting request and control call fails at once with `EngineDead`.
+`ctl_reply` messages into the results of `control()` calls, and notes when it last heard
+from the engine (it beats while idle), which is what `/health` reads.
+
+When the process exits, every waiting request and control call fails at once with
+`EngineDead`, and a new engine process starts (after a back-off if the last one died
+young). It loads the weights most recently loaded from disk (`/update_weights_from_disk`)
+under their version, or the model's own: weights pushed over the network or by IPC died
+with the old process, and the version it reports says which weights it serves.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,7 +42,12 @@ class EngineDead(RuntimeError):
 
 
 class EngineRefused(ValueError):
-    """The engine rejected a request (e.g. it needs more KV than the pool holds)."""
+    """The engine rejected a request (status 400, e.g. it needs more KV than the pool holds) or
+    failed while running it (status 500; the engine went on with the others)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class ControlError(RuntimeError):
@@ -49,8 +61,10 @@ class SampleState:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     versions: list[str] = field(default_factory=list)  # per token, as reported (weight_version labels)
+    top: list | None = None  # per token: ([ids], [logprobs]) of the most likely tokens (top_logprobs_num > 0)
     finish: dict | None = None  # {"type": stop|length|abort, "matched": ...} once finished
     spec: dict = field(default_factory=dict)
+    cached_tokens: int = 0
     weight_version: str = "0"  # the engine's version (as reported) at this sample's latest update
 
 
@@ -63,6 +77,7 @@ class RequestState:
     prompt_tokens: int
     max_new_tokens: int
     return_logprob: bool
+    top_logprobs_num: int
     stream: asyncio.Queue | None  # streaming: gets (state, sample index) after each update, (state, None) on error
     done: asyncio.Future
     samples: list[SampleState] = field(default_factory=list)
@@ -72,15 +87,25 @@ class RequestState:
         return self.done.done()
 
 
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # delay before the k-th restart in a row
+STABLE_S = 60.0  # an engine that lived this long resets the back-off
+
+
 class EngineClient:
-    def __init__(self, config: EngineConfig, log_level: str = "info"):
+    def __init__(self, config: EngineConfig, log_level: str = "info", restart: bool = True):
         self.config = config
         self.log_level = log_level
+        self.restart = restart
         self.info: dict = {}
         self.weight_version = "0"  # the engine's, as of its latest message
         self.requests: dict[str, RequestState] = {}
-        self.dead: str | None = None  # why, once the engine is gone
+        self.dead: str | None = None  # why, while no engine answers
         self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.last_heard = 0.0  # time.monotonic() of the engine's latest message
+        self._restore: dict | None = None  # the weights a restarted engine loads: {"model_path", "weight_version"}
+        self._stopping = False
+        self._ready: asyncio.Future | None = None
         self._controls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
         self._outbox: list[dict] = []  # messages waiting for the end of this tick
@@ -105,7 +130,7 @@ class EngineClient:
     # ---------------- life cycle ----------------
     def spawn(self) -> None:
         """Start the engine process (it loads the model meanwhile; `start()` waits for it)."""
-        if self.proc is not None:
+        if self.proc is not None and self.proc.poll() is None:
             return
         cmd = [
             sys.executable, "-m", "rollout.engine_loop",
@@ -113,31 +138,73 @@ class EngineClient:
             "--recv", self._to_engine, "--send", self._from_engine,
             "--parent-pid", str(os.getpid()), "--log-level", self.log_level,
         ]  # fmt: skip
+        if self._restore is not None:
+            cmd += ["--restore", json.dumps(self._restore)]
         # Its own session: a terminal's Ctrl-C reaches only the front end, which then stops it in order.
         self.proc = subprocess.Popen(cmd, start_new_session=True)
 
     async def start(self, timeout: float = 1800.0) -> dict:
-        """Spawn the engine process if needed and wait until its model is loaded; returns its info."""
+        """Spawn the engine process if needed and wait until its model is loaded; returns its info.
+        From then on a dead engine process is replaced by a new one."""
+        if not self._tasks:
+            self._tasks.append(asyncio.ensure_future(self._receive_loop()))
         self.spawn()
-        ready = asyncio.ensure_future(self._recv.recv())
-        exited = asyncio.ensure_future(asyncio.to_thread(self.proc.wait))
-        done, _ = await asyncio.wait({ready, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if ready not in done:
-            ready.cancel()
+        try:
+            await self._wait_ready(timeout)
+        except RuntimeError:
             await self.stop()
+            raise
+        self._tasks.append(asyncio.ensure_future(self._supervise()))
+        return self.info
+
+    async def _wait_ready(self, timeout: float) -> None:
+        """Until the engine process says it is ready (RuntimeError if it exits or takes too long)."""
+        self._ready = asyncio.get_running_loop().create_future()
+        exited = asyncio.ensure_future(asyncio.to_thread(self.proc.wait))
+        try:
+            done, _ = await asyncio.wait({self._ready, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if self._ready not in done:
             why = f"exited with code {self.proc.returncode}" if exited in done else f"did not load in {timeout:.0f} s"
             raise RuntimeError(f"the engine process {why}; its log above says why")
-        msg = protocol.unpack(ready.result())
-        if msg["type"] != protocol.READY:
-            await self.stop()
-            raise RuntimeError(f"the engine process failed to start: {msg.get('error')}")
-        self.info = msg["info"]
-        self.weight_version = str(self.info["weight_version"])
-        self._tasks = [asyncio.ensure_future(self._receive_loop()), asyncio.ensure_future(self._watch(exited))]
-        return self.info
+        self._ready.result()  # raises if it reported a failure
+
+    async def _supervise(self) -> None:
+        """Watch the engine process; when it dies, fail what was in flight and start a new one."""
+        in_a_row = 0
+        while True:
+            started = time.monotonic()
+            code = await asyncio.to_thread(self.proc.wait)
+            if self._stopping:
+                return
+            self._mark_dead(self.dead or f"the engine process exited with code {code}")
+            if not self.restart:
+                return
+            in_a_row = 0 if time.monotonic() - started > STABLE_S else in_a_row + 1
+            delay = RESTART_BACKOFF_S[min(in_a_row, len(RESTART_BACKOFF_S) - 1)]
+            while not self._stopping:
+                self.restarts += 1
+                log.warning("restarting the engine process in %.0f s (restart %d)%s", delay, self.restarts,
+                            f", with weights {self._restore['weight_version']} from {self._restore['model_path']}"
+                            if self._restore else "")
+                await asyncio.sleep(delay)
+                if self._stopping:
+                    return
+                self.spawn()
+                try:
+                    await self._wait_ready(timeout=1800.0)
+                except RuntimeError as e:
+                    log.error("the restarted engine process failed: %s", e)
+                    delay = RESTART_BACKOFF_S[-1]
+                    continue
+                log.info("the engine process is back (pid %d), weight version %s", self.info["engine_pid"],
+                         self.weight_version)
+                break
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit, then terminate it; fails whatever is still in flight."""
+        self._stopping = True
         self._mark_dead("the server is shutting down")
         if self.proc is not None and self.proc.poll() is None:
             self._outbox.append({"type": protocol.SHUTDOWN})
@@ -157,6 +224,7 @@ class EngineClient:
 
     def kill_now(self) -> None:
         """Last resort at interpreter exit, when the event loop is gone."""
+        self._stopping = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -168,15 +236,16 @@ class EngineClient:
             "generation_tokens_total": self._generation_tokens,
             "samples_finished_total": dict(self._finished),
             "requests_in_flight": len(self.requests),
+            "engine_restarts_total": self.restarts,
         }
 
     @property
     def alive(self) -> bool:
         return self.dead is None and self.proc is not None and self.proc.poll() is None
 
-    async def _watch(self, exited: asyncio.Future) -> None:
-        code = await exited
-        self._mark_dead(self.dead or f"the engine process exited with code {code}")
+    def silent_for(self) -> float:
+        """Seconds since the engine last said anything (it beats every protocol.HEARTBEAT_S between steps)."""
+        return time.monotonic() - self.last_heard
 
     def _mark_dead(self, why: str) -> None:
         if self.dead is None:
@@ -200,6 +269,7 @@ class EngineClient:
         params: dict,
         return_logprob: bool,
         stream: asyncio.Queue | None = None,
+        top_logprobs_num: int = 0,
     ) -> RequestState:
         """Queue a request for the engine (sent at the end of this tick)."""
         if not self.alive:
@@ -210,13 +280,19 @@ class EngineClient:
         done.add_done_callback(_retrieve)
         n = params.get("n", 1)
         state = RequestState(
-            rid, n, len(input_ids), params.get("max_new_tokens", 0), return_logprob, stream, done,
-            [SampleState(logprobs=[] if return_logprob else None, weight_version=self.weight_version) for _ in range(n)],
+            rid, n, len(input_ids), params.get("max_new_tokens", 0), return_logprob, top_logprobs_num, stream, done,
+            [SampleState(logprobs=[] if return_logprob else None, top=[] if top_logprobs_num else None,
+                         weight_version=self.weight_version) for _ in range(n)],
         )  # fmt: skip
+        add = protocol.add_request(rid, input_ids, params, return_logprob, top_logprobs_num, stream is not None)
+        try:
+            protocol.pack(add)  # what cannot cross the pipe is refused here, not lost on the way
+        except (TypeError, ValueError, OverflowError) as e:
+            raise EngineRefused(f"the request cannot be sent to the engine: {e}") from None
         self.requests[rid] = state
         self._num_requests += 1
         self._prompt_tokens += len(input_ids)
-        self._queue_batch(add=protocol.add_request(rid, input_ids, params, return_logprob, stream is not None))
+        self._queue_batch(add=add)
         return state
 
     def abort(self, rid: str) -> None:
@@ -229,9 +305,14 @@ class EngineClient:
         if not self.alive:
             raise EngineDead(self.dead or "the engine is not running")
         cid = next(self._cids)
+        msg = protocol.control(cid, op, args)
+        try:
+            protocol.pack(msg)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ControlError(f"{op}: the request cannot be sent to the engine: {e}", 400) from None
         fut = asyncio.get_running_loop().create_future()
         self._controls[cid] = fut
-        self._outbox.append(protocol.control(cid, op, args))
+        self._outbox.append(msg)
         self._schedule_flush()
         try:
             reply = await asyncio.wait_for(fut, timeout)
@@ -239,7 +320,16 @@ class EngineClient:
             self._controls.pop(cid, None)
         if not reply["ok"]:
             raise ControlError(reply["error"], reply["status"])
+        self._note_weights(op, args or {}, reply["result"])
         return reply["result"]
+
+    def _note_weights(self, op: str, args: dict, result: Any) -> None:
+        """Remember what a restarted engine should load (see the module docstring)."""
+        if op == "update_weights_from_disk":
+            self._restore = {"model_path": args["model_path"], "weight_version": result["weight_version"]}
+        elif op.startswith("update_weights_from_") and self._restore is not None:
+            log.info("weights %s were pushed in memory: a restarted engine would serve %s from disk",
+                     result.get("weight_version"), self._restore["weight_version"])
 
     def _queue_batch(self, add: dict | None = None, abort: str | None = None) -> None:
         last = self._outbox[-1] if self._outbox else None
@@ -263,14 +353,15 @@ class EngineClient:
         for msg in outbox:
             try:
                 self._send.send(protocol.pack(msg), flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # no engine on the other end
-                self._mark_dead(f"cannot reach the engine process ({e})")
+            except zmq.ZMQError as e:  # no engine on the other end (it died, or is restarting)
+                self._mark_dead(self.dead or f"cannot reach the engine process ({e})")
                 return
 
     # ---------------- results ----------------
     async def _receive_loop(self) -> None:
         while True:
             data = await self._recv.recv()
+            self.last_heard = time.monotonic()
             try:
                 self._on_message(protocol.unpack(data))
             except Exception:  # a bug here must not leave every later request hanging
@@ -278,7 +369,15 @@ class EngineClient:
 
     def _on_message(self, msg: dict) -> None:
         kind = msg["type"]
-        if kind == protocol.OUT:
+        if kind == protocol.BEAT:
+            self.weight_version = msg["weight_version"]
+        elif kind == protocol.READY:
+            self.info = msg["info"]
+            self.weight_version = str(self.info["weight_version"])
+            self.dead = None
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(None)
+        elif kind == protocol.OUT:
             self.weight_version = msg["weight_version"]
             for out in msg["reqs"]:
                 self._on_output(out, msg["weight_version"])
@@ -288,6 +387,8 @@ class EngineClient:
                 fut.set_result(msg)
         elif kind == protocol.FATAL:
             self._mark_dead(f"the engine process crashed: {msg['error']}")
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_exception(RuntimeError(f"the engine process failed to start: {msg['error']}"))
         else:
             log.error("dropping a message of unknown type %r from the engine", kind)
 
@@ -297,20 +398,18 @@ class EngineClient:
             return
         if "error" in out:
             del self.requests[state.rid]
-            _fail(state, EngineRefused(out["error"]))
+            _fail(state, EngineRefused(out["error"], out.get("status", 400)))
             return
         for seq in out["seqs"]:
             s = state.samples[seq["i"]]
-            if s.ids:
-                s.ids.extend(seq["ids"])
-                s.versions.extend(seq["wv"])
-                if seq["lp"] is not None:
-                    s.logprobs.extend(seq["lp"])
-            else:
-                s.ids, s.versions = seq["ids"], seq["wv"]
-                if seq["lp"] is not None:
-                    s.logprobs = seq["lp"]
+            s.ids.extend(seq["ids"])
+            s.versions.extend(seq["wv"])
+            if seq["lp"] is not None:
+                s.logprobs.extend(seq["lp"])
+            if seq["top"] is not None:
+                s.top.extend(seq["top"])
             s.spec = seq["spec"]
+            s.cached_tokens = seq["cached"]
             s.weight_version = weight_version
             if seq["finish"] is not None:
                 s.finish = seq["finish"]

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -40,12 +41,12 @@ import zmq
 from rollout import protocol
 from rollout.config import EngineConfig, SamplingParams, SpecConfig
 from rollout.engine import Engine, freeze_heap
-from rollout.sequence import Request, Sequence
+from rollout.sequence import Request, Sequence, Status
 from weight_sync.install import install as install_weight_sync
 
 log = logging.getLogger("rollout.engine_loop")
 
-IDLE_POLL_MS = 1000  # an idle engine wakes this often to check that its parent is alive
+IDLE_POLL_MS = int(protocol.HEARTBEAT_S * 1000)  # an idle engine wakes this often: heartbeat, parent alive
 BUSY_POLL_MS = 5  # how often a paused or idle loop checks its pending control calls
 
 
@@ -65,19 +66,46 @@ class EngineLoop:
             "abort_request": self.op_abort_request,
             "stats": self.op_stats,
             "get_server_info": self.op_get_server_info,
+            "release_memory_occupation": lambda a: self.engine.release_memory(a.get("tags")),
+            "resume_memory_occupation": lambda a: self.engine.resume_memory(a.get("tags")),
         }
+        self.step_failures = 0
+        self._last_beat = 0.0
 
     # ---------------- the loop ----------------
     def run(self) -> None:
         while self.running:
             self._drain(block=not self._should_step())
-            if not self.may_step():  # a pause holds no step in flight: the overlap schedule's last one completes
+            if not self.may_step() or self.engine.released:  # nothing runs; aborted requests still report
                 self._publish(self.engine.drain())
             self.before_step()
             if self.pending_calls:
                 self._reply_finished_calls()
             if self._should_step():
-                self._publish(self.engine.step())
+                self._step()
+            self._beat()
+
+    def _step(self) -> None:
+        """One engine step. A step that raises fails the requests in flight (500) and the engine
+        starts over with an empty KV pool; the process and the others' later requests go on."""
+        try:
+            updated = self.engine.step()
+        except Exception as e:  # a bug, or a request that got past every check: not a reason to die
+            self.step_failures += 1
+            log.exception("an engine step failed; failing the %d request(s) in flight", len(self.engine.requests))
+            why = f"the engine failed while running this request ({type(e).__name__}: {e}); the server goes on"
+            dropped = self.engine.recover()
+            self.streams.clear()
+            label = self.version_label(self.engine.weight_version)
+            self._emit(protocol.output(label, [protocol.refused(r.rid, why, 500) for r in dropped]))
+            return
+        self._publish(updated)
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= protocol.HEARTBEAT_S:
+            self._last_beat = now
+            self._emit(protocol.beat(self.version_label(self.engine.weight_version)))
 
     def before_step(self) -> None:
         """Runs once per loop iteration, between steps (a weight swap belongs here)."""
@@ -91,9 +119,13 @@ class EngineLoop:
         rid = add["rid"]
         try:
             params = SamplingParams.from_dict(add["params"])
-            req = self.engine.add_request(add["input_ids"], params, rid=rid, return_logprob=add["return_logprob"])
+            req = self.engine.add_request(add["input_ids"], params, rid=rid, return_logprob=add["return_logprob"],
+                                          top_logprobs_num=add.get("top_logprobs_num", 0))
         except (ValueError, TypeError) as e:
-            return {"rid": rid, "error": str(e)}
+            return protocol.refused(rid, str(e))
+        except Exception as e:  # a check that should have caught it did not: refuse, never die
+            log.exception("admitting request %s failed", rid)
+            return protocol.refused(rid, f"the engine could not take this request ({type(e).__name__}: {e})", 500)
         if add["stream"]:
             self.streams[rid] = [0] * len(req.sequences)
         return None
@@ -111,7 +143,7 @@ class EngineLoop:
             self._emit(protocol.output(self.version_label(self.engine.weight_version), refused))
 
     def _should_step(self) -> bool:
-        return self.engine.has_work and self.may_step()
+        return self.engine.has_work and self.may_step() and not self.engine.released
 
     def _drain(self, block: bool) -> None:
         timeout = (BUSY_POLL_MS if self.pending_calls else IDLE_POLL_MS) if block else 0
@@ -211,7 +243,10 @@ class EngineLoop:
 
     def op_stats(self, args: dict) -> dict:
         stats = self.engine.stats()
-        stats["rollout/num_requests"] = len(self.engine.requests)
+        reqs = self.engine.requests.values()
+        stats["rollout/num_requests"] = len(reqs)
+        stats["rollout/num_running_requests"] = sum(any(s.status is Status.RUNNING for s in r.sequences) for r in reqs)
+        stats["rollout/step_failures"] = self.step_failures
         return stats
 
     def op_get_server_info(self, args: dict) -> dict:
@@ -228,7 +263,9 @@ def _seq_out(seq: Sequence, start: int, label: Callable[[int], str]) -> dict:
         "ids": seq.output_ids[start:],
         "lp": seq.logprobs[start:] if seq.request.return_logprob else None,
         "wv": [label(v) for v in seq.weight_versions[start:]],
+        "top": seq.top_logprobs[start:] if seq.request.top_logprobs_num else None,
         "finish": finish,
+        "cached": seq.cached_tokens,
         "spec": seq.spec.as_dict(),
     }
 
@@ -243,8 +280,23 @@ def engine_info(engine: Engine) -> dict:
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "weight_version": engine.weight_version,
+        "max_running_seqs": engine.config.max_running_seqs,
         "engine_pid": os.getpid(),
     }
+
+
+def restore_weights(rx, restore: dict) -> None:
+    """A restarted engine takes the last weights its front end saw loaded from disk (pushed ones died
+    with the old process); if they are gone, it serves the model's own, and says so."""
+    fut = rx.update_from_disk(model_path=restore["model_path"], weight_version=restore["weight_version"])
+    while not fut.done():
+        rx.at_step_boundary()
+        time.sleep(0.01)
+    if fut.exception() is not None:
+        log.error("could not restore weights %s from %s (%s); serving the model's own weights",
+                  restore["weight_version"], restore["model_path"], fut.exception())
+    else:
+        log.info("restored weights %s from %s", restore["weight_version"], restore["model_path"])
 
 
 def config_from_json(text: str) -> EngineConfig:
@@ -260,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--send", required=True, help="ZMQ address to push outputs to")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--restore", default=None,
+                   help='weights to load before serving, as JSON {"model_path", "weight_version"} (a restart)')
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [engine] %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -275,10 +329,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine = Engine(config=config_from_json(args.config))
         freeze_heap()  # this process lives and dies with its engine
-        send.send(protocol.pack(protocol.ready(engine_info(engine))))
-        log.info("engine ready: %s on %s", engine.model_path, engine.device)
         loop = EngineLoop(engine, recv, send, args.parent_pid)
-        with install_weight_sync(loop):  # weight-update ops, pause gate, version labels; closed at shutdown
+        with install_weight_sync(loop) as rx:  # weight-update ops, pause gate, version labels; closed at shutdown
+            if args.restore:
+                restore_weights(rx, json.loads(args.restore))
+            info = {**engine_info(engine), "weight_version": loop.version_label(engine.weight_version)}
+            send.send(protocol.pack(protocol.ready(info)))
+            log.info("engine ready: %s on %s, weight version %s", engine.model_path, engine.device, info["weight_version"])
             loop.run()
         if loop.orphaned and args.recv.startswith("ipc://"):  # nobody else will remove the socket directory
             shutil.rmtree(os.path.dirname(args.recv.removeprefix("ipc://")), ignore_errors=True)

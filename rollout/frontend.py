@@ -13,6 +13,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -53,7 +54,8 @@ class JSON(JSONResponse):
     """JSON that survives a -inf logprob (as -Infinity, which Python and JS parsers read)."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")
+        text = json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":"))
+        return text.encode("utf-8", errors="replace")  # (an error message may quote a client's lone surrogate)
 
 
 class ClientGone(Exception):
@@ -72,13 +74,21 @@ class Update:
 
 
 class Frontend:
-    """What the routes share: the engine client, the tokenizer, the settings."""
+    """What the routes share: the engine client, the tokenizer, the settings.
+
+    Tokenizing and detokenizing whole prompts and outputs runs in one worker thread (one, as a
+    tokenizer is not safe to share between threads): the event loop stays free to answer
+    `/health` and to stream while a large request is being tokenized."""
 
     def __init__(self, engine: EngineClient, tokenizer, settings: ServerSettings, model_path: str):
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
         self.model_path = model_path
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+
+    async def _in_thread(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
 
     @property
     def max_model_len(self) -> int:
@@ -88,11 +98,24 @@ class Frontend:
     def vocab_size(self) -> int:
         return self.engine.info["vocab_size"]
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(check_text(text, param), add_special_tokens=add_special_tokens)
-        if not ids:
-            raise ApiError(400, f"{param}: the prompt is empty after tokenization", param)
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        return (await self.encode_all([text], param, add_special_tokens, single=True))[0]
+
+    async def encode_all(self, texts: list, param: str, add_special_tokens: bool = True,
+                         single: bool = False) -> list[list[int]]:
+        """Token ids of each text (`param[k]` in messages, or `param` alone when `single`)."""
+        names = [param] if single else [f"{param}[{k}]" for k in range(len(texts))]
+        for t, name in zip(texts, names):
+            check_text(t, name)
+        encoded = await self._in_thread(self.tokenizer, texts, add_special_tokens=add_special_tokens)
+        ids = encoded["input_ids"]
+        for i, name in zip(ids, names):
+            if not i:
+                raise ApiError(400, f"{name}: the prompt is empty after tokenization", name)
         return ids
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def submit(
         self,
@@ -103,9 +126,15 @@ class Frontend:
         stream: bool = False,
         prompt_param: str = "input_ids",
         tokens_param: str = "sampling_params.max_new_tokens",
+        top_logprobs_num: int = 0,
+        n_param: str = "sampling_params.n",
     ) -> list[RequestState]:
-        """Check lengths, then queue one engine request per prompt (n samples each)."""
+        """Check what the engine can never run, then queue one engine request per prompt (n samples each)."""
         kv_tokens = self.engine.info["kv_cache_tokens"]
+        max_seqs = self.engine.info["max_running_seqs"]
+        if params.n > max_seqs:
+            raise ApiError(400, f"{n_param} ({params.n}) exceeds the {max_seqs} sequences the engine runs at once "
+                                "(--max-running-seqs); send at most that many samples per request", n_param)
         for k, ids in enumerate(prompts):
             param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]"
             if len(ids) >= self.max_model_len:
@@ -129,7 +158,7 @@ class Frontend:
         try:
             for k, ids in enumerate(prompts):
                 rid = rids[k] if rids else uuid.uuid4().hex
-                states.append(self.engine.submit(rid, ids, raw, return_logprob, queue))
+                states.append(self.engine.submit(rid, ids, raw, return_logprob, queue, top_logprobs_num))
         except ValueError as e:  # a rid already in flight
             self.abort(states)
             raise ApiError(400, str(e), "rid") from None
@@ -162,8 +191,7 @@ class Frontend:
         early (the client left) aborts whatever is unfinished, freeing the engine's KV.
         """
         queue = states[0].stream
-        detok = {(st.rid, i): StreamDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
-                 for st in states for i in range(st.n)}  # fmt: skip
+        detok = {(st.rid, i): StreamDetokenizer(self.tokenizer, params) for st in states for i in range(st.n)}
         sent = dict.fromkeys(detok, 0)  # tokens already reported per sample; -1 once its finish is reported
         left = len(detok)
         try:
@@ -182,13 +210,17 @@ class Frontend:
         finally:
             self.abort(states)
 
-    def texts(self, states: list[RequestState], params: SamplingParams) -> list[list[str]]:
+    async def texts(self, states: list[RequestState], params: SamplingParams) -> list[list[str]]:
         """Final texts, [request][sample], decoded in one batch."""
         flat = [s for st in states for s in st.samples]
-        decoded = self.tokenizer.batch_decode([s.ids for s in flat], skip_special_tokens=params.skip_special_tokens)
+        decoded = await self._in_thread(
+            self.tokenizer.batch_decode, [s.ids for s in flat], skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+        matched = [None if params.no_stop_trim else (s.finish or {}).get("matched") for s in flat]
         out, k = [], 0
         for st in states:
-            out.append([trim_at_stop(decoded[k + i], (s.finish or {}).get("matched")) for i, s in enumerate(st.samples)])
+            out.append([trim_at_stop(decoded[k + i], matched[k + i]) for i in range(st.n)])
             k += st.n
         return out
 

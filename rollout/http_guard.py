@@ -8,8 +8,12 @@ parsed with `json` only.
 Keys (`Authorization: Bearer <key>`, compared in constant time):
   `require_api_key`  generation and read-only routes; accepts the API key or the admin key.
   `require_admin`    control and weight routes. With `--admin-key` they need that key; without
-                     it they answer only clients on the loopback interface (a weight push
-                     rewrites the model: never open to the network).
+                     it they answer only clients on the loopback interface that came through
+                     no proxy (a weight push rewrites the model: never open to the network).
+                     "Local" is the TCP peer's address (uvicorn runs without proxy-header
+                     trust) and a request carrying any forwarding header is never local. A
+                     proxy that adds no header (ssh -L, socat, a port-forward) cannot be told
+                     from a local client: serve behind one only with --admin-key.
 """
 
 from __future__ import annotations
@@ -58,7 +62,12 @@ def _matches(token: str | None, key: str | None) -> bool:
     return token is not None and key is not None and hmac.compare_digest(token.encode(), key.encode())
 
 
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-real-ip", "via")
+
+
 def _is_loopback(request: Request) -> bool:
+    if any(h in request.headers for h in FORWARDING_HEADERS):  # it came through a proxy: from anywhere
+        return False
     if request.client is None:  # a Unix socket: local by construction
         return True
     host = request.client.host.removeprefix("::ffff:")
@@ -82,7 +91,8 @@ async def require_admin(request: Request) -> None:
     if keys.admin_key is None:
         if _is_loopback(request):
             return
-        raise ApiError(403, "control routes answer only local clients unless the server runs with --admin-key")
+        raise ApiError(403, "control routes answer only local clients that came through no proxy, unless the server "
+                            "runs with --admin-key")
     if not _matches(_bearer(request), keys.admin_key):
         raise ApiError(401, "this control route needs the server's admin key: send 'Authorization: Bearer <admin key>'")
 
@@ -139,15 +149,26 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+def is_int64(v: Any) -> bool:
+    return is_int(v) and -(2**63) <= v < 2**63
+
+
+def is_unicode(v: Any) -> bool:
+    """A string that can be encoded (JSON can carry lone surrogate escapes, which cannot)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_text(text: Any, param: str) -> str:
     if not isinstance(text, str):
         raise ApiError(400, f"{param} must be a string (got {_show(text)})", param)
     if not text:
         raise ApiError(400, f"{param}: the prompt is empty", param)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate escape)", param) from None
+    if not is_unicode(text):
+        raise ApiError(400, f"{param} is not valid Unicode (it holds a lone surrogate escape)", param)
     return text
 
 
@@ -162,25 +183,51 @@ def check_token_ids(ids: Any, vocab_size: int, param: str) -> list[int]:
     return ids
 
 
-# name -> (check, what it must be)
+def _strings(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and is_unicode(v)) or (
+        isinstance(v, list) and all(isinstance(s, str) and is_unicode(s) for s in v))
+
+
+def _logit_bias(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and all(
+        isinstance(k, str) and k.strip().isdigit() and is_number(b) for k, b in v.items()))
+
+
+_int64 = (is_int64, "a 64-bit integer")
+_number = (is_number, "a number")
+_flag = (lambda v: isinstance(v, bool), "true or false")
+
+# SGLang's sampling_params: name -> (check, what it must be). null means the default for every one.
 _SAMPLING_TYPES = {
-    "n": (is_int, "an integer"),
-    "temperature": (is_number, "a number"),
-    "top_p": (is_number, "a number"),
-    "top_k": (is_int, "an integer"),
-    "min_p": (is_number, "a number"),
-    "max_new_tokens": (is_int, "an integer"),
-    "stop": (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-             "a string or a list of strings"),
-    "stop_token_ids": (lambda v: v is None or (isinstance(v, list) and all(is_int(t) for t in v)), "a list of integers"),
-    "seed": (lambda v: v is None or (is_int(v) and -(2**63) <= v < 2**63), "a 64-bit integer"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
-    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "n": _int64, "temperature": _number, "top_p": _number, "top_k": _int64, "min_p": _number,
+    "max_new_tokens": _int64, "min_new_tokens": _int64,
+    "stop": (_strings, "a string or a list of strings"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(is_int64(t) for t in v), "a list of integers"),
+    "seed": _int64, "sampling_seed": _int64,
+    "ignore_eos": _flag, "skip_special_tokens": _flag, "spaces_between_special_tokens": _flag, "no_stop_trim": _flag,
+    "frequency_penalty": _number, "presence_penalty": _number, "repetition_penalty": _number,
+    "logit_bias": (_logit_bias, "an object mapping token ids to numbers"),
+    "stream_interval": (lambda v: is_int(v) and 1 <= v <= 2**31, "an integer >= 1"),
+    "custom_params": (lambda v: isinstance(v, dict), "an object"),  # input to a custom logit processor: none here
 }  # fmt: skip
+# Fields asking for what this engine does not do: accepted only as null, so nothing is silently ignored.
+_UNSUPPORTED_SAMPLING = {
+    "regex": "constrained decoding", "json_schema": "constrained decoding", "ebnf": "constrained decoding",
+    "structural_tag": "constrained decoding", "stop_regex": "stop regexes",
+}  # fmt: skip
+_FRONT_END_ONLY = {"stream_interval", "custom_params"}  # shape the response (or nothing), never the tokens
 
 
-def parse_sampling_params(raw: Any, where: str = "sampling_params", rename: dict[str, str] | None = None) -> SamplingParams:
-    """Checked SamplingParams from client JSON; ApiError naming the field otherwise.
+@dataclass
+class SamplingRequest:
+    """Checked sampling fields: the engine's params, and what only the front end uses."""
+
+    params: SamplingParams
+    stream_interval: int = 1
+
+
+def parse_sampling_params(raw: Any, where: str = "sampling_params", rename: dict[str, str] | None = None) -> SamplingRequest:
+    """Checked sampling fields from client JSON; ApiError naming the field otherwise.
 
     `where` prefixes field names in messages ("" for top-level fields); `rename` maps a
     SamplingParams field to the name the client used (e.g. max_new_tokens -> max_tokens).
@@ -192,21 +239,33 @@ def parse_sampling_params(raw: Any, where: str = "sampling_params", rename: dict
         raw = {}
     if not isinstance(raw, dict):
         raise ApiError(400, f"{where} must be a JSON object (got {_show(raw)})", where)
-    unknown = sorted(set(raw) - set(_SAMPLING_TYPES))
+    for name, what in _UNSUPPORTED_SAMPLING.items():
+        if raw.get(name) is not None:
+            raise ApiError(400, f"{show(name)} is not supported: this server does no {what}", show(name))
+    raw = {k: v for k, v in raw.items() if v is not None and k not in _UNSUPPORTED_SAMPLING}
+    known = set(_SAMPLING_TYPES) | set(_UNSUPPORTED_SAMPLING)
+    unknown = sorted(set(raw) - known)
     if unknown:
-        raise ApiError(400, f"unknown field(s) {', '.join(map(show, unknown))}; known: {', '.join(sorted(_SAMPLING_TYPES))}", show(unknown[0]))
+        raise ApiError(400, f"unknown field(s) {', '.join(map(show, unknown))}; known: {', '.join(sorted(known))}", show(unknown[0]))
     for name, value in raw.items():
         check, what = _SAMPLING_TYPES[name]
         if not check(value):
             raise ApiError(400, f"{show(name)} must be {what} (got {_show(value)})", show(name))
+    if "sampling_seed" in raw:  # SGLang's name for the seed
+        seed = raw.pop("sampling_seed")
+        if raw.get("seed", seed) != seed:
+            raise ApiError(400, f"{show('sampling_seed')} and {show('seed')} differ; send one", show("sampling_seed"))
+        raw["seed"] = seed
+    extra = {k: raw.pop(k) for k in _FRONT_END_ONLY if k in raw}
     try:
-        return SamplingParams.from_dict(raw)
+        params = SamplingParams.from_dict(raw)
     except ValueError as e:  # "sampling_params.<name> <why> (got ...)"
         message = str(e)
         m = re.match(r"sampling_params\.(\w+) ", message)
         if m is None:
             raise ApiError(400, message, where or None) from None
         raise ApiError(400, show(m.group(1)) + message[m.end(1):], show(m.group(1))) from None
+    return SamplingRequest(params, extra.get("stream_interval", 1))
 
 
 def _show(v: Any) -> str:

@@ -30,17 +30,9 @@ class KVPool:
     ):
         self.num_slots = num_slots
         self.device = device
-        cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        # Zeroed, not empty: masked-out and padding slots still enter the attention matmuls,
-        # and garbage there (NaN * 0 = NaN) would poison whole rows.
-        self.k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
-        self.k_caches = list(self.k_cache.unbind(0))
-        self.v_caches = list(self.v_cache.unbind(0))
-
-        self.refcount = np.zeros(num_slots, dtype=np.int32)
-        self._free_stack = np.arange(num_slots - 1, 0, -1, dtype=np.int32)  # slot 0 reserved
-        self._free_top = num_slots - 1
+        self.dtype = dtype
+        self.cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.allocate()
 
         # Row r holds the slots of one sequence's tokens in order. The host copy is the truth;
         # the device copy receives only this step's new entries (see commit_rows). The extra
@@ -51,8 +43,44 @@ class KVPool:
         else:
             self.slot_table = torch.zeros((max_rows + 1, max_context), dtype=torch.int32, device=device)
         self.padding_row = max_rows
-        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.max_rows = max_rows
         self.max_context = max_context
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot and row free, the slot table zeroed (the K/V contents are left as they are)."""
+        self.refcount = np.zeros(self.num_slots, dtype=np.int32)
+        self._free_stack = np.arange(self.num_slots - 1, 0, -1, dtype=np.int32)  # slot 0 reserved
+        self._free_top = self.num_slots - 1
+        self._free_rows = list(range(self.max_rows - 1, -1, -1))
+        self.rows_host[:] = 0
+        if self.device.type != "cpu":
+            self.slot_table.zero_()
+
+    def allocate(self) -> None:
+        # Zeroed, not empty: masked-out and padding slots still enter the attention matmuls,
+        # and garbage there (NaN * 0 = NaN) would poison whole rows.
+        self.k_cache = torch.zeros(self.cache_shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(self.cache_shape, dtype=self.dtype, device=self.device)
+        self.k_caches = list(self.k_cache.unbind(0))
+        self.v_caches = list(self.v_cache.unbind(0))
+
+    def free_memory(self) -> int:
+        """Drop the K/V tensors (every slot must be free); `allocate` brings them back. Returns the bytes let go."""
+        if self.used_slots:
+            raise RuntimeError(f"{self.used_slots} KV slots are in use: the pool can only be freed when idle")
+        freed = self.nbytes
+        self.k_cache = self.v_cache = None
+        self.k_caches, self.v_caches = [], []
+        return freed
+
+    @property
+    def allocated(self) -> bool:
+        return self.k_cache is not None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     # ---- slots ----
     @property

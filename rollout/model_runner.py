@@ -23,9 +23,10 @@ import torch
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.tree_accept import verify_outcome
 from rollout.kv_pool import KVPool
+from rollout.logits_processing import LogitEdits, logit_edits
 from rollout.model_config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
-from rollout.sampler import SamplingTensors, sample
+from rollout.sampler import SamplingTensors, processed_logprobs, sample
 from rollout.scheduler import Batch
 from rollout.sequence import Sequence
 from spec.tree import DraftTree
@@ -44,6 +45,7 @@ class Emitted:
     accepted: int = 0
     rejected: bool = False  # verification turned down a draft after the accepted ones (it did not run out)
     source: str = ""
+    top: list[tuple[list[int], list[float]]] | None = None  # per token: the most likely tokens and their logprobs
 
 
 @dataclass
@@ -88,10 +90,19 @@ class DrawInputs:
     i64: np.ndarray  # [4, S]: logits row, RNG key, output position, top_k
     f32: np.ndarray  # [3, S]: temperature, top_p, min_p
     mode: str  # greedy | sample | truncate: which code path every row can share
+    edits: LogitEdits | None = None  # penalties, biases, banned stops (rollout/logits_processing.py)
+    top_logprobs: int = 0  # the most likely tokens to report per draw (the largest any request asks)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing beyond drawing: the step may replay a CUDA graph."""
+        return self.edits is None and not self.top_logprobs
 
     @staticmethod
-    def of(seqs: list[Sequence], counts: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> "DrawInputs":
-        """`counts[i]` draws for `seqs[i]`, in order; `rows`, `positions`: per draw."""
+    def of(seqs: list[Sequence], counts: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+           paths: list[list[int]] | None = None) -> "DrawInputs":
+        """`counts[i]` draws for `seqs[i]`, in order; `rows`, `positions`: per draw; `paths`: per draw,
+        the drafts above it in its tree (None: no trees)."""
         n = len(seqs)
         params = [s.request.params for s in seqs]
         column = lambda values, dtype: np.repeat(np.fromiter(values, dtype, n), counts)  # noqa: E731
@@ -106,7 +117,12 @@ class DrawInputs:
             mode = "truncate"
         else:
             mode = "sample"
-        return DrawInputs(i64, np.stack([temperature, top_p, min_p]), mode)
+        edits = None
+        if any(p.processes_logits for p in params):
+            per_draw = [s for s, c in zip(seqs, counts.tolist()) for _ in range(c)]
+            edits = logit_edits(per_draw, paths or [()] * len(per_draw))
+        top = max((s.request.top_logprobs_num for s in seqs), default=0)
+        return DrawInputs(i64, np.stack([temperature, top_p, min_p]), mode, edits, top)
 
     def tensors(self, i64: torch.Tensor, f32: torch.Tensor) -> SamplingTensors:
         """SamplingTensors over device copies of i64 [4, S] and f32 [3, S]."""
@@ -141,6 +157,8 @@ class DeviceStep:
         draw_cols = i64[rows_end:].view(4, n)
         self.draw_rows, self.draw_positions = draw_cols[0], draw_cols[2]
         self.sampling = draws.tensors(draw_cols, f32.view(3, n))
+        self.edits = draws.edits.to(device) if draws.edits is not None else None
+        self.top_logprobs = draws.top_logprobs
         self.seq_rows, self.kv_lens, self.qo_indptr = i32[:b], i32[b : 2 * b], i32[2 * b :]
         self.max_q_len = int(lay.q_lens.max()) if b else 0
         self.max_kv_len = int(lay.kv_lens.max()) if b else 0
@@ -149,15 +167,18 @@ class DeviceStep:
 class HostCopy:
     """The step's results on their way to the host: one asynchronous copy, waited for once."""
 
-    def __init__(self, out: torch.Tensor):  # [2, n] float64: drawn tokens, their logprobs
+    def __init__(self, out: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None = None):
+        # out [2, n] float64: drawn tokens, their logprobs; top: ids [n, k] int64 and logprobs [n, k] float32
         self.event = None
+        tensors = (out,) if top is None else (out, *top)
         if out.is_cuda:
-            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            self.host.copy_(out, non_blocking=True)
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = out
+            self.host = list(tensors)
 
     @property
     def overlaps_host(self) -> bool:
@@ -167,11 +188,13 @@ class HostCopy:
     def done(self) -> bool:
         return self.event is None or self.event.query()
 
-    def wait(self) -> tuple[np.ndarray, np.ndarray]:
+    def wait(self) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        """Tokens, their logprobs, and (ids, logprobs) of the most likely tokens if asked for."""
         if self.event is not None:
             self.event.synchronize()  # the step's one intended host sync
-        out = self.host.numpy()
-        return out[0].astype(np.int64), out[1]
+        out = self.host[0].numpy()
+        top = (self.host[1].numpy(), self.host[2].numpy()) if len(self.host) == 3 else None
+        return out[0].astype(np.int64), out[1], top
 
 
 @dataclass
@@ -224,6 +247,25 @@ class StepInFlight:
         return np.array([where[id(s)] for s in seqs], dtype=np.int64)
 
 
+def _draft_paths(tree: DraftTree | None) -> list[list[int]]:
+    """Per node of the tree (root-only without one), the drafts from its root down to it, itself included."""
+    if tree is None:
+        return [[]]
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths: list[list[int]] = [[]]
+    for i in range(1, len(tokens)):
+        paths.append(paths[parents[i]] + [tokens[i]])
+    return paths
+
+
+def _top_rows(top: tuple[np.ndarray, np.ndarray] | None) -> Callable[[list[int]], list | None]:
+    """Per draw index list: the (ids, logprobs) lists of those draws' most likely tokens, or None."""
+    if top is None:
+        return lambda draws: None
+    ids, values = top[0].tolist(), top[1].tolist()
+    return lambda draws: [(ids[d], values[d]) for d in draws]
+
+
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     # non_blocking: a blocking copy would wait for the device to finish the step in flight. From
     # pageable memory the copy is staged before the call returns, so `a` may be dropped at once.
@@ -263,6 +305,15 @@ class ModelRunner:
         self._dirty_rows: list[np.ndarray] = []  # slot-table entries changed on the host since the last commit
         self._dirty_cols: list[np.ndarray] = []
 
+    def reset(self) -> None:
+        """Forget slot-table edits not yet committed (the engine starts over: Engine.recover)."""
+        self._dirty_rows, self._dirty_cols = [], []
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (they hold the addresses of the weights and the KV pool)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+
     def _set_slots(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
         """Slot-table entries (rows[i], cols[i]) = slots[i], on the host now and on the device at commit."""
         self.pool.rows_host[rows, cols] = slots
@@ -301,8 +352,9 @@ class ModelRunner:
                 prepare = self._chain(after, [item.seq for item in batch.items], lay)
         self._commit_rows()
         shape = None
-        if self.graphs is not None and not batch.is_prefill:  # one draw per logits row, in order
+        if self.graphs is not None and not batch.is_prefill and draws.plain:  # one draw per logits row, in order
             shape = self.graphs.shape(lay, draws.mode)
+        top = None
         if shape is not None:
             step, out, handoff = self.graphs.launch(lay, draws, shape, prepare)
         else:
@@ -310,7 +362,7 @@ class ModelRunner:
             if prepare is not None:
                 prepare(step)
                 step.max_kv_len += after.handoff.max_advance - 1  # (a graph's attention is planned for any length)
-            out = self._sample(self.forward(step), step)
+            out, top = self._sample(self.forward(step), step)
             handoff = self.verify_handoff(step, out[0], int(lay.q_lens.max())) if trees else Handoff(out[0], None)
         if trees:  # a root is always kept; its drafts count once `collect` has the accepted paths
             for item in batch.items:
@@ -319,7 +371,7 @@ class ModelRunner:
         elif after is None or not after.trees:  # (after a verify step: counted by its `collect`)
             for item in batch.items:
                 item.seq.num_cached += item.num_new
-        return StepInFlight(batch, trees, lay, first_draw, HostCopy(out), handoff)
+        return StepInFlight(batch, trees, lay, first_draw, HostCopy(out, top), handoff)
 
     def _chain(self, after: StepInFlight, seqs: list[Sequence], lay: StepLayout) -> Callable[[DeviceStep], None]:
         """How a decode step of `seqs` (laid out as `lay`) completes its inputs from `after` on the device."""
@@ -340,10 +392,10 @@ class ModelRunner:
 
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
-        tokens, logprobs = step.result.wait()
+        tokens, logprobs, top = step.result.wait()
         if step.trees:
-            return self._emit_trees(step, tokens, logprobs)
-        return self._emit(step, tokens, logprobs)
+            return self._emit_trees(step, tokens, logprobs, top)
+        return self._emit(step, tokens, logprobs, top)
 
     def forward(self, step: DeviceStep, attn_out: torch.Tensor | None = None) -> torch.Tensor:
         """The model on one uploaded step: logits [L, vocab] float32 for step.logits_rows."""
@@ -465,7 +517,10 @@ class ModelRunner:
             logits_rows=np.arange(num_nodes, dtype=np.int64),
         )
         num_output = np.fromiter((s.num_output for s in seqs), dtype=np.int64, count=n)
-        inputs = DrawInputs.of(seqs, q_lens, lay.logits_rows, np.repeat(num_output, q_lens) + depth)
+        paths = None
+        if any(s.request.params.processes_logits for s in seqs):
+            paths = [p for seq in seqs for p in _draft_paths(trees.get(seq.seq_id))]
+        inputs = DrawInputs.of(seqs, q_lens, lay.logits_rows, np.repeat(num_output, q_lens) + depth, paths)
         first_draw = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=first_draw[1:])
         return lay, inputs, first_draw
@@ -479,28 +534,37 @@ class ModelRunner:
         self._set_slots(np.repeat(rows, q_lens), np.repeat(starts, q_lens) + offsets, slots)
         return slots, offsets
 
-    def _sample(self, logits: torch.Tensor, step: DeviceStep) -> torch.Tensor:
-        """[2, S] float64 on the device: drawn tokens and their logprobs."""
+    def _sample(self, logits: torch.Tensor, step: DeviceStep) -> tuple[torch.Tensor, tuple | None]:
+        """[2, S] float64 on the device: drawn tokens and their logprobs; and, if asked for, the
+        ids [S, k] and logprobs [S, k] of each draw's k most likely tokens."""
         if len(step.draw_rows) == 0:
-            return torch.zeros(2, 0, dtype=torch.float64, device=self.device)
-        tokens, logprobs = sample(logits[step.draw_rows], step.sampling)
-        return torch.stack([tokens.double(), logprobs.double()])
+            return torch.zeros(2, 0, dtype=torch.float64, device=self.device), None
+        logits = logits[step.draw_rows]  # (a copy: edits may write to it)
+        if step.edits is not None:
+            step.edits.apply(logits)
+        tokens, logprobs = sample(logits, step.sampling)
+        top = None
+        if step.top_logprobs:
+            values, ids = processed_logprobs(logits, step.sampling).topk(step.top_logprobs, dim=-1)
+            top = (ids, values)
+        return torch.stack([tokens.double(), logprobs.double()]), top
 
-    def _emit(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
+    def _emit(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray, top) -> list[Emitted]:
         """A prefill or decode step: every sequence that drew gets one token."""
         out: list[Emitted] = []
         drawn, drawn_logprobs, first_draw = tokens.tolist(), logprobs.tolist(), step.first_draw.tolist()
+        top_of = _top_rows(top)
         for item, i in zip(step.batch.items, first_draw):
             seq = item.seq
             if not item.samples:
                 continue
-            out.append(Emitted(seq, [drawn[i]], [drawn_logprobs[i]], item.decode))
+            out.append(Emitted(seq, [drawn[i]], [drawn_logprobs[i]], item.decode, top=top_of([i])))
             for i, fork in enumerate(seq.forks, i + 1):
                 self._fork_prompt_kv(seq, fork)
-                out.append(Emitted(fork, [drawn[i]], [drawn_logprobs[i]], item.decode))
+                out.append(Emitted(fork, [drawn[i]], [drawn_logprobs[i]], item.decode, top=top_of([i])))
         return out
 
-    def _emit_trees(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray) -> list[Emitted]:
+    def _emit_trees(self, step: StepInFlight, tokens: np.ndarray, logprobs: np.ndarray, top) -> list[Emitted]:
         """A verify step: each tree keeps its accepted path (KV slots and slot-table positions), frees
         the rest. A sequence preempted or finished while the step ran keeps none of it."""
         items = step.batch.items
@@ -511,6 +575,7 @@ class ModelRunner:
         node_tokens, drawn, node_logprobs = fed.tolist(), tokens.tolist(), logprobs.tolist()
         starts, rows = lay.positions[first[:-1]].tolist(), lay.seq_rows.tolist()
         chained = step.chained_slots or {}
+        top_of = _top_rows(top)
         out: list[Emitted] = []
         kept: list[int] = []  # nodes whose slots stay: accepted paths, and the roots of sequences cut off
         released: list[int] = []  # chained decode slots of sequences cut off
@@ -539,10 +604,11 @@ class ModelRunner:
             emitted = [node_tokens[p] for p in path[1:]] + [drawn[path[-1]]]
             lps = [node_logprobs[p] for p in path]
             if tree is None:
-                out.append(Emitted(seq, emitted, lps, item.decode))
+                out.append(Emitted(seq, emitted, lps, item.decode, top=top_of(path)))
             else:
                 rejected = bool((tree.parents == path[-1] - root).any())  # the last accepted node had children
-                out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, rejected, tree.source))
+                out.append(Emitted(seq, emitted, lps, True, tree.num_drafts, len(path) - 1, rejected, tree.source,
+                                   top_of(path)))
         if moved_rows or later_rows:
             self._set_slots(np.array(moved_rows + later_rows, dtype=np.int64),
                             np.array(moved_cols + later_cols, dtype=np.int64),
@@ -559,3 +625,4 @@ class ModelRunner:
         n = len(prompt_slots)
         self._set_slots(np.full(n, fork.row, dtype=np.int64), np.arange(n, dtype=np.int64), prompt_slots.copy())
         fork.num_cached = leader.num_cached
+        fork.cached_tokens = fork.cached_tokens or leader.num_cached

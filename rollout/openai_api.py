@@ -1,10 +1,12 @@
 """OpenAI's API on the same engine: /v1/completions, /v1/chat/completions, /v1/models.
 
-Requests map onto SamplingParams (`max_tokens` -> `max_new_tokens`; SGLang/vLLM extensions
-`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens` are accepted too).
-OpenAI fields the engine cannot honour are accepted only at their neutral values (e.g.
-`presence_penalty: 0`), so nothing is silently ignored. Logprobs are those of the sampled
-tokens; top alternatives are not computed (`top_logprobs` comes back empty).
+Requests map onto SamplingParams (`max_tokens` -> `max_new_tokens`, `min_tokens` ->
+`min_new_tokens`; the SGLang/vLLM extensions `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `spaces_between_special_tokens`,
+`no_stop_trim` are accepted too). OpenAI fields the engine cannot honour are accepted only at
+their neutral values (e.g. `echo: false`), so nothing is silently ignored. Logprobs are those
+of the distribution each token was drawn from, and so are the `top_logprobs` alternatives
+(`logprobs: k` on /v1/completions).
 
 Choices are prompt-major: choice `k * n + i` is sample i of prompt k.
 """
@@ -37,15 +39,17 @@ from rollout.frontend import JSON, SSE_HEADERS, Frontend, frontend, sse_event
 
 openai_router = APIRouter(dependencies=[Depends(require_api_key)])
 
-SAMPLING = {"temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids", "skip_special_tokens"}
-COMMON = SAMPLING | {"model", "max_tokens", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias"}
+SAMPLING = {"temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
+            "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+COMMON = SAMPLING | {"model", "max_tokens", "stream", "stream_options", "user"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
                         "tool_choice", "parallel_tool_calls"}  # fmt: skip
 # accepted only at these values: anything else would change the output in a way the engine does not do
 NEUTRAL = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "echo": (False,),
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
+    "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
+    "response_format": ({"type": "text"},),
 }  # fmt: skip
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -67,7 +71,10 @@ def _check_common(body: dict, known: set[str]) -> None:
 def _params(body: dict, max_tokens: int) -> SamplingParams:
     raw = {k: body[k] for k in SAMPLING if body.get(k) is not None}
     raw["max_new_tokens"] = max_tokens
-    return parse_sampling_params(raw, where="", rename={"max_new_tokens": "max_tokens"})
+    if "min_tokens" in raw:
+        raw["min_new_tokens"] = raw.pop("min_tokens")
+    rename = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+    return parse_sampling_params(raw, where="", rename=rename).params
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
@@ -108,27 +115,35 @@ def _completion_logprobs(fe: Frontend, state: RequestState, i: int, start: int, 
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": s.logprobs[start:], "top_logprobs": None, "text_offset": offsets}
+    top = None
+    if state.top_logprobs_num:
+        top = [dict(zip(_token_strings(fe, ids), lps)) for ids, lps in s.top[start:]]
+    return {"tokens": tokens, "token_logprobs": s.logprobs[start:], "top_logprobs": top, "text_offset": offsets}
 
 
 def _chat_logprobs(fe: Frontend, state: RequestState, i: int, start: int) -> dict:
     s = state.samples[i]
     tokens = _token_strings(fe, s.ids[start:])
+    tops = s.top[start:] if state.top_logprobs_num else [([], [])] * len(tokens)
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(tokens, s.logprobs[start:])
+            {**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in zip(_token_strings(fe, ids), lps)]}
+            for t, lp, (ids, lps) in zip(tokens, s.logprobs[start:], tops)
         ]
     }
 
 
 # ---------------- /v1/completions ----------------
-def _completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
+async def _completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [fe.encode(prompt, "prompt")]
+        return [await fe.encode(prompt, "prompt")]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [fe.encode(p, f"prompt[{k}]") for k, p in enumerate(prompt)]
+            return await fe.encode_all(prompt, "prompt")
         if all(isinstance(p, list) for p in prompt):
             return [check_token_ids(p, fe.vocab_size, f"prompt[{k}]") for k, p in enumerate(prompt)]
         return [check_token_ids(prompt, fe.vocab_size, "prompt")]
@@ -147,17 +162,18 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "logprobs must be an integer in [0, 20]", "logprobs")
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", "prompt")
-    prompts = _completion_prompts(fe, body["prompt"])
+    prompts = await _completion_prompts(fe, body["prompt"])
     params = _params(body, _max_tokens(body, ("max_tokens",), 16))
     stream = get_bool(body, "stream")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    states = fe.submit(prompts, params, logprobs is not None, [f"{rid}-{k}" for k in range(len(prompts))], stream, "prompt", "max_tokens")
+    states = fe.submit(prompts, params, logprobs is not None, [f"{rid}-{k}" for k in range(len(prompts))], stream,
+                       "prompt", "max_tokens", top_logprobs_num=logprobs or 0, n_param="n")
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.settings.served_model_name}
     if stream:
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_stream_completion(fe, states, params, head, usage), media_type="text/event-stream", headers=SSE_HEADERS)
     await fe.wait(states, request)
-    texts = fe.texts(states, params)
+    texts = await fe.texts(states, params)
     choices = [
         {
             "index": k * params.n + i,
@@ -183,7 +199,7 @@ async def _stream_completion(fe, states, params, head: dict, include_usage: bool
                 choice = {"index": first[st.rid] + i, "text": u.text, "logprobs": lp, "finish_reason": _finish(st, i)}
                 yield sse_event({**head, "choices": [choice]})
     except (EngineDead, EngineRefused) as e:
-        yield sse_event(error_body(400 if isinstance(e, EngineRefused) else 503, str(e)))
+        yield sse_event(error_body(getattr(e, "status", 503), str(e)))
         return
     if include_usage:
         yield sse_event({**head, "choices": [], "usage": _usage(states)})
@@ -237,18 +253,21 @@ async def chat_completions(request: Request) -> Response:
         text = fe.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the template's own checks (e.g. roles must alternate)
         raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
-    prompt = fe.encode(text, "messages", add_special_tokens=False)
+    prompt = await fe.encode(text, "messages", add_special_tokens=False)
     n = body.get("n") if is_int(body.get("n")) and body["n"] >= 1 else 1
     params = _params(body, _max_tokens(body, ("max_completion_tokens", "max_tokens"), _room(fe, [prompt], n)))
     stream = get_bool(body, "stream")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    states = fe.submit([prompt], params, logprobs, [rid], stream, "messages", "max_tokens")
+    if top and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    states = fe.submit([prompt], params, logprobs, [rid], stream, "messages", "max_tokens", top_logprobs_num=top or 0,
+                       n_param="n")
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.settings.served_model_name}
     if stream:
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_stream_chat(fe, states, params, head, usage), media_type="text/event-stream", headers=SSE_HEADERS)
     await fe.wait(states, request)
-    texts = fe.texts(states, params)
+    texts = await fe.texts(states, params)
     st = states[0]
     choices = [
         {
@@ -276,7 +295,7 @@ async def _stream_chat(fe, states, params, head: dict, include_usage: bool) -> A
                 choice = {"index": u.i, "delta": delta, "logprobs": lp, "finish_reason": _finish(st, u.i)}
                 yield sse_event({**head, "choices": [choice]})
     except (EngineDead, EngineRefused) as e:
-        yield sse_event(error_body(400 if isinstance(e, EngineRefused) else 503, str(e)))
+        yield sse_event(error_body(getattr(e, "status", 503), str(e)))
         return
     if include_usage:
         yield sse_event({**head, "choices": [], "usage": _usage(states)})

@@ -11,7 +11,7 @@ front end -> engine
     shutdown  {"type": "shutdown"}
 
     Add     = {"rid": str, "input_ids": [int], "params": {SamplingParams fields},
-               "return_logprob": bool, "stream": bool}
+               "return_logprob": bool, "top_logprobs_num": int, "stream": bool}
 
 engine -> front end
     ready      {"type": "ready", "info": {...}}          once, after the model has loaded
@@ -21,13 +21,18 @@ engine -> front end
     ctl_reply  {"type": "ctl_reply", "cid": int, "ok": bool, "result": any,
                 "error": str | None, "status": int}      status: the HTTP status that fits
     fatal      {"type": "fatal", "error": str}           the engine loop died; the process exits
+    beat       {"type": "beat", "weight_version": str}  at least every HEARTBEAT_S between steps:
+                                                 the front end's /health reads how long ago it heard
 
-    ReqOut  = {"rid": str, "error": str}                 the engine refused the request
+    ReqOut  = {"rid": str, "error": str, "status": int}  the engine refused (400) or failed (500) the request
             | {"rid": str, "seqs": [SeqOut, ...]}
     SeqOut  = {"i": sample index,
                "ids": [int], "lp": [float] | None, "wv": [str],   new since the last SeqOut
                                                  (wv: each token's weight version, as reported)
+               "top": [[[int], [float]], ...] | None              per new token: the most likely
+                                                 tokens and their logprobs (top_logprobs_num > 0)
                "finish": None | {"type": "stop" | "length" | "abort", "matched": int | str | None},
+               "cached": int,                    prompt tokens taken from the request's prefill
                "spec": {SpecCounters.as_dict()}}        totals so far
 
 Streaming requests get a SeqOut after every step that produced tokens; the others get a
@@ -42,7 +47,8 @@ import msgpack
 
 # message types
 BATCH, CTL, SHUTDOWN = "batch", "ctl", "shutdown"
-READY, OUT, CTL_REPLY, FATAL = "ready", "out", "ctl_reply", "fatal"
+READY, OUT, CTL_REPLY, FATAL, BEAT = "ready", "out", "ctl_reply", "fatal", "beat"
+HEARTBEAT_S = 0.5
 
 
 def pack(msg: dict) -> bytes:
@@ -50,15 +56,17 @@ def pack(msg: dict) -> bytes:
 
 
 def unpack(data: bytes) -> dict:
-    return msgpack.unpackb(data, raw=False)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)  # (logit_bias maps token ids)
 
 
 def batch(add: list[dict], abort: list[str]) -> dict:
     return {"type": BATCH, "add": add, "abort": abort}
 
 
-def add_request(rid: str, input_ids: list[int], params: dict, return_logprob: bool, stream: bool) -> dict:
-    return {"rid": rid, "input_ids": input_ids, "params": params, "return_logprob": return_logprob, "stream": stream}
+def add_request(rid: str, input_ids: list[int], params: dict, return_logprob: bool, top_logprobs_num: int,
+                stream: bool) -> dict:
+    return {"rid": rid, "input_ids": input_ids, "params": params, "return_logprob": return_logprob,
+            "top_logprobs_num": top_logprobs_num, "stream": stream}
 
 
 def control(cid: int, op: str, args: dict | None = None) -> dict:
@@ -79,3 +87,11 @@ def output(weight_version: str, reqs: list[dict]) -> dict:
 
 def fatal(error: str) -> dict:
     return {"type": FATAL, "error": error}
+
+
+def beat(weight_version: str) -> dict:
+    return {"type": BEAT, "weight_version": weight_version}
+
+
+def refused(rid: str, error: str, status: int = 400) -> dict:
+    return {"rid": rid, "error": error, "status": status}

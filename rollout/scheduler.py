@@ -37,6 +37,10 @@ class Batch:
 # trickling in one finished sample at a time.
 ADMIT_SHARE = 1 / 8
 MAX_ADMIT_WAIT = 16
+# A waiting request that does not fit now (rows or KV slots) lets the ones behind it pass, so a
+# large `n` never blocks small requests; after it was passed this many steps, nothing passes it
+# until it fits, so it cannot starve either.
+MAX_OVERTAKEN = 64
 
 
 class Scheduler:
@@ -49,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted = 0
+        self._passed: Sequence | None = None  # the first waiting sequence others overtook, and how often
+        self._passed_steps = 0
 
     def add(self, leader: Sequence) -> None:
         """Queue a request's prefill: `leader` computes the prompt, `leader.forks` share it."""
@@ -87,6 +93,7 @@ class Scheduler:
         # Keep a slot for every running sequence's next token, so admission never forces preemption.
         spare = self.pool.free_slots - len(self.running)
         rows_left = self.pool.free_rows
+        skipped, overtaken = None, False
         for seq in self.waiting:
             if budget <= 0:
                 break
@@ -96,13 +103,22 @@ class Scheduler:
             needs_rows = (seq.row < 0) + (len(seq.forks) if finishing else 0)
             needs_slots = chunk + (len(seq.forks) + 1 if finishing else 0)
             if needs_rows > rows_left or needs_slots > spare:
-                break  # first come, first served: no overtaking a request that does not fit
+                skipped = skipped or seq
+                if seq is self._passed and self._passed_steps >= MAX_OVERTAKEN:
+                    break  # it has waited long enough: the rows and slots that free up are its
+                continue
             if seq.row < 0:
                 seq.row = self.pool.alloc_row()
             rows_left -= needs_rows
             spare -= needs_slots
             budget -= chunk
             items.append(ScheduledSeq(seq, chunk, finishing))
+            overtaken = overtaken or skipped is not None
+        if overtaken:
+            self._passed_steps = self._passed_steps + 1 if skipped is self._passed else 1
+            self._passed = skipped
+        elif skipped is None:
+            self._passed = None
         return items
 
     def _schedule_decode(self) -> list[Sequence]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 from rollout.config import SamplingParams
 
@@ -62,7 +64,10 @@ class Sequence:
     row: int = -1  # slot-table row while it holds KV
     num_cached: int = 0  # tokens whose KV is in the pool; tokens[num_cached:] are this step's input
     forks: list["Sequence"] = field(default_factory=list)  # siblings that take this prefill's KV
+    cached_tokens: int = 0  # prompt tokens whose KV it took from its leader's prefill (a fork's), as SGLang reports
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per token, if the request asks
+    output_counts: dict[int, int] = field(default_factory=dict)  # per output token, kept if the request edits logits
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort
     matched_stop: int | str | None = None
@@ -88,12 +93,16 @@ class Request:
     params: SamplingParams
     seed: int
     return_logprob: bool = False
-    weight_version_at_arrival: int = 0
+    top_logprobs_num: int = 0  # the most likely tokens reported with each output token's logprob
     sequences: list[Sequence] = field(default_factory=list)
-    arrival_time: float = field(default_factory=time.monotonic)
     stop_ids: frozenset[int] = field(kw_only=True)  # token ids that end a sample: stop_token_ids, and EOS unless ignored
     max_len: int = field(kw_only=True)  # a sample's tokens, prompt included, when it reaches max_new_tokens
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
+
+    @cached_property
+    def prompt_token_set(self) -> np.ndarray:
+        """The prompt's distinct tokens, sorted (the repetition penalty's)."""
+        return np.unique(np.asarray(self.prompt_ids, dtype=np.int64))

@@ -20,6 +20,8 @@ import ipaddress
 import logging
 import os
 import re
+import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -29,7 +31,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.config import SamplingParams
+from rollout.config import MAX_TOP_LOGPROBS, SamplingParams
 from rollout.engine_client import ControlError, EngineClient, EngineDead, EngineRefused, RequestState
 from rollout.frontend import DEFAULT_PORT, JSON, SSE_HEADERS, ClientGone, Frontend, ServerSettings, frontend, sse_event
 from rollout.http_guard import (
@@ -39,6 +41,8 @@ from rollout.http_guard import (
     check_token_ids,
     error_body,
     get_bool,
+    is_int,
+    is_unicode,
     parse_sampling_params,
     read_json,
     require_admin,
@@ -51,19 +55,38 @@ log = logging.getLogger("rollout.server")
 # ---------------- SGLang's native API ----------------
 native = APIRouter()
 
-GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "return_logprob", "stream", "rid"})
+GENERATE_FIELDS = frozenset({
+    "text", "input_ids", "sampling_params", "return_logprob", "stream", "rid",
+    "top_logprobs_num", "return_text_in_logprobs", "logprob_start_len",
+})  # fmt: skip
+# SGLang's other /generate fields: what they ask for is not done here, so only their neutral value passes.
+NEUTRAL_GENERATE = {
+    "image_data": "images", "video_data": "video", "audio_data": "audio", "input_embeds": "input embeddings",
+    "lora_path": "LoRA adapters", "lora_id": "LoRA adapters", "custom_logit_processor": "custom logit processors",
+    "return_hidden_states": "hidden states", "return_routed_experts": "routed experts", "return_entropy": "entropies",
+    "token_ids_logprob": "logprobs of chosen token ids", "session_params": "sessions", "modalities": "modalities",
+    "data_parallel_rank": "data-parallel ranks", "bootstrap_host": "disaggregated prefill",
+    "bootstrap_port": "disaggregated prefill", "bootstrap_room": "disaggregated prefill",
+}  # fmt: skip
 
 
-def parse_prompts(body: dict, fe: Frontend) -> tuple[list[list[int]], bool, str]:
+def check_neutral(body: dict, neutral: dict[str, str]) -> None:
+    for name, what in neutral.items():
+        v = body.get(name)
+        if v is not None and v is not False and v != [] and not (name == "data_parallel_rank" and v == 0):
+            raise ApiError(400, f"{name} is not supported: this server has no {what}; leave it out or null", name)
+
+
+async def parse_prompts(body: dict, fe: Frontend) -> tuple[list[list[int]], bool, str]:
     """Token ids per prompt, whether the request was a single prompt, and the field they came from."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ApiError(400, "send exactly one of text (string or list of strings) or input_ids (list, or list of lists)", "text")
     if text is not None:
         if isinstance(text, str):
-            return [fe.encode(text, "text")], True, "text"
+            return [await fe.encode(text, "text")], True, "text"
         if isinstance(text, list) and text:
-            return [fe.encode(t, f"text[{k}]") for k, t in enumerate(text)], False, "text"
+            return await fe.encode_all(text, "text"), False, "text"
         raise ApiError(400, "text must be a non-empty string or a non-empty list of strings", "text")
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
         return [check_token_ids(x, fe.vocab_size, f"input_ids[{k}]") for k, x in enumerate(ids)], False, "input_ids"
@@ -74,44 +97,61 @@ def parse_rids(raw: Any, num_prompts: int, single: bool) -> list[str] | None:
     if raw is None:
         return None
     rids = [raw] if single and isinstance(raw, str) else raw
-    if not isinstance(rids, list) or len(rids) != num_prompts or not all(isinstance(r, str) and r for r in rids):
+    ok = isinstance(rids, list) and len(rids) == num_prompts
+    if not ok or not all(isinstance(r, str) and r and len(r) <= 512 and is_unicode(r) for r in rids):
         want = "a non-empty string" if single else f"a list of {num_prompts} non-empty strings, one per prompt"
-        raise ApiError(400, f"rid must be {want}", "rid")
+        raise ApiError(400, f"rid must be {want} (valid Unicode, at most 512 characters)", "rid")
     if len(set(rids)) != len(rids):
         raise ApiError(400, "rid: request ids in one batch must differ", "rid")
     return rids
 
 
+def parse_top_logprobs(body: dict) -> int:
+    k = body.get("top_logprobs_num")
+    if k is None:
+        return 0
+    if not (is_int(k) and 0 <= k <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {k!r})", "top_logprobs_num")
+    return k
+
+
 def finish_reason(s, max_new_tokens: int) -> dict | None:
-    """SGLang's finish_reason object: stop (with `matched`), length (with `length`), abort."""
+    """SGLang's finish_reason object: type, matched (stop) and message; length also says the limit."""
     if s.finish is None:
         return None
     kind = s.finish["type"]
     if kind == "stop":
-        return {"type": "stop", "matched": s.finish["matched"]}
+        return {"type": "stop", "matched": s.finish["matched"], "message": None}
     if kind == "length":
-        return {"type": "length", "length": max_new_tokens}
-    return {"type": "abort", "message": "aborted"}
+        return {"type": "length", "length": max_new_tokens, "matched": None, "message": None}
+    # SGLang's words for a request stopped before it produced anything (AReaL resubmits those)
+    return {"type": "abort", "matched": None, "message": "Abort before prefill" if not s.ids else "aborted"}
 
 
-def meta_info(state: RequestState, i: int, start: int = 0) -> dict:
-    """SGLang's meta_info for sample i; per-token lists from token `start` on."""
+def meta_info(state: RequestState, i: int, start: int = 0, token_text=None) -> dict:
+    """SGLang's meta_info for sample i; per-token lists from token `start` on. `token_text`: the
+    text of a token id, for logprob entries (return_text_in_logprobs)."""
     s = state.samples[i]
     spec = s.spec
+    verify = spec.get("verify_steps", 0)
     meta = {
         "id": state.rid,
         "finish_reason": finish_reason(s, state.max_new_tokens),
         "prompt_tokens": state.prompt_tokens,
         "completion_tokens": len(s.ids),
+        "cached_tokens": s.cached_tokens,
         "weight_version": s.weight_version,
         "output_token_weight_versions": s.versions[start:],
-        "spec_verify_ct": spec.get("verify_steps", 0),
-        "spec_accept_length": spec.get("accept_length", 0.0),
-        "spec_draft_tokens": spec.get("draft_tokens", 0),
-        "spec_accepted_tokens": spec.get("accepted_tokens", 0),
+        "spec_verify_ct": verify,
+        "spec_accept_token_num": spec.get("accepted_tokens", 0),
+        "spec_draft_token_num": spec.get("draft_tokens", 0),
+        "spec_accept_length": len(s.ids) / verify if verify else 0.0,
     }
     if state.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs[start:], s.ids[start:])]
+        text = token_text or (lambda t: None)
+        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(s.logprobs[start:], s.ids[start:])]
+        if state.top_logprobs_num:
+            meta["output_top_logprobs"] = [[[lp, t, text(t)] for t, lp in zip(ids, lps)] for ids, lps in s.top[start:]]
     return meta
 
 
@@ -119,42 +159,57 @@ def meta_info(state: RequestState, i: int, start: int = 0) -> dict:
 async def generate(request: Request) -> Response:
     fe = frontend(request)
     body = await read_json(request, fe.settings.max_request_bytes)
-    check_fields(body, GENERATE_FIELDS)
-    params = parse_sampling_params(body.get("sampling_params"))
+    check_fields(body, GENERATE_FIELDS | set(NEUTRAL_GENERATE))
+    check_neutral(body, NEUTRAL_GENERATE)
+    if body.get("logprob_start_len") not in (None, -1):
+        raise ApiError(400, "logprob_start_len: prompt logprobs are not computed here; leave it out or -1", "logprob_start_len")
+    sampling = parse_sampling_params(body.get("sampling_params"))
+    params = sampling.params
     return_logprob = get_bool(body, "return_logprob")
     stream = get_bool(body, "stream")
-    prompts, single, prompt_param = parse_prompts(body, fe)
+    top = parse_top_logprobs(body) if return_logprob else 0
+    token_text = fe.token_text if get_bool(body, "return_text_in_logprobs") else None
+    prompts, single, prompt_param = await parse_prompts(body, fe)
     rids = parse_rids(body.get("rid"), len(prompts), single)
-    states = fe.submit(prompts, params, return_logprob, rids, stream, prompt_param)
+    states = fe.submit(prompts, params, return_logprob, rids, stream, prompt_param, top_logprobs_num=top)
     if stream:
-        return StreamingResponse(_stream_generate(fe, states, params), media_type="text/event-stream", headers=SSE_HEADERS)
+        chunks = _stream_generate(fe, states, params, sampling.stream_interval, token_text)
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
     await fe.wait(states, request)
-    texts = fe.texts(states, params)
+    texts = await fe.texts(states, params)
     results = [
-        {"text": texts[k][i], "output_ids": st.samples[i].ids, "meta_info": meta_info(st, i)}
+        {"text": texts[k][i], "output_ids": st.samples[i].ids, "meta_info": meta_info(st, i, token_text=token_text)}
         for k, st in enumerate(states)
         for i in range(st.n)
     ]
     return JSON(results[0] if single and params.n == 1 else results)
 
 
-async def _stream_generate(fe: Frontend, states: list[RequestState], params: SamplingParams) -> AsyncIterator[str]:
-    """SSE chunks; `index` is the sample's place in the flat (prompt-major) result list."""
+async def _stream_generate(fe: Frontend, states: list[RequestState], params: SamplingParams, interval: int,
+                           token_text) -> AsyncIterator[str]:
+    """SSE chunks, at most one per `interval` new tokens of a sample (and its last); `index` is the
+    sample's place in the flat (prompt-major) result list."""
     first = {st.rid: k * st.n for k, st in enumerate(states)}
     text = {(st.rid, i): "" for st in states for i in range(st.n)}
+    sent = dict.fromkeys(text, 0)  # tokens covered by the chunks sent so far
     try:
         async with aclosing(fe.updates(states, params)) as updates:
             async for u in updates:
-                st, i, start = u.state, u.i, u.start
-                text[st.rid, i] += u.text
+                st, i = u.state, u.i
+                key, s = (st.rid, i), st.samples[i]
+                text[key] += u.text
+                if not u.finished and len(s.ids) - sent[key] < interval:
+                    continue
+                start, sent[key] = sent[key], len(s.ids)
                 if fe.settings.incremental_streaming_output:
-                    chunk = {"text": u.text, "output_ids": st.samples[i].ids[start:], "meta_info": meta_info(st, i, start)}
+                    chunk = {"text": text[key], "output_ids": s.ids[start:], "meta_info": meta_info(st, i, start, token_text)}
+                    text[key] = ""
                 else:
-                    chunk = {"text": text[st.rid, i], "output_ids": st.samples[i].ids, "meta_info": meta_info(st, i)}
+                    chunk = {"text": text[key], "output_ids": s.ids, "meta_info": meta_info(st, i, token_text=token_text)}
                 chunk["index"] = first[st.rid] + i
                 yield sse_event(chunk)
     except (EngineDead, EngineRefused) as e:
-        yield sse_event(error_body(400 if isinstance(e, EngineRefused) else 503, str(e)))
+        yield sse_event(error_body(getattr(e, "status", 503), str(e)))
         return
     yield "data: [DONE]\n\n"
 
@@ -174,16 +229,45 @@ async def abort_request(request: Request) -> Response:
 
 @native.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine process is alive and answers between two steps; 503 otherwise."""
+    """200 while the engine process is up and has been heard from lately (it beats between steps);
+    503 otherwise. Answered by the front end alone, so it is quick whatever the load."""
     fe = frontend(request)
-    try:
-        result = await fe.engine.control("ping", timeout=fe.settings.health_timeout)
-    except EngineDead as e:
-        return JSON(error_body(503, str(e)), status_code=503)
-    except asyncio.TimeoutError:
-        why = f"the engine process has not answered for {fe.settings.health_timeout:.0f} s (--health-timeout)"
+    eng = fe.engine
+    if not eng.alive:
+        return JSON(error_body(503, eng.dead or "the engine process is not running"), status_code=503)
+    if eng.silent_for() > fe.settings.health_timeout:
+        why = f"the engine process has not answered for {eng.silent_for():.0f} s (--health-timeout)"
         return JSON(error_body(503, why), status_code=503)
-    return JSON({"status": "ok", **result})
+    return JSON({"status": "ok", "weight_version": eng.weight_version})
+
+
+@native.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 once a one-token generation went through the engine (SGLang's deeper probe)."""
+    fe = frontend(request)
+    probe = SamplingParams(max_new_tokens=1, temperature=0.0)
+    try:
+        states = fe.submit([[0]], probe, False)
+        await asyncio.wait_for(fe.wait(states, request), fe.settings.health_timeout)
+    except (EngineDead, EngineRefused, asyncio.TimeoutError) as e:
+        return JSON(error_body(503, f"a one-token generation failed: {e or 'timed out'}"), status_code=503)
+    return JSON({"status": "ok", "weight_version": fe.engine.weight_version})
+
+
+@native.get("/v1/loads", dependencies=[Depends(require_api_key)])
+async def loads(request: Request) -> Response:
+    """SGLang's load report (slime polls it until no request is left)."""
+    fe = frontend(request)
+    stats = await fe.engine.control("stats", timeout=10)
+    total = len(fe.engine.requests)
+    running = min(total, stats["rollout/num_running_requests"])
+    load = {
+        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": total - running, "num_total_reqs": total,
+        "num_used_tokens": round(stats["rollout/kv_usage"] * fe.engine.info["kv_cache_tokens"]),
+        "max_total_num_tokens": fe.engine.info["kv_cache_tokens"], "token_usage": stats["rollout/kv_usage"],
+        "gen_throughput": stats["rollout/tokens_per_s"],
+    }  # fmt: skip
+    return JSON({"timestamp": time.time(), "dp_rank_count": 1, "loads": [load]})
 
 
 @native.get("/get_model_info", dependencies=[Depends(require_api_key)])
@@ -242,6 +326,8 @@ def render_metrics(stats: dict, engine: EngineClient) -> str:
         ("rollout_generation_tokens_total", "tokens generated", [("", c["generation_tokens_total"])]),
         ("rollout_samples_finished_total", "samples finished, by reason",
          [(f'{{finish_reason="{r}"}}', v) for r, v in sorted(c["samples_finished_total"].items())]),
+        ("rollout_engine_restarts_total", "engine processes started again after one died",
+         [("", c["engine_restarts_total"])]),
     ]  # fmt: skip
     for name, help_, values in counters:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
@@ -295,7 +381,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return handle
 
     app.add_exception_handler(ApiError, handler(None))
-    app.add_exception_handler(EngineRefused, handler(400))
+    app.add_exception_handler(EngineRefused, handler(None))
     app.add_exception_handler(EngineDead, handler(503))
     app.add_exception_handler(ControlError, handler(None))
     app.add_exception_handler(asyncio.TimeoutError, handler(504))
@@ -319,7 +405,8 @@ def add_serve_parser(sub) -> None:
     h.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
                    help="key for generation routes (default: $ROLLOUT_API_KEY; none = open)")
     h.add_argument("--admin-key", default=os.environ.get("ROLLOUT_ADMIN_KEY"),
-                   help="key for weight and control routes (default: $ROLLOUT_ADMIN_KEY; none = loopback clients only)")
+                   help="key for weight and control routes (default: $ROLLOUT_ADMIN_KEY; none = loopback clients "
+                        "only, and then --host must be a loopback address)")
     h.add_argument("--served-model-name", default=None, help="the model name /v1/models reports")
     h.add_argument("--max-request-bytes", type=int, default=ServerSettings.max_request_bytes)
     h.add_argument("--incremental-streaming-output", action="store_true",
@@ -357,8 +444,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         log_level=args.log_level,
         access_log=args.access_log,
     )
-    if not _is_loopback_host(args.host) and settings.api_key is None:
-        log.warning("serving on %s without --api-key: anyone who reaches this port can generate", args.host)
+    if not _is_loopback_host(args.host):
+        if settings.admin_key is None:  # a weight push rewrites the model: never open to the network
+            sys.exit(f"rollout serve: --host {args.host} is reachable from the network, so the weight and control "
+                     "routes need --admin-key (or $ROLLOUT_ADMIN_KEY); or serve on 127.0.0.1")
+        if settings.api_key is None:
+            log.warning("serving on %s without --api-key: anyone who reaches this port can generate", args.host)
     log.info("starting the engine process for %s", model_path)
     engine = EngineClient(config, settings.log_level)
     engine.spawn()  # loads the model while this process loads the tokenizer
@@ -374,6 +465,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             log_level=args.log_level,
             access_log=args.access_log,
             timeout_graceful_shutdown=5,
+            proxy_headers=False,  # the client's address is the TCP peer's, never a header's (http_guard)
         )
     finally:
         engine.kill_now()

@@ -45,13 +45,17 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def checkpoint_specs(path: str | Path) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of every tensor, read from the headers only."""
+    """(name, shape, dtype) of every tensor, read from the headers only (safetensors checks that the
+    file holds every byte they promise: a truncated or garbled file fails here, before any write)."""
     specs = []
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                s = f.get_slice(name)
-                specs.append((name, tuple(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), torch.int64)))
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    s = f.get_slice(name)
+                    specs.append((name, tuple(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), torch.int64)))
+        except Exception as e:  # SafetensorError is a plain Exception
+            raise WeightError(f"cannot read {file}: {e}") from e
     return specs
 
 

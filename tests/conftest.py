@@ -30,3 +30,13 @@ def default_engine(default_model_dir):
     from rollout import Engine
 
     return Engine(model=str(default_model_dir), spec="off", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint (tests/tiny_models.py), shared read-only by every test that asks."""
+    from tiny_models import make_tiny_model
+
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_model("llama", path)
+    return path

@@ -12,17 +12,9 @@ import requests
 from rollout import Engine, SamplingParams
 from rollout.client import AsyncRolloutClient, RolloutClient, RolloutError
 from server_process import running_server
-from tiny_models import make_tiny_model
 
 API_KEY = "client-test-key"
 PARAMS = {"temperature": 1.0, "max_new_tokens": 8, "seed": 5}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_tiny_model("llama", path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +82,7 @@ def test_client_raises_the_servers_4xx_message_and_needs_the_api_key(server):
 GOOD = {"text": "x", "output_ids": [1], "meta_info": {
     "id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1, "completion_tokens": 1,
     "weight_version": "0", "output_token_weight_versions": [0], "output_token_logprobs": [[-0.5, 1, None]],
-    "spec_verify_ct": 0, "spec_accept_length": 0.0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}}  # fmt: skip
+    "spec_verify_ct": 0, "spec_accept_length": 0.0, "spec_draft_token_num": 0, "spec_accept_token_num": 0}}  # fmt: skip
 
 
 def test_sync_client_retries_connection_errors_but_never_http_errors(monkeypatch):

@@ -8,16 +8,8 @@ import random
 import pytest
 
 from rollout import Engine, SamplingParams
-from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_tiny_model("llama", path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -159,3 +159,25 @@ def test_decode_steps_chained_after_verify_steps_match_spec_off(default_model_di
     accepted = engine.stats()["rollout/spec_accepted_tokens"]
     assert chained[1] > 10 and accepted > 10, (chained, accepted)
     assert engine.pool.used_slots == 0
+
+
+def test_penalized_greedy_with_speculation_matches_without(engines, prompts):
+    """Penalties run eagerly (no graph) and in verification too: greedy tokens agree either way."""
+    params = dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.3, logit_bias={29: 2.0})
+    off = run(engines["graphs_spec_off"], prompts, **params)
+    assert agreement(off, run(engines["graphs_spec_off"], prompts, temperature=0)) < 1.0  # the edits matter
+    on = run(engines["graphs_spec_on"], prompts, **params) + run(engines["graphs_spec_on"], prompts, **params)
+    assert agreement(off + off, on) == 1.0
+
+
+def test_release_and_resume_memory_free_the_pool_and_the_weights_and_change_no_output(default_model_dir, prompts):
+    engine = Engine(model=str(default_model_dir), device="cuda", dtype="float32", kv_cache_tokens=100_000, spec="off")
+    before = run(engine, prompts, temperature=0)
+    kv = engine.pool.nbytes
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    released = engine.release_memory(None)
+    print(f"released {released['freed_bytes'] / 2**20:.1f} MiB: KV pool {kv / 2**20:.1f} MiB, weights {weights / 2**20:.1f} MiB")
+    assert released["freed_bytes"] >= kv + weights and set(released["released"]) == {"weights", "kv_cache", "cuda_graph"}
+    resumed = engine.resume_memory(None)
+    assert resumed["released"] == [] and engine.runner.graphs.captured
+    assert agreement(before, run(engine, prompts, temperature=0)) == 1.0

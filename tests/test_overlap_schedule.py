@@ -9,14 +9,6 @@ import pytest
 
 from engine_probes import count_chained, draft_every_other_step
 from rollout import Engine, SamplingParams
-from tiny_models import make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_tiny_model("llama", path)
-    return path
 
 
 def random_prompts(num: int, seed: int) -> list[list[int]]:

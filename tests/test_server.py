@@ -10,23 +10,16 @@ import requests
 
 from rollout import Engine, SamplingParams, SpecConfig
 from server_process import running_server
-from tiny_models import make_tiny_model
 
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 USER = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 META_FIELDS = {
-    "id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "output_token_weight_versions",
-    "spec_verify_ct", "spec_accept_length", "spec_draft_tokens", "spec_accepted_tokens",
+    "id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+    "output_token_weight_versions", "spec_verify_ct", "spec_accept_length", "spec_draft_token_num",
+    "spec_accept_token_num",
 }  # fmt: skip
 PROMPT = [5, 9, 13, 5, 9, 13, 5, 9, 13, 21]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_tiny_model("llama", path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +65,13 @@ def test_generate_with_n4_and_logprobs_has_the_design_fields_and_equals_engine_g
         assert [t for _, t, _ in meta["output_token_logprobs"]] == exp.token_ids
         assert all(x is None for _, _, x in meta["output_token_logprobs"])
         assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(exp.logprobs, abs=1e-5)
-        assert meta["finish_reason"] == {"type": "length", "length": 12}
+        assert meta["finish_reason"] == {"type": "length", "length": 12, "matched": None, "message": None}
         assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 12
         assert meta["weight_version"] == "0" and meta["output_token_weight_versions"] == ["0"] * 12
-        assert meta["spec_verify_ct"] == exp.spec["verify_steps"] and meta["spec_draft_tokens"] == exp.spec["draft_tokens"]
+        assert meta["spec_verify_ct"] == exp.spec["verify_steps"] and meta["spec_draft_token_num"] == exp.spec["draft_tokens"]
+        assert meta["spec_accept_token_num"] == exp.spec["accepted_tokens"]
+        assert meta["spec_accept_length"] == pytest.approx(12 / exp.spec["verify_steps"])
+        assert meta["cached_tokens"] == exp.cached_tokens == (0 if res is results[0] else len(PROMPT))
     assert len({r["meta_info"]["id"] for r in results}) == 1  # one request, four samples
     assert len({tuple(r["output_ids"]) for r in results}) == 4
 
@@ -88,7 +84,7 @@ def test_single_prompt_gives_an_object_and_a_stop_token_gives_stop_with_matched(
     r = generate(server, {"input_ids": PROMPT, "sampling_params": {**greedy, "stop_token_ids": [stop_at]}}).json()
     cut = first["output_ids"].index(stop_at) + 1
     assert r["output_ids"] == first["output_ids"][:cut]
-    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at, "message": None}
 
 
 def test_text_prompts_are_tokenized_like_the_engine_does(server, engine):

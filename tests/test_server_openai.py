@@ -60,9 +60,33 @@ def test_completion_with_n_and_logprobs(client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_chat_top_logprobs_are_the_most_likely_tokens_with_the_sampled_one_among_them_when_greedy(client):
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Count: one, two,"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) >= 1
+    for tok in content:
+        assert len(tok.top_logprobs) == 2
+        first, second = tok.top_logprobs
+        assert first.logprob >= second.logprob
+        assert first.token == tok.token and first.logprob == pytest.approx(tok.logprob, abs=1e-5)  # greedy: the argmax
+
+
+def test_completion_logprobs_k_gives_k_alternatives_per_token(client):
+    r = client.completions.create(model="smol", prompt="The sky is", max_tokens=4, logprobs=3, seed=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) >= 1
+    for top, token_logprob in zip(lp.top_logprobs, lp.token_logprobs):
+        assert 1 <= len(top) <= 3  # (distinct strings: two ids may decode alike)
+        assert max(top.values()) >= token_logprob - 1e-5
+
+
 def test_models_lists_the_served_name_and_bad_requests_get_400(client):
     assert [m.id for m in client.models.list().data] == ["smol"]
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], presence_penalty=1.0)
+        client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], presence_penalty=3.0)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="smol", prompt="hi", max_tokens=10**9)

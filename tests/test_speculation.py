@@ -62,8 +62,8 @@ def test_a_verify_step_says_whether_a_draft_was_rejected_or_the_drafts_ran_out(s
     tokens lead to has children in the tree, followed here by token rather than by layout index."""
     emit_trees, seen = spec_engine.runner._emit_trees, []
 
-    def recorded(step, tokens, logprobs):
-        out = emit_trees(step, tokens, logprobs)
+    def recorded(step, *results):
+        out = emit_trees(step, *results)
         seen.extend((step.trees[e.seq.seq_id], e) for e in out if e.drafted)
         return out
 

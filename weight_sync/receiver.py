@@ -297,7 +297,12 @@ class WeightReceiver:
         return upd.future
 
     def flush_cache(self) -> Future:
-        """Drop all cached KV; running sequences are recomputed (the n-gram trie is untouched)."""
+        """SGLang's flush: only when no request is in flight (a trainer's check that the server is idle);
+        the cached KV is dropped. The n-gram index is untouched."""
+        busy = len(self.engine.requests) + self.gate.num_held
+        if busy:
+            return _failed(WeightSyncError(f"cache not flushed: {busy} request(s) in flight; flush_cache runs only "
+                                           "when the server is idle (abort or wait for them first)", 400))
         self.engine.invalidate_kv()
         return _done({"success": True, "message": "KV cache flushed"})
 
@@ -539,7 +544,9 @@ def _checkpoint_specs(path: Path) -> list[TensorSpec]:
                         raise WeightSyncError(f"{file.name}: {name} has dtype {sl.get_dtype()}, which cannot be loaded into the model")
                     specs.append(TensorSpec(name, tuple(sl.get_shape()), dtype))
         return specs
-    except (FileNotFoundError, OSError, ValueError) as e:
+    except WeightSyncError:
+        raise
+    except Exception as e:  # a missing, truncated or garbled file is the client's to fix (safetensors checks sizes)
         raise WeightSyncError(f"cannot read checkpoint {str(path)!r}: {e}") from e
 
 

@@ -13,9 +13,13 @@ There is no timeout on these calls: a push may take minutes, and the receiver bo
 itself (300 s by default; `timeout_s` per distributed update).
 
 Beyond DESIGN.md's fields, the update routes take `flush_cache` (default true: recompute
-the KV of running requests; false keeps it), and the distributed and tensor routes take
-`bucket_bytes` (0: one broadcast or IPC handle per tensor, SGLang's way; otherwise the
-tensors packed in buckets, as WeightPusher sends them).
+the KV of running requests; false keeps it) and SGLang's `load_format` (null or "auto": the
+tensors as they are), and the distributed and tensor routes take `bucket_bytes` (0: one
+broadcast or IPC handle per tensor, SGLang's way; otherwise the tensors packed in buckets,
+as WeightPusher sends them). `/flush_cache` answers GET too (slime's probe that the server
+is idle: 200 only when no request is in flight, as SGLang), and the memory routes hand the
+GPU to a colocated trainer and take it back (`tags`: weights, kv_cache, cuda_graph; none
+means all).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from rollout.http_guard import ApiError, check_fields, is_number, read_json
 
 router = APIRouter()
 
-UPDATE_FIELDS = {"weight_version", "abort_all_requests", "flush_cache"}
+UPDATE_FIELDS = {"weight_version", "abort_all_requests", "flush_cache", "load_format"}
 
 # route -> (engine op, required fields, optional fields)
 ROUTES: dict[str, tuple[str, set[str], set[str]]] = {
@@ -52,7 +56,11 @@ ROUTES: dict[str, tuple[str, set[str], set[str]]] = {
     "/pause_generation": ("pause_generation", set(), {"mode"}),
     "/continue_generation": ("continue_generation", set(), set()),
     "/flush_cache": ("flush_cache", set(), set()),
+    "/release_memory_occupation": ("release_memory_occupation", set(), {"tags"}),
+    "/resume_memory_occupation": ("resume_memory_occupation", set(), {"tags"}),
 }
+GET_TOO = {"/flush_cache"}
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def _forward(op: str, required: set[str], optional: set[str]):
@@ -66,6 +74,14 @@ def _forward(op: str, required: set[str], optional: set[str]):
         timeout = body.get("timeout_s")
         if timeout is not None and not (is_number(timeout) and timeout > 0):
             raise ApiError(400, f"timeout_s must be a number of seconds > 0 (got {timeout!r})", "timeout_s")
+        if body.pop("load_format", None) not in (None, "auto"):
+            raise ApiError(400, "load_format: only null or \"auto\" (the tensors as sent) is supported", "load_format")
+        port = body.get("master_port")
+        if isinstance(port, str) and port.strip().isdigit():  # SGLang's pydantic takes "29500" as well
+            body["master_port"] = int(port)
+        tags = body.get("tags")
+        if tags is not None and not (isinstance(tags, list) and all(t in MEMORY_TAGS for t in tags)):
+            raise ApiError(400, f"tags must be a list of {', '.join(MEMORY_TAGS)} (or null: all of them)", "tags")
         return JSON(await fe.engine.control(op, body))
 
     route.__name__ = op
@@ -73,7 +89,7 @@ def _forward(op: str, required: set[str], optional: set[str]):
 
 
 for _path, (_op, _required, _optional) in ROUTES.items():
-    router.add_api_route(_path, _forward(_op, _required, _optional), methods=["POST"])
+    router.add_api_route(_path, _forward(_op, _required, _optional), methods=["POST", "GET"] if _path in GET_TOO else ["POST"])
 
 
 @router.get("/get_weight_version")
@@ -82,5 +98,7 @@ async def get_weight_version(request: Request) -> Response:
 
 
 def _no_body(request: Request) -> bool:
-    """A POST without a body (`curl -X POST`, `requests.post(url)`): the routes with no required field allow it."""
+    """A GET, or a POST without a body (`curl -X POST`, `requests.post(url)`): routes with no required field allow it."""
+    if request.method == "GET":
+        return True
     return request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers

@@ -163,6 +163,16 @@ class CausalLM(nn.Module):
         )
         return logits.float()
 
+    def to_host(self) -> None:
+        """Move the weights to pinned host memory (`.to(device)` brings them back): the GPU is freed
+        for a colocated trainer; the parameters stay the same objects, so weight targets stay valid."""
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.device.type != "cpu":
+                    host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                    host.copy_(p.data)
+                    p.data = host
+
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model accepts, mapped to where it is stored."""
         cfg = self.config
