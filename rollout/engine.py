@@ -1,9 +1,9 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 `generate()` is the synchronous front door; the server drives `add_request`/`step`/`abort`
-itself. Each step: the scheduler picks the batch, the drafter proposes trees for decoding
-sequences, the runner computes and verifies, and the engine appends what was emitted,
-applying stop conditions token by token so that speculation never changes the output.
+itself. Each step: the scheduler picks the batch, speculation picks its width (spec/), the
+runner drafts, computes and verifies on the device, and the engine appends what was
+emitted, applying stop conditions token by token so that speculation never changes the output.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -30,13 +30,12 @@ from rollout.kv_pool import KVPool
 from rollout.model_config import ModelConfig
 from rollout.model_loader import build_model, load_checkpoint, randomize, resolve_model_path
 from rollout.model_runner import Emitted, ModelRunner, StepInFlight
+from rollout.token_table import TokenTable
 from rollout.sampler import sequence_key
 from rollout.scheduler import Batch, Scheduler
 from rollout.sequence import Request, Sequence, SpecCounters, Status
 from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
-from spec.budget import DraftBudget
-from spec.ngram import NgramConfig, NgramDrafter
-from spec.upkeep import DrafterUpkeep
+from spec.speculator import Speculator
 
 log = logging.getLogger("rollout")
 
@@ -65,8 +64,6 @@ class Launched(NamedTuple):
 
     step: StepInFlight
     began: float  # when the engine's step() that launched it began
-    drafted: bool = False  # the pipeline was drained to draft for it (whether or not the drafter had anything)
-    predicted_rate: float | None = None  # tokens/s the draft budget's plan expected of it (None: not its model's)
 
 
 @dataclass
@@ -119,25 +116,27 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             max_rows=cfg.max_running_seqs,
-            max_context=self.max_model_len + cfg.spec.max_draft_tokens + 1,  # a tree may overhang the end
+            # a verify step may overhang a sequence's end, and one more may be launched before it is collected
+            max_context=self.max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1,
         )
         backend_name = cfg.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "torch"
         self.backend = create_backend(backend_name, self.device)
-        use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton"
-        self.runner = ModelRunner(
-            self.model, self.pool, self.backend, self.device, cuda_graphs=use_graphs,
-            max_graph_tokens=max(cfg.max_running_seqs, cfg.spec.max_verify_tokens),
-            max_tree_tokens=cfg.spec.max_draft_tokens + 1,
-        )
-        self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens)
-        if self.runner.graphs is not None:
-            t0 = time.perf_counter()
-            count = self.runner.graphs.capture_all(speculation=cfg.spec.enabled)
-            log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
-
+        history = cfg.spec.history_rows if cfg.spec.enabled else 0
+        self.table = TokenTable(cfg.max_running_seqs, history, self.pool.max_context, self.device)
         self._build_speculation()
+        self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
+        self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
+        if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
+            from rollout.cuda_graphs import CudaGraphs
+
+            max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
+            widths = self.spec.budget.widths if cfg.spec.enabled else [0]
+            self.runner.graphs = CudaGraphs(self.runner, cfg.max_running_seqs, widths, cfg.spec.enabled, max_tokens)
+            t0 = time.perf_counter()
+            count = self.runner.graphs.capture_all()
+            log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
 
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -157,19 +156,9 @@ class Engine:
         self.reset_stats()
 
     def _build_speculation(self) -> None:
-        spec_cfg = self.config.spec
-        self.drafter = None
-        if spec_cfg.enabled:
-            self.drafter = NgramDrafter(
-                NgramConfig(
-                    min_match=spec_cfg.min_match,
-                    max_match=spec_cfg.max_match,
-                    max_trie_nodes=spec_cfg.max_trie_nodes,
-                    share_siblings=spec_cfg.share_siblings,
-                )
-            )
-            self.budget = DraftBudget(spec_cfg.max_draft_tokens, spec_cfg.max_verify_tokens, spec_cfg.adaptive)
-            self.upkeep = DrafterUpkeep(self.drafter, max_step_tokens=spec_cfg.max_draft_tokens + 1)
+        self.spec = Speculator(self.config.spec, self.table)
+        if hasattr(self, "runner"):
+            self.runner.draft = self.spec.draft
 
     def recover(self) -> list[Request]:
         """After a step raised: drop every request and start over with an empty KV pool (the model
@@ -181,8 +170,9 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.pool.reset()
+        self.table.lengths.zero_()
         self.runner.reset()
-        self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.config.max_prefill_tokens, self._released)
         self._build_speculation()  # (its history too: it may hold what broke the step)
         return dropped
 
@@ -225,13 +215,6 @@ class Engine:
         self.requests[rid] = req
         self._editing_logits += params.processes_logits
         self.scheduler.add(leader)
-        if self.drafter is not None:
-            rolled_out_before = self.drafter.knows_prompt(prompt_ids)
-            self.upkeep.lifecycle(partial(self.drafter.add_group, rid, prompt_ids))
-            for seq in req.sequences:
-                self.upkeep.lifecycle(partial(self.drafter.add_sequence, rid, seq.seq_id))
-                if rolled_out_before:
-                    self.budget.offer_first_look(seq.seq_id)
         return req
 
     def _checked(self, params: SamplingParams) -> SamplingParams:
@@ -286,13 +269,13 @@ class Engine:
         """Run one batch; returns the requests that progressed (check `.finished`).
 
         With the overlap schedule (on by default), a decode or verify step is left running on
-        the device when `step()` returns, and the next call launches the following decode
-        step, its input tokens (after a verify step, also its positions) read on the device,
-        before it collects the earlier one: the host's bookkeeping of one step hides under the
-        device's work on the next. A sequence that stops in the earlier step has its token from
-        the later one dropped. Prefill steps, and the drafting before a verify step, need the
-        host to know the tokens, so the pipeline drains before them. The drafter is fed in the
-        device's shadow (see spec/upkeep.py).
+        the device when `step()` returns, and the next call launches the following one before
+        it collects the earlier one: the host's bookkeeping of one step hides under the device's
+        work on the next. A decode or verify step reads what it needs from the device (each
+        sequence's last token and length, its drafts), so steps chain whether they draft or not;
+        a sequence that stops in the earlier step has its tokens from the later one dropped.
+        Prefill steps need the host's view of every token, and so do steps whose logits are
+        edited (rollout/logits_processing.py): the pipeline drains before them.
         """
         if self.released:
             raise MemoryStateError(f"memory released ({', '.join(sorted(self.released))}): resume it before stepping")
@@ -300,69 +283,46 @@ class Engine:
         began = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
-        wanted = self._draft_budgets(batch)
-        # A decode batch scheduled while a decode step is in flight holds only sequences of that
-        # step: sequences join the running batch only when a prefill step completes, and prefill
-        # steps never stay in flight (StepInFlight.draw_index fails loudly otherwise).
-        # (A step whose logits are edited needs every earlier token on the host: rollout/logits_processing.py.)
-        if prev is not None and batch is not None and not batch.is_prefill and not wanted and not self._editing_logits:
-            self._in_flight = Launched(self.runner.launch(batch, {}, after=prev.step), began)
+        chain = (prev is not None and batch is not None and not batch.is_prefill and self.config.overlap_schedule
+                 and not self._editing_logits)
+        if chain:
+            launched = self._launch(batch, began)
             self._complete(prev, updated)
             if all(item.seq.finished for item in batch.items):  # nothing left to wait for
-                self._in_flight = None
+                self._complete(launched, updated)
+            else:
+                self._in_flight = launched
         else:
             if prev is not None:
                 self._complete(prev, updated)
                 batch = _without_finished(batch)
             if batch is not None:
-                self._run(batch, wanted, began, updated)
+                launched = self._launch(batch, began)
+                if self.config.overlap_schedule and launched.step.chainable and not self._editing_logits:
+                    self._in_flight = launched
+                else:
+                    self._complete(launched, updated)
         self._busy_s += time.perf_counter() - began
         return self._collect(updated)
 
-    def _draft_budgets(self, batch: Batch | None) -> dict[int, int]:
-        if self.drafter is None or batch is None or batch.is_prefill:
-            return {}
-        t0 = time.perf_counter()
-        wanted = self.budget.for_batch([item.seq for item in batch.items])
-        if wanted:  # a sequence whose prompt's trie is still being built (spec/upkeep.py) waits for it
-            ready = self.drafter.ready
-            wanted = {seq_id: n for seq_id, n in wanted.items() if ready(seq_id)}
-        self._draft_s += time.perf_counter() - t0
-        return wanted
-
-    def _run(self, batch: Batch, wanted: dict[int, int], began: float, updated: dict) -> None:
-        """Draft, launch, and complete at once unless the step may stay in flight."""
-        trees = {}
-        if wanted:
-            t0 = time.perf_counter()
-            trees = self._draft([item.seq for item in batch.items], wanted)
-            self._draft_s += time.perf_counter() - t0
-            self._draft_steps += 1
-            self._empty_draft_steps += not trees
-        predicted = self.budget.predicted_rate if wanted else None
-        launched = Launched(self.runner.launch(batch, trees), began, bool(wanted), predicted)
-        if self.config.overlap_schedule and launched.step.chainable:
-            self._in_flight = launched
-        else:
-            self._complete(launched, updated)
+    def _launch(self, batch: Batch, began: float) -> Launched:
+        if batch.is_prefill:
+            return Launched(self.runner.launch_prefill(batch), began)
+        plan = self.spec.plan(len(batch.items), self.pool.free_slots)
+        self._draft_steps += plan.width > 0
+        return Launched(self.runner.launch_decode(batch, plan.width, plan.drafting, plan.shadow), began)
 
     def _complete(self, launched: Launched, updated: dict) -> None:
-        """Wait for a launched step and apply what it emitted (feeding the drafter meanwhile)."""
+        """Wait for a launched step and apply what it emitted."""
         step, began = launched.step, launched.began
-        if self.drafter is not None:
-            if step.result.overlaps_host:
-                t1 = time.perf_counter()
-                self.upkeep.apply(until=step.result.done)
-                self.upkeep.drop_unfed_steps()
-                self._shadow_s += time.perf_counter() - t1
-            else:
-                self.upkeep.apply()
+        seqs = [item.seq for item in step.batch.items]
+        roots = np.fromiter((len(q.tokens) for q in seqs), np.int64, len(seqs)) if step.shadow else None
         emitted = [e for e in self.runner.collect(step) if not e.seq.finished]  # stopped while this step ran
         for item in step.batch.items:  # (a decode item may be waiting too: preempted while this step ran)
             if item.samples and not item.decode and item.seq.status is Status.WAITING:
+                for seq in [item.seq, *item.seq.forks]:
+                    self.spec.join(seq)
                 self.scheduler.on_prefill_done(item.seq)
-        if self.drafter is not None and self.budget.per_sequence_cap(len(emitted)):
-            self.upkeep.step([e.seq for e in emitted])  # (a batch too large to draft is not fed: spec/upkeep.py)
         for e in emitted:
             self._append(e)
             updated[id(e.seq.request)] = e.seq.request
@@ -372,13 +332,8 @@ class Engine:
         cost = done - max(began, self._last_done)
         self._last_done = done
         self.step_times_ms.append(cost * 1e3)
-        if self.drafter is not None and not step.batch.is_prefill:
-            num_seqs, drafts = len(step.batch.items), sum(t.num_drafts for t in step.trees.values())
-            if drafts or not launched.drafted:  # a drained step with no drafts is no decode step
-                self.budget.observe_step(num_seqs, drafts, cost)
-            if launched.predicted_rate is not None:
-                emitted_tokens = sum(len(e.tokens) for e in emitted)
-                self.budget.observe_drafting(num_seqs, emitted_tokens, cost, launched.predicted_rate)
+        if not step.batch.is_prefill:
+            self.spec.observe(seqs, roots, step.trees, step.width, cost)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between
@@ -399,37 +354,33 @@ class Engine:
             if req.finished and self.requests.get(req.rid) is req:
                 del self.requests[req.rid]
                 self._editing_logits -= req.params.processes_logits
-                if self.drafter is not None:
-                    self.upkeep.lifecycle(partial(self.drafter.remove_group, req.rid))
-        if self.drafter is not None and not self.has_work:
-            # Going idle: the lifecycle updates complete (finished prompts become history), but
-            # tokens that found no shadow stay unindexed rather than lengthen the rollout's end.
-            self.upkeep.drop_unfed_steps()
-            self.upkeep.apply()
         return list(updated.values())
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens appended since the last reset_stats()."""
+        return self._output_tokens
+
+    def indexed(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """(output tokens found in the token table, output tokens) of `seqs`: a running one's own row,
+        a finished one's history row if it was kept. A host sync: for benchmarks and tests."""
+        found = total = 0
+        for seq in seqs:
+            total += seq.num_output
+            row = seq.row if not seq.finished else seq.history_row
+            if row >= 0:
+                have = self.table.read(row)[: len(seq.tokens)]
+                found += sum(a == b for a, b in zip(have[seq.num_prompt :], seq.output_ids))
+        return found, total
 
     def clear_speculation_history(self) -> None:
         """Forget earlier requests' outputs (benchmarks: no drafting from a previous run)."""
-        if self.drafter is not None:
-            self.upkeep.apply()
-            self.drafter.clear_history()
+        self.spec.clear_history()
 
-    def _draft(self, seqs: list[Sequence], wanted: dict[int, int]) -> dict:
-        # No upkeep first: proposals look up each sequence's newest tokens, and a trie that has not
-        # counted the last step's tokens yet drafts nearly as well (they are fed in this step's shadow).
-        free = self.pool.free_slots - len(seqs)  # every sequence already needs one slot for its root
-        trees = {}
-        for seq in seqs:
-            n = min(wanted.get(seq.seq_id, 0), free)
-            if n <= 0:
-                continue
-            tree = self.drafter.propose(seq.seq_id, seq.tokens, n)
-            if tree.num_drafts:
-                trees[seq.seq_id] = tree
-                free -= tree.num_drafts
-            else:  # planned but the trie had nothing: as costly as a rejected draft (the overlap was drained for it)
-                self.budget.observe(seq.seq_id, 0, rejected=True)
-        return trees
+    def _released(self, seq: Sequence) -> None:
+        """The scheduler is about to free `seq`'s KV row: its tokens leave the index, kept as
+        history if it finished (not if it was preempted: it comes back)."""
+        self.spec.leave(seq, keep=seq.finish_reason is not None)
 
     def _append(self, e: Emitted) -> None:
         """Append what the step emitted, up to a stop condition. (Runs for every sequence of every
@@ -458,8 +409,6 @@ class Engine:
         if e.drafted:
             seq.spec.record(e.source, e.drafted, e.accepted, appended)
             self._spec_totals.record(e.source, e.drafted, e.accepted, appended)
-            if self.drafter is not None:
-                self.budget.observe(seq.seq_id, e.accepted, e.rejected)
         elif e.decode:  # a step without drafts: what SpecCounters.record does for it, without two calls
             spec, totals = seq.spec, self._spec_totals
             spec.verify_steps += 1
@@ -488,11 +437,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        seq.finished_at = time.perf_counter()
         self._ended[id(seq.request)] = seq.request
         self.scheduler.finish(seq)
-        if self.drafter is not None:
-            self.upkeep.finish(seq)
-            self.budget.forget(seq.seq_id)
 
     # ---------------- the synchronous API ----------------
     def generate(
@@ -604,7 +551,7 @@ class Engine:
         self.released -= tags
         graphs = self.runner.graphs
         if not self.released and graphs is not None and not graphs.captured:
-            graphs.capture_all(speculation=self.config.spec.enabled)
+            graphs.capture_all()
         return {"released": sorted(self.released), "allocated_bytes": _device_bytes(self.device) - before}
 
     def invalidate_kv(self) -> None:
@@ -617,12 +564,7 @@ class Engine:
         self._spec_totals = SpecCounters()
         self._output_tokens = 0
         self._busy_s = 0.0
-        self._draft_s = 0.0
-        self._draft_steps = 0  # steps that drained the pipeline to draft
-        self._empty_draft_steps = 0  # of those, steps for which the drafter had nothing
-        self._shadow_s = 0.0
-        if self.drafter is not None:
-            self.upkeep.dropped_tokens = 0
+        self._draft_steps = 0  # steps that verified drafts
         self.step_times_ms: list[float] = []
 
     def stats(self) -> dict:
@@ -637,11 +579,7 @@ class Engine:
             "rollout/tokens_per_s": self._output_tokens / self._busy_s if self._busy_s else 0.0,
             "rollout/output_tokens": self._output_tokens,
             "rollout/steps": len(self.step_times_ms),
-            "rollout/draft_s": self._draft_s,
             "rollout/draft_steps": self._draft_steps,
-            "rollout/empty_draft_steps": self._empty_draft_steps,
-            "rollout/drafter_shadow_s": self._shadow_s,
-            "rollout/drafter_dropped_tokens": self.upkeep.dropped_tokens if self.drafter is not None else 0,
             "rollout/weight_version": self.weight_version,
             "rollout/weight_sync_s": self._weight_sync_s,
             "rollout/num_running": len(self.scheduler.running),
@@ -649,6 +587,7 @@ class Engine:
             "rollout/kv_usage": self.pool.used_slots / (self.pool.num_slots - 1),
             "rollout/num_preempted": self.scheduler.num_preempted,
         }
+        out.update(self.spec.stats())
         for source, c in t.by_source.items():
             out[f"rollout/spec_draft_tokens/{source}"] = c["draft_tokens"]
             out[f"rollout/spec_accepted_tokens/{source}"] = c["accepted_tokens"]

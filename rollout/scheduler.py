@@ -11,6 +11,7 @@ sequences are preempted: their slots are freed and they are recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollout.kv_pool import KVPool
@@ -44,8 +45,10 @@ MAX_OVERTAKEN = 64
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_running_seqs: int, max_prefill_tokens: int):
+    def __init__(self, pool: KVPool, max_running_seqs: int, max_prefill_tokens: int,
+                 on_release: Callable[[Sequence], None] | None = None):
         self.pool = pool
+        self.on_release = on_release  # called before a sequence's KV row is freed (finished or preempted)
         self.max_running = max_running_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.admit_rows = max(1, int(max_running_seqs * ADMIT_SHARE))
@@ -157,6 +160,8 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
+        if seq.row >= 0 and self.on_release is not None:
+            self.on_release(seq)
         if seq.row >= 0:
             self.pool.release(self.pool.rows_host[seq.row, : seq.num_cached])
             self.pool.free_row(seq.row)

@@ -61,7 +61,10 @@ class Sequence:
     tokens: list[int]  # prompt + output
     num_prompt: int
     status: Status = Status.WAITING
-    row: int = -1  # slot-table row while it holds KV
+    row: int = -1  # slot-table row (and token-table row) while it holds KV
+    group: int = 0  # the n-gram index's line for its prompt while it runs (spec/index.py)
+    history_row: int = -1  # the token-table row it was kept in once finished, if it was
+    finished_at: float = 0.0  # time.perf_counter() when it finished
     num_cached: int = 0  # tokens whose KV is in the pool; tokens[num_cached:] are this step's input
     forks: list["Sequence"] = field(default_factory=list)  # siblings that take this prefill's KV
     cached_tokens: int = 0  # prompt tokens whose KV it took from its leader's prefill (a fork's), as SGLang reports

@@ -5,23 +5,36 @@ from __future__ import annotations
 import itertools
 
 from rollout import Engine
+from spec.budget import StepPlan
 
 
 def count_chained(engine: Engine) -> list[int]:
-    """Counts the steps launched before the step they follow was collected: [all, after a verify step]."""
-    chained = [0, 0]
-    launch = engine.runner.launch
+    """Counts the decode and verify steps launched before the step they follow was collected:
+    [all, after a verify step]."""
+    chained, outstanding = [0, 0], []
+    launch, collect = engine.runner.launch_decode, engine.runner.collect
 
-    def counting(batch, trees, after=None):
-        chained[0] += after is not None
-        chained[1] += after is not None and bool(after.trees)
-        return launch(batch, trees, after)
+    def launching(batch, width, drafting, shadow=False):
+        if outstanding:
+            chained[0] += 1
+            chained[1] += outstanding[-1].width > 0
+        step = launch(batch, width, drafting, shadow)
+        outstanding.append(step)
+        return step
 
-    engine.runner.launch = counting
+    def collecting(step):
+        if step in outstanding:
+            outstanding.remove(step)
+        return collect(step)
+
+    engine.runner.launch_decode = launching
+    engine.runner.collect = collecting
     return chained
 
 
-def draft_every_other_step(engine: Engine) -> None:
-    """Every other step plans drafts for every sequence, so that decode steps follow verify steps."""
+def draft_every_other_step(engine: Engine, width: int = 4) -> None:
+    """Every other step drafts `width` nodes per sequence, so that decode steps follow verify steps."""
     turn = itertools.cycle([True, False])
-    engine.budget.for_batch = lambda seqs: {s.seq_id: 4 for s in seqs} if next(turn) else {}
+    engine.spec.plan = lambda num_seqs, free_slots: (
+        StepPlan(width, True, False) if next(turn) and num_seqs * (width + 1) <= free_slots else StepPlan(0, False, False)
+    )

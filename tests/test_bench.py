@@ -23,8 +23,22 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     off, ngram = rows
     assert off["output_tokens"] == ngram["output_tokens"] > 0  # greedy on the CPU: speculation changes no token
     assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in rows)
-    assert off["draft_steps"] == 0 and ngram["draft_steps"] >= ngram["empty_draft_steps"] >= 0
+    assert off["draft_steps"] == 0 and ngram["draft_steps"] >= 0
+    assert ngram["indexed"] == 1.0  # every sample's tokens are in its history row
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
+
+
+def test_the_rl_workload_reports_its_long_tail_and_plots_its_timeline(default_model_dir, tmp_path):
+    main([
+        "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "rl", "--spec-modes", "off,ngram",
+        "--batch-sizes", "4", "--n", "2", "--output-len", "24", "--out", str(tmp_path),
+    ])
+    (result,) = tmp_path.glob("rl-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert {r["temperature"] for r in rows} == {1.0}  # rl samples at T = 1 unless told otherwise
+    assert all(0 <= r["tail_s"] <= r["wall_s"] and r["gc_ms"] >= 0 for r in rows)
+    assert rows[1]["indexed"] == 1.0
+    assert list(tmp_path.glob("rl-*-timeline.png"))
 
 
 def test_gc_timer_times_collections_only_inside_its_block():

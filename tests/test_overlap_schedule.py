@@ -96,7 +96,7 @@ def test_a_sequence_cut_off_while_its_verify_step_runs_keeps_none_of_its_tree(mo
     engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
     draft_every_other_step(engine)
     reqs = [engine.add_request(p, params) for p in prompts]
-    while engine._in_flight is None or not engine._in_flight.step.trees:
+    while engine._in_flight is None or not engine._in_flight.step.width:
         engine.step()
     victim = reqs[0].sequences[0]
     assert victim in [item.seq for item in engine._in_flight.step.batch.items]  # its verify step runs
@@ -123,7 +123,7 @@ def test_a_sequence_cut_off_while_its_verify_step_runs_keeps_none_of_its_tree(mo
 
 
 def test_speculation_with_overlap_matches_without(model_dir):
-    prompt = random_prompts(1, seed=4)[0] * 4  # repeats, so the trie has something to draft
+    prompt = random_prompts(1, seed=4)[0] * 4  # repeats, so the drafter has something to match
     params = SamplingParams(temperature=0, n=4, max_new_tokens=40, ignore_eos=True)
     outs = {}
     for overlap in (False, True):

@@ -412,10 +412,10 @@ def test_the_engine_loop_fails_the_request_a_step_raised_on_and_goes_on(model_di
     loop = EngineLoop(engine, recv=None, send=pipe)
     add = lambda rid: protocol.add_request(rid, [5, 6, 7], {"max_new_tokens": 3}, False, 0, False)  # noqa: E731
     loop.take_batch([add("doomed")], [])
-    launch = engine.runner.launch
-    monkeypatch.setattr(engine.runner, "launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    launch = engine.runner.launch_prefill
+    monkeypatch.setattr(engine.runner, "launch_prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     loop._step()
-    monkeypatch.setattr(engine.runner, "launch", launch)
+    monkeypatch.setattr(engine.runner, "launch_prefill", launch)
     failed = [r for m in pipe.messages if m["type"] == protocol.OUT for r in m["reqs"]]
     assert failed == [{"rid": "doomed", "error": failed[0]["error"], "status": 500}] and "boom" in failed[0]["error"]
     loop.take_batch([add("fine")], [])

@@ -411,21 +411,23 @@ def test_metrics_and_server_info_report_the_push(tiny, api):
     assert info["stats"]["rollout/weight_sync_s"] == metrics["rollout_weight_sync_s"]
 
 
-def test_ngram_trie_survives_weight_updates(tiny, tmp_path):
-    """In process: the receiver swaps weights under a speculating engine; the drafter keeps what it learnt."""
+def test_the_drafters_history_survives_weight_updates(tiny, tmp_path):
+    """In process: the receiver swaps weights under a speculating engine; the index keeps what it learnt."""
     engine = Engine(model=str(tiny[0]), spec="ngram", device="cpu")
     rx = WeightReceiver(engine)
     try:
         prompt = [11, 12, 13, 14] * 4
-        engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
-        drafter = engine.drafter
+        req = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+        while engine.has_work:
+            engine.step()
+        seq = req.sequences[0]
+        index = engine.spec.index
 
         def snapshot():
-            engine.upkeep.apply()  # the engine queues drafter updates until its next step
-            return drafter.memory_nodes(), {k: sorted(e.trie.items()) for k, e in drafter._history.items()}
+            return index.history_rows_used, engine.table.read(seq.history_row)
 
         before = snapshot()
-        assert before[0] > 0 and tuple(prompt) in before[1]
+        assert before[0] == 1 and before[1] == seq.tokens
         for version, scale in ((1, 1.5), (2, 2.0)):
             ckpt = tmp_path / f"v{version}"
             ckpt.mkdir()
@@ -435,6 +437,6 @@ def test_ngram_trie_survives_weight_updates(tiny, tmp_path):
                 rx.at_step_boundary()  # what the engine loop does between steps
                 time.sleep(0.001)
             assert fut.result()["weight_version"] == str(version)
-        assert engine.weight_version == 2 and engine.drafter is drafter and snapshot() == before
+        assert engine.weight_version == 2 and engine.spec.index is index and snapshot() == before
     finally:
         rx.close()

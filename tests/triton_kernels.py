@@ -16,3 +16,14 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = "cuda" if ON_GPU else "cpu"
 GPU_ONLY = pytest.mark.gpu if ON_GPU else []  # a module's `pytestmark`
+
+if not ON_GPU:  # the interpreter keeps scalars as 1-element arrays, which NumPy 2 will not turn into an int
+    from triton.runtime import interpreter as _interpreter
+
+    _patch = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor

@@ -153,14 +153,14 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         ctx: ForwardContext,
-        logits_indices: torch.Tensor,  # [L] rows of the T tokens whose next-token logits are wanted
+        logits_indices: torch.Tensor | None,  # [L] rows of the T tokens whose next-token logits are wanted; None: all
     ) -> torch.Tensor:  # [L, vocab] float32
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
-        logits, _ = skinny_gemm.norm_linear(
-            x[logits_indices], residual[logits_indices], self.model.norm.weight, self.model.norm.eps, self.lm_head_weight
-        )
+        if logits_indices is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps, self.lm_head_weight)
         return logits.float()
 
     def to_host(self) -> None:

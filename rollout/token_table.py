@@ -1,0 +1,73 @@
+"""Every sequence's tokens on the device, where steps read their inputs and drafts are searched.
+
+Row r of the table holds the tokens (prompt, then output) of the sequence that owns KV row r
+of the pool; past the live rows and the pool's padding row come history rows, which keep
+finished samples for later rollouts of their prompt. A decode or verify step reads each
+sequence's last token here and writes what it emitted back (kernels/tree_accept.py), so the
+next step can be launched before the host has seen this one: a running sequence's cached KV
+is always its token count less one (its last token is the next step's input).
+
+The host writes what only it knows: prompt chunks and first tokens at prefill
+(`record_prefill`), a fork's copy of its prompt, and history rows (`keep`). Its own copy of
+the tokens (Sequence.tokens) trails the device by the steps still in flight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class TokenTable:
+    def __init__(self, live_rows: int, history_rows: int, capacity: int, device: torch.device):
+        self.padding_row = live_rows  # the KV pool's padding row: never written
+        self.history_start = live_rows + 1
+        self.num_rows = live_rows + 1 + history_rows
+        self.capacity = capacity
+        self.device = device
+        self.tokens = torch.zeros(self.num_rows, capacity, dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
+        self.prompt_lens = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.lengths, self.prompt_lens))
+
+    def write(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
+        """tokens[rows[i], cols[i]] = values[i] (host-known tokens: prompt chunks)."""
+        if len(rows):
+            self.tokens[_dev(rows, self.device), _dev(cols, self.device)] = _dev(values.astype(np.int32), self.device)
+
+    def record_prefill(self, rows: np.ndarray, lengths: np.ndarray, prompt_lens: np.ndarray,
+                       drawn: torch.Tensor | None = None, draw_rows: np.ndarray | None = None,
+                       draw_cols: np.ndarray | None = None) -> None:
+        """After an eager step: the lengths and prompt lengths of `rows`, and the drawn tokens (on the
+        device) at (draw_rows, draw_cols)."""
+        r = _dev(rows, self.device)
+        if drawn is not None and len(draw_rows):
+            self.tokens[_dev(draw_rows, self.device), _dev(draw_cols, self.device)] = drawn.to(torch.int32)
+        self.lengths[r] = _dev(lengths.astype(np.int32), self.device)
+        self.prompt_lens[r] = _dev(prompt_lens.astype(np.int32), self.device)
+
+    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
+        """Rows `dsts` take the first `length` tokens of row `src` (a fork's prompt)."""
+        if dsts and length:
+            self.tokens[dsts, :length] = self.tokens[src, :length]
+
+    def keep(self, src: int, dst: int, length: int, prompt_len: int) -> None:
+        """History row `dst` takes the first `length` tokens of live row `src` (a finished sample)."""
+        self.tokens[dst, :length] = self.tokens[src, :length]
+        self.lengths[dst] = length
+        self.prompt_lens[dst] = prompt_len
+
+    def forget(self, row: int) -> None:
+        self.lengths[row] = 0
+
+    def read(self, row: int) -> list[int]:
+        """A row's tokens (a host sync: for tests and checks)."""
+        return self.tokens[row, : int(self.lengths[row])].tolist()
+
+
+def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
