@@ -333,7 +333,7 @@ class Engine:
         self._last_done = done
         self.step_times_ms.append(cost * 1e3)
         if not step.batch.is_prefill:
-            self.spec.observe(seqs, roots, step.trees, step.width, cost)
+            self.spec.observe(seqs, roots, step.trees, step.width, step.result.device_seconds(), cost - step.result.waited)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between

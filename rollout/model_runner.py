@@ -23,6 +23,7 @@ drafts above each node (rollout/logits_processing.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,19 +129,34 @@ class DecodeOutputs:
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [S * N, k], logprobs [S * N, k] (eager steps)
 
 
+class DeviceClock:
+    """When a step's device work starts, to time it against the HostCopy that ends it (CUDA
+    events: exact and asynchronous; on the CPU, where a step is done at launch, wall time)."""
+
+    def __init__(self, device: torch.device):
+        self.event = None
+        self.began = time.perf_counter()
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+
+
 class HostCopy:
     """A step's results on their way to the host: asynchronous copies into pinned memory, one event."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], clock: DeviceClock | None = None):
         self.event = None
+        self.clock = clock
+        self.waited = 0.0  # seconds the host spent waiting for it
         if tensors and tensors[0].is_cuda:
             self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(self.host, tensors):
                 h.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(enable_timing=clock is not None)
             self.event.record()
         else:
             self.host = list(tensors)  # (on the CPU every step makes fresh tensors: no graphs)
+            self.ended = time.perf_counter()
 
     @property
     def overlaps_host(self) -> bool:
@@ -148,8 +164,16 @@ class HostCopy:
 
     def wait(self) -> list[np.ndarray]:
         if self.event is not None:
+            t0 = time.perf_counter()
             self.event.synchronize()  # the step's one intended host sync
+            self.waited = time.perf_counter() - t0
         return [h.numpy() for h in self.host]
+
+    def device_seconds(self) -> float:
+        """The step's device time, from its clock to its results' copy (after `wait`)."""
+        if self.event is None:
+            return self.ended - self.clock.began
+        return self.clock.event.elapsed_time(self.event) / 1e3
 
 
 @dataclass
@@ -209,6 +233,7 @@ class ModelRunner:
         editing = any(q.request.params.processes_logits for q in seqs)
         top = max(q.request.top_logprobs_num for q in seqs)
         plain = not editing and not top
+        clock = DeviceClock(self.device)
         shape = self.graphs.shape(s, width, drafting, sampling.mode) if self.graphs is not None and plain else None
         if shape is not None:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, sampling, rows, groups))
@@ -225,7 +250,7 @@ class ModelRunner:
             tensors += list(out.trees)
         if top:
             tensors += list(out.top)
-        return StepInFlight(batch, width, HostCopy(tensors), slots=slots, rows=rows,
+        return StepInFlight(batch, width, HostCopy(tensors, clock), slots=slots, rows=rows,
                             shadow=shadow and out.trees is not None, top=bool(top))
 
     def run_decode(self, x: DecodeInputs, width: int, drafting: bool, mode: str, edit=None, top_logprobs: int = 0,

@@ -13,13 +13,15 @@ second, S (1 + acc(w)) / cost(b, w), among the widths that fit (S (w + 1) tokens
   sampling a draft is accepted exactly when it equals the token the sequence emits anyway, so
   this is what verification would find, without verifying anything. Evaluations are averaged
   with decaying weights.
-- Costs: a step's time grows with its sequences' contexts (attention reads them all) whatever
-  its width, while what a width adds (more tokens through the same weights) does not. So per
-  bucket the budget keeps what a plain step costs now (the median of its last few) and, per
-  width, what a drafting step cost above the plain cost of its time. A width not measured yet
-  at a bucket is taken to add nothing, so it gets tried as soon as acceptance says it may pay.
-  While drafting, every REFRESH_EVERY-th step decodes plainly, so the plain cost follows the
-  contexts as they grow.
+- Costs: steps overlap the host's work, so a step costs the larger of its device time and
+  the host's time per step. Device times come from CUDA events around each step (exact, read
+  one step late). A step's device time grows with its sequences' contexts (attention reads
+  them all) whatever its width, while what a width adds (more tokens through the same
+  weights) does not. So per bucket the budget keeps what a plain step costs the device now
+  (the median of its last few) and, per width, what a drafting step cost above the plain cost
+  of its time; and the host's time per step. A width not measured yet at a bucket is taken to
+  add nothing, so it gets tried as soon as acceptance says it may pay. While drafting, every
+  REFRESH_EVERY-th step decodes plainly, so the plain cost follows the contexts as they grow.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class DraftBudget:
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
         self.acc = np.zeros(len(self.widths))  # accepted drafts per sequence, by width
-        self._plain: dict[int, deque] = {}  # bucket -> recent plain step costs
-        self._extra: dict[tuple[int, int], deque] = {}  # (bucket, width) -> recent costs above plain
+        self._plain: dict[int, deque] = {}  # bucket -> recent device times of plain steps
+        self._extra: dict[tuple[int, int], deque] = {}  # (bucket, width) -> recent device times above plain
+        self._host: dict[int, deque] = {}  # bucket -> recent host times per step
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
 
@@ -76,20 +79,22 @@ class DraftBudget:
             plain = _median(self._plain.get(b))
             w = 0
             if plain is not None:  # (a bucket's first steps measure plain decoding)
-                best = max(fits, key=lambda i: (1 + self.acc[i]) / (plain + (self._extra_cost(b, self.widths[i]))))
-                w = self.widths[best]
+                host = _median(self._host.get(b)) or 0.0
+                cost = lambda w: max(plain + self._extra_cost(b, w), host)  # noqa: E731
+                w = self.widths[max(fits, key=lambda i: (1 + self.acc[i]) / cost(self.widths[i]))]
             if w:
                 self._drafting[b] = self._drafting.get(b, 0) + 1
                 if self._drafting[b] >= REFRESH_EVERY:
                     w, self._drafting[b] = 0, 0
         return StepPlan(w, w > 0 or shadow, shadow)
 
-    def observe_step(self, num_seqs: int, width: int, seconds: float) -> None:
+    def observe_step(self, num_seqs: int, width: int, device_s: float, host_s: float) -> None:
         b = bucket(num_seqs)
+        self._host.setdefault(b, deque(maxlen=COST_WINDOW)).append(host_s)
         if width == 0:
-            self._plain.setdefault(b, deque(maxlen=COST_WINDOW)).append(seconds)
+            self._plain.setdefault(b, deque(maxlen=COST_WINDOW)).append(device_s)
         elif (plain := _median(self._plain.get(b))) is not None:
-            self._extra.setdefault((b, width), deque(maxlen=COST_WINDOW)).append(seconds - plain)
+            self._extra.setdefault((b, width), deque(maxlen=COST_WINDOW)).append(device_s - plain)
 
     def observe_acceptance(self, accepted: np.ndarray) -> None:
         """accepted [S, widths]: the drafts each sequence's tree would have had accepted at each width."""
@@ -102,6 +107,7 @@ class DraftBudget:
     def costs(self) -> dict[str, float]:
         """Milliseconds by bucket: plain steps, and what each width adds (for stats and benchmarks)."""
         out = {f"b{b}_plain": 1e3 * _median(v) for b, v in self._plain.items() if v}
+        out.update({f"b{b}_host": 1e3 * _median(v) for b, v in self._host.items() if v})
         out.update({f"b{b}_w{w}_extra": 1e3 * _median(v) for (b, w), v in self._extra.items() if v})
         return out
 

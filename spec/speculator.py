@@ -4,7 +4,7 @@
     spec.join(seq) / spec.leave(seq, keep)       a sequence starts or stops running
     plan = spec.plan(num_seqs, free_slots)       this step's width (0: plain decoding), drafting, shadow
     ... the step runs (ModelRunner.launch_decode(batch, plan.width, plan.drafting, plan.shadow)) ...
-    spec.observe(seqs, root_lens, trees, width, seconds)   once it is collected, before its tokens are appended
+    spec.observe(seqs, root_lens, trees, width, device_s, host_s)   once collected, before its tokens are appended
     spec.stats()
 
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token
@@ -68,12 +68,13 @@ class Speculator:
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, np.ndarray] | None,
-                width: int, seconds: float) -> None:
+                width: int, device_s: float, host_s: float) -> None:
         """A decode or verify step was collected (before its tokens are appended: `roots` are the
-        sequences' lengths then); `trees`: the drafter's, if they came back."""
+        sequences' lengths then): its device time, and the host's time for it; `trees`: the
+        drafter's, if they came back."""
         if not self.enabled:
             return
-        self.budget.observe_step(len(seqs), width, seconds)
+        self.budget.observe_step(len(seqs), width, device_s, host_s)
         if trees is not None:
             self._waiting.append(_Trees(seqs, roots, *trees))
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known

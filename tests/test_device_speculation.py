@@ -37,22 +37,22 @@ def same(a, b) -> None:
 
 
 def test_greedy_spec_on_equals_spec_off_through_preemption(default_model_dir, default_engine, prompts):
-    params = SamplingParams(temperature=0, n=3, max_new_tokens=48, ignore_eos=True)
-    small = dict(device="cpu", kv_cache_tokens=300)  # the pool runs dry: sequences are preempted and recomputed
+    params = SamplingParams(temperature=0, n=2, max_new_tokens=32, ignore_eos=True)
+    small = dict(device="cpu", kv_cache_tokens=180)  # the pool runs dry: sequences are preempted and recomputed
     off = Engine(model=str(default_model_dir), spec="off", **small)
     on = Engine(model=str(default_model_dir), spec=FIXED, **small)
-    same(outputs(off, prompts, params), outputs(on, prompts, params))
+    same(outputs(off, prompts[:2], params), outputs(on, prompts[:2], params))
     assert on.scheduler.num_preempted > 0 and on.stats()["rollout/spec_accepted_tokens"] > 0
     assert on.pool.used_slots == 0
 
 
 def test_greedy_spec_on_equals_spec_off_with_a_weight_update_in_the_middle(default_model_dir, prompts):
-    params = SamplingParams(temperature=0, n=2, max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, n=2, max_new_tokens=28, ignore_eos=True)
     runs = []
     for spec in ("off", FIXED):
         engine = Engine(model=str(default_model_dir), spec=spec, device="cpu")
-        reqs = [engine.add_request(p, params, return_logprob=True) for p in prompts]
-        for _ in range(12):
+        reqs = [engine.add_request(p, params, return_logprob=True) for p in prompts[:2]]
+        for _ in range(8):
             engine.step()
         name, target = "model.norm.weight", engine.model.weight_targets()["model.norm.weight"]
         engine.update_weights([(name, target.view().clone() * 1.05)])  # running sequences are recomputed
@@ -65,11 +65,12 @@ def test_greedy_spec_on_equals_spec_off_with_a_weight_update_in_the_middle(defau
     # each run switched versions after its own number of tokens: compare where both used the same weights
     both = [(x, y) for a, b in zip(off, on) for x, y, u, v in zip(a.logprobs, b.logprobs, a.weight_versions, b.weight_versions)
             if u == v]
-    assert len(both) > 100 and max(abs(x - y) for x, y in both) <= 1e-5
+    assert len(both) > 60 and max(abs(x - y) for x, y in both) <= 1e-5
 
 
-def test_every_emitted_token_is_indexed_as_it_is_made(default_model_dir, prompts):
-    engine = Engine(model=str(default_model_dir), spec=FIXED, device="cpu")
+def test_every_emitted_token_is_indexed_as_it_is_made(model_dir):
+    engine = Engine(model=str(model_dir), spec=FIXED, device="cpu")
+    prompts = [[5, 9, 13] * 4, [7, 8] * 5, [21, 22, 23, 24]]
     reqs = [engine.add_request(p, SamplingParams(temperature=0.8, n=3, max_new_tokens=40, seed=s))
             for s, p in enumerate(prompts)]
     seqs = [s for r in reqs for s in r.sequences]
@@ -81,21 +82,22 @@ def test_every_emitted_token_is_indexed_as_it_is_made(default_model_dir, prompts
     assert found == total == sum(s.num_output for s in seqs) > 0
 
 
-def test_history_is_bounded_and_drafts_the_next_epoch(default_model_dir, prompts):
-    spec = SpecConfig(method="ngram", adaptive=False, history_rows=5, history_per_prompt=3)
-    engine = Engine(model=str(default_model_dir), spec=spec, device="cpu")
-    params = SamplingParams(temperature=0.7, n=4, max_new_tokens=32, seed=7)
+def test_history_is_bounded_and_drafts_the_next_epoch(model_dir):
+    spec = SpecConfig(method="ngram", adaptive=False, history_rows=6, history_per_prompt=4)
+    engine = Engine(model=str(model_dir), spec=spec, device="cpu")
+    prompts = [[5, 9, 13] * 4, [7, 8] * 5, [21, 22, 23, 24]]
+    params = SamplingParams(temperature=0.7, n=4, max_new_tokens=32, seed=7, ignore_eos=True)
     first = outputs(engine, prompts, params)
-    assert engine.spec.index.history_rows_used == 5  # 12 samples finished, 5 rows: the oldest went
+    assert engine.spec.index.history_rows_used == 6  # 12 samples finished, 6 rows: the oldest went
     engine.reset_stats()
     second = outputs(engine, prompts[2:], params)  # the newest epoch of this prompt is still there
-    assert engine.spec.index.history_rows_used <= 5
+    assert engine.spec.index.history_rows_used <= 6
     # same seeds, same tokens (counter-based draws): the history's drafts are what gets emitted
     assert [o.token_ids for o in second] == [o.token_ids for o in first[8:]]
     stats = engine.stats()
     assert stats["rollout/spec_accepted_tokens"] > 0.6 * stats["rollout/output_tokens"]  # most tokens were drafts
     assert stats["rollout/spec_accept_length"] > 3
-    assert stats["rollout/spec_history_rows"] <= 5 and stats["rollout/spec_index_bytes"] > 0
+    assert stats["rollout/spec_history_rows"] <= 6 and stats["rollout/spec_index_bytes"] > 0
 
 
 def test_the_budget_drafts_only_when_measured_acceptance_pays_for_measured_costs():
@@ -103,7 +105,7 @@ def test_the_budget_drafts_only_when_measured_acceptance_pays_for_measured_costs
     assert budget.widths == [0, 1, 2, 4, 8]
     assert budget.plan(16, 10_000).width == 0  # a bucket's first steps measure plain decoding
     for _ in range(5):
-        budget.observe_step(16, 0, 0.010)
+        budget.observe_step(16, 0, 0.010, 0.004)
     assert budget.plan(16, 10_000).width == 0  # nothing known to be accepted
     budget.observe_acceptance(np.array([[0, 1, 2, 3, 3]] * 16, dtype=float))
     assert budget.acc.tolist() == pytest.approx([0, 0.3, 0.6, 0.9, 0.9])  # evaluations move it a share of the way
@@ -111,11 +113,14 @@ def test_the_budget_drafts_only_when_measured_acceptance_pays_for_measured_costs
     assert budget.plan(16, 10_000).width == 4  # untried widths add nothing: the most accepted wins
     for w, extra in ((1, 0.001), (2, 0.002), (4, 0.030), (8, 0.070)):
         for _ in range(5):
-            budget.observe_step(16, w, 0.010 + extra)
+            budget.observe_step(16, w, 0.010 + extra, 0.004)
     assert budget.plan(16, 10_000).width == 2  # (1 + 2) / 12 ms beats (1 + 1) / 11 ms and (1 + 3) / 40 ms
     for _ in range(5):  # the contexts grew: plain steps cost more, drafting adds what it did
-        budget.observe_step(16, 0, 0.100)
+        budget.observe_step(16, 0, 0.100, 0.004)
     assert budget.plan(16, 10_000).width == 4  # (1 + 3) / 130 ms now beats (1 + 2) / 102 ms
+    for _ in range(5):  # a host that takes longer than any step: what the device adds is free
+        budget.observe_step(16, 0, 0.100, 0.200)
+    assert budget.plan(16, 10_000).width == 4  # (1 + 3) / 200 ms at 4 and 8 alike: the first of the best
     assert budget.plan(128, 10_000).width == 0 and budget.plan(16, 40).width == 1  # 16 x 3 nodes need 48 slots
     widths = [budget.plan(16, 10_000).width for _ in range(4 * REFRESH_EVERY)]
     assert widths.count(0) == 4  # while drafting, a plain step now and then keeps the plain cost current
