@@ -25,7 +25,7 @@ run)
     echo "== $rev"
     # the table's rows: with --repeats the medians ("N runs"), else each row once (printed as it
     # ran and again in the table)
-    (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.cli bench --out "${OUT:-/tmp/out}/$rev" "$@" 2>&1 |
+    (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.tools.cli bench --out "${OUT:-/tmp/out}/$rev" "$@" 2>&1 |
       grep -E "^\| rollout" | awk '!seen[$0]++ { rows = rows $0 "\n"; if (/ runs\)/) medians = medians $0 "\n" }
         END { printf "%s", (medians != "" ? medians : rows) }')
   done

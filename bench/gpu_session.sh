@@ -12,7 +12,7 @@
 #   later:  bash bench/gpu_session.sh <stage>   (carry .whl; while the machine is warm)
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | rl | rl-epoch | grpo | sharegpt | big | recipe | quick}
+stage=${1:?stage: kernels | engine | decode | rl | rl-epoch | grpo | sharegpt | big | weights | recipe | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -20,7 +20,7 @@ wheels=$(ls .whl/*.whl .whl_server/*.whl 2>/dev/null)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
-bench() { timeout "${LIMIT:-600}" python3 -m rollout.cli bench --out "$OUT" "$@" 2>&1 | grep -v -e Warning -e warn; }
+bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "$OUT" "$@" 2>&1 | grep -v -e Warning -e warn; }
 RL="--workload rl --spec-modes off,ngram --batch-sizes 512 --n 8 --max-running-seqs 512 --repeats 3"
 
 case "$stage" in
@@ -30,9 +30,13 @@ kernels)
     tests/test_fused_kernels.py tests/test_triton_attention.py tests/test_sampling_kernel.py 2>&1 | tee "$OUT/kernels.log" | tail -15
   ;;
 engine)
-  python3 -c "from rollout.default_model import ensure_default_model as e; print(e())"
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
   timeout 360 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py 2>&1 | tee "$OUT/engine.log" | tail -25
-  for w in 8 4; do python3 bench/draft_cost.py --seqs 512 --width $w; done 2>&1 | tee "$OUT/draft-cost.log"
+  for w in 8 4; do python3 bench/profile.py draft --seqs 512 --width $w; done 2>&1 | tee "$OUT/draft-cost.log"
+  ;;
+decode)  # decode speed, spec off, against HF transformers generate in the same run
+  bench --workload decode --spec-modes off --batch-sizes 1,8,64 --prompt-len 64 --output-len 256 --baseline-hf \
+    | tee "$OUT/decode.log"
   ;;
 rl)  # issue 23's rl rows: 64 prompts x 8 samples, up to 2,048 new tokens, EOS stops, T=0.7 and T=1.0
   bench $RL --temperature 0.7,1.0 | tee "$OUT/rl.log"
@@ -48,9 +52,17 @@ sharegpt)
   bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1 --temperature 0 \
     --output-len 256 --repeats 3 | tee "$OUT/sharegpt.log"
   ;;
-big)  # the Llama-3.1-8B shape, random weights: the machinery must cost nothing where nothing is accepted
+big)  # the Llama-3.1-8B shape, random weights: decode speed, and speculation must cost nothing where nothing is accepted
+  bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 \
+    | tee "$OUT/big.log"
+  bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 128 \
+    | tee -a "$OUT/big.log"
   bench --workload grpo --random-model llama3-8b --spec-modes off,ngram --batch-sizes 64 --temperature 1.0 \
-    --output-len 128 --repeats 3 | tee "$OUT/big.log"
+    --output-len 128 --repeats 3 | tee -a "$OUT/big.log"
+  ;;
+weights)  # a push's time by method, trainer and server on one GPU
+  timeout 540 python3 recipes/bench_weight_sync.py --models default,8b --methods distributed,ipc,disk \
+    2>&1 | tee "$OUT/weights.log" | tail -12
   ;;
 recipe)  # the GRPO recipe re-sampling its prompts: rollout seconds per step, n-gram against off
   for spec in off ngram; do

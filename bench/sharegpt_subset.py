@@ -3,7 +3,7 @@
     python bench/sharegpt_subset.py [--num 2000] [--out .devcache/sharegpt.jsonl]
 
 Writes the first `--num` conversations of the package's file whose first turn
-`rollout.datasets.sharegpt_prompts` accepts, one JSON object per line, in file order, each
+`rollout.tools.datasets.sharegpt_prompts` accepts, one JSON object per line, in file order, each
 cut to its first turn (the only one the bench reads). The
 bench reads it with `--sharegpt-file`; its prompts are then a shuffle of this subset, not of
 the whole dataset, so quote the file with the numbers.
@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rollout.datasets import is_sharegpt_prompt, sharegpt_conversations
+from rollout.tools.datasets import is_sharegpt_prompt, sharegpt_conversations
 
 
 def main() -> None:

@@ -70,17 +70,3 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         ...
 
-
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`torch` (reference, any device) or `triton` (CUDA)."""
-    if name == "torch":
-        from kernels.torch_attention import TorchAttention
-
-        return TorchAttention()
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("the triton attention backend needs a CUDA device; use --attention-backend torch on CPU")
-        from kernels.triton_attention import TritonAttention
-
-        return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}: choose 'torch' or 'triton'")

@@ -1,10 +1,10 @@
 """Drawing one token per logits row on the GPU in two Triton kernels, for the plain modes.
 
-`rollout.sampler.sample` is the reference: temperature, log-softmax, then for a sampled row
+`rollout.engine.sampler.sample` is the reference: temperature, log-softmax, then for a sampled row
 the inverse CDF at a counter-based uniform, for a greedy row the argmax. In torch that is
 some ten passes over the [rows, vocab] float32 logits (divide, log-softmax, exp, cumsum,
-searchsorted, gather): on the H100, 0.40 ms for 256 sampled rows and 0.09 ms for one, in a
-decode step of 1.5-1.9 and 0.8 ms (`bench/sampling_bench.py`). Here:
+searchsorted, gather), a large share of a small model's decode step
+(`python bench/profile.py sampling`). Here:
 
 1. `_chunk_kernel`, one program per (row, chunk of `CHUNK` columns): the chunk's maximum of
    z = logits / temperature, the first column holding it, and sum(exp(z - max)).
@@ -40,7 +40,7 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, po
          greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [L] int64 and their logprobs [L] float32 for logits [L, V] float32 (columns contiguous):
     temperature [L] float32 (0: greedy), keys and positions [L] int64 (the RNG counter of
-    `rollout.sampler.uniforms`). `greedy_only`: every row is greedy, skip the hashing."""
+    `rollout.engine.sampler.uniforms`). `greedy_only`: every row is greedy, skip the hashing."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -68,7 +68,7 @@ if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        """lowbias32 on uint32, as `rollout.sampler.mix32`."""
+        """lowbias32 on uint32, as `rollout.engine.sampler.mix32`."""
         x = x ^ (x >> 16)
         x = x * 0x21F0AAAD
         x = x ^ (x >> 15)

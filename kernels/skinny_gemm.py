@@ -35,7 +35,7 @@ _use_triton: dict[tuple, bool] = {}  # (N, K, dtype, has_bias, PDL) -> Triton be
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if x.device.type == "cpu" and not INTERPRET:
         return _cpu_linear(x, weight, bias)
-    return skinny_linear(x, weight, bias) if _takes_triton(x, weight, bias) else F.linear(x, weight, bias)
+    return skinny_linear(x, weight, bias) if takes_triton(x, weight, bias) else F.linear(x, weight, bias)
 
 
 def norm_linear(
@@ -46,7 +46,7 @@ def norm_linear(
     skinny GEMM serves the product, one kernel: every program normalises the rows itself (they
     are short), and the first also writes the sum, the residual stream's next value."""
     if x.device.type != "cpu" or INTERPRET:
-        if _takes_triton(x, weight, bias) and (residual is None or residual.stride(1) == 1):
+        if takes_triton(x, weight, bias) and (residual is None or residual.stride(1) == 1):
             return _skinny(x, weight, bias, (residual, norm_weight, eps))
     if residual is None:
         return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
@@ -54,7 +54,8 @@ def norm_linear(
     return linear(h, weight, bias), summed
 
 
-def _takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear(x, weight, bias)` runs the Triton kernel (timed against cuBLAS once per shape)."""
     usable = (
         triton is not None and (x.is_cuda or INTERPRET) and x.dim() == 2 and x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
@@ -84,15 +85,15 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     probe = torch.randn(MAX_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
-    ours = _graph_ms(lambda: skinny_linear(probe, weight, bias))
-    theirs = _graph_ms(lambda: F.linear(probe, weight, bias))
+    ours = graph_ms(lambda: skinny_linear(probe, weight, bias))
+    theirs = graph_ms(lambda: F.linear(probe, weight, bias))
     return ours < theirs
 
 
-def _graph_ms(fn) -> float:
+def graph_ms(fn) -> float:
     """Milliseconds per call of `fn` replayed back to back inside a CUDA graph, as steps run it.
-    Timing single calls would count a launch overhead that graphs do not have: it once chose a
-    kernel 1.6x faster per call that was 2.3x slower inside the graph."""
+    Timing single calls would count a launch overhead that graphs do not have, and can pick
+    the kernel that is slower inside the graph."""
     fn()  # compile (and autotune) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

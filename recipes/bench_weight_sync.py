@@ -33,14 +33,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollout.launch import launched_server  # noqa: E402
+from rollout.tools.launch import launched_server  # noqa: E402
 
 
 # ---------------- trainer side (a subprocess) ----------------
 def trainer_tensors(model_dir: str, random_weights: bool, device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    from rollout.model_config import ModelConfig
-    from rollout.model_loader import build_model, randomize
-    from rollout.weights import iter_checkpoint
+    from rollout.models.config import ModelConfig
+    from rollout.models.loader import build_model, randomize
+    from rollout.models.weights import iter_checkpoint
 
     if random_weights:
         cfg = ModelConfig.from_dir(model_dir)
@@ -83,8 +83,8 @@ def serve(model_dir: str, device: str, dtype: str, random_weights: bool) -> Iter
 
 
 def bench(args: argparse.Namespace) -> None:
-    from rollout.bench import speed_model_dir
-    from rollout.default_model import ensure_default_model
+    from rollout.models.default_model import ensure_default_model
+    from rollout.tools.bench import speed_model_dir
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     engine_device = "cuda:0" if cuda else "cpu"

@@ -28,12 +28,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout without installing
 
 from rollout.client import RolloutClient  # noqa: E402
-from rollout.datasets import arithmetic_tasks, chat_prompt_ids  # noqa: E402
-from rollout.launch import launched_server  # noqa: E402
-from rollout.model_loader import resolve_model_path  # noqa: E402
-from rollout.wandb_log import WandbLogger  # noqa: E402
+from rollout.models.loader import resolve_model_path  # noqa: E402
+from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids  # noqa: E402
+from rollout.tools.launch import launched_server  # noqa: E402
+from rollout.tools.wandb_log import WandbLogger  # noqa: E402
 from weight_sync import WeightPusher  # noqa: E402
-
 
 MICRO_BATCH = 16  # sequences per trainer forward/backward
 

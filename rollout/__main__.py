@@ -1,5 +1,5 @@
 """`python -m rollout ...` is the `rollout` command."""
 
-from rollout.cli import main
+from rollout.tools.cli import main
 
 main()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+import typing
 from dataclasses import dataclass, field, fields
-
 
 INT64_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # the most likely tokens reported per output token, at most (as OpenAI's API)
@@ -116,6 +117,25 @@ class SamplingParams:
         return cls(**raw)
 
 
+def request_limit(prompt_len: int, params: SamplingParams, max_model_len: int, max_running_seqs: int,
+                  kv_tokens: int) -> tuple[str, str] | None:
+    """The first of an engine's limits a request breaks, as (`n` | `prompt` | `max_new_tokens`, why),
+    or None if it fits. The engine and the HTTP front end both ask this, before anything is queued."""
+    if params.n > max_running_seqs:
+        return "n", (f"{params.n} samples exceed the {max_running_seqs} sequences the engine runs at once "
+                     "(--max-running-seqs); send at most that many per request")
+    if prompt_len >= max_model_len:
+        return "prompt", f"the prompt has {prompt_len} tokens; the context holds {max_model_len}"
+    if prompt_len + params.max_new_tokens > max_model_len:
+        return "max_new_tokens", (f"{params.max_new_tokens} new tokens + the prompt's {prompt_len} exceed the context "
+                                  f"length {max_model_len}; ask for at most {max_model_len - prompt_len} new tokens")
+    if prompt_len + params.n * params.max_new_tokens > kv_tokens:
+        return "max_new_tokens", (f"n x max_new_tokens + prompt = {prompt_len + params.n * params.max_new_tokens} "
+                                  f"KV slots, more than the pool holds ({kv_tokens}); lower n or max_new_tokens, "
+                                  "or raise --kv-cache-tokens")
+    return None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -133,19 +153,24 @@ def _token_key(k) -> int:
     raise ValueError(f"sampling_params.logit_bias keys must be token ids (got {k!r})")
 
 
+def option(default, help: str, choices: tuple[str, ...] | None = None):
+    """A config field that is also a command-line flag (`add_args`): written once, here."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class SpecConfig:
-    """Speculation knobs; defaults suit a single GPU and the CPU alike."""
+    """Speculation knobs; defaults suit a single GPU and the CPU alike. Flags: `--spec-<name>`."""
 
-    method: str = "auto"  # off | ngram | auto (auto = the best drafter the model allows; today ngram)
-    max_draft_tokens: int = 8  # the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63
-    max_verify_tokens: int = 2048  # per step over the whole batch (sequences x (drafts + 1)); speculation narrows as it grows
-    min_match: int = 1  # shortest suffix of a sequence that drafts
-    max_match: int = 6  # longest suffix matched (the search window)
-    history_rows: int = 1024  # finished samples kept for later rollouts of their prompt (device memory: rows x context x 4 B)
-    history_per_prompt: int = 16  # of those, at most this many per prompt (the newest)
-    share_siblings: bool = True  # off: each sample drafts only from its prompt and its own output; no history
-    adaptive: bool = True  # choose the width from measured costs and acceptance (spec/budget.py); off: always the widest that fits
+    method: str = option("auto", "auto = the best drafter the model allows (today ngram)", ("off", "ngram", "auto"))
+    max_draft_tokens: int = option(8, "the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63")
+    max_verify_tokens: int = option(2048, "tokens verified per step over the whole batch; speculation narrows as the batch grows")
+    min_match: int = option(1, "the shortest suffix of a sequence that drafts")
+    max_match: int = option(6, "the longest suffix matched (the search window)")
+    history_rows: int = option(1024, "finished samples kept on the device for later rollouts of their prompt")
+    history_per_prompt: int = option(16, "of those, at most this many per prompt (the newest)")
+    share_siblings: bool = option(True, "share drafts between sibling samples and with earlier rollouts of the prompt")
+    adaptive: bool = option(True, "adapt the width to measured costs and acceptance, rather than draft the widest tree that fits")
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram", "auto"):
@@ -164,20 +189,22 @@ class SpecConfig:
 
 @dataclass
 class EngineConfig:
-    model: str = "default"
-    load_format: str = "auto"  # auto | dummy (random weights, for speed work on shapes without a checkpoint)
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere
-    max_model_len: int | None = None  # default: the model's context, capped at 8192
-    max_running_seqs: int = 256
-    max_prefill_tokens: int = 4096  # tokens per step across prefill chunks
-    kv_cache_tokens: int | None = None  # default: from kv_cache_memory_fraction (CUDA) or 16,384 tokens (CPU)
-    kv_cache_memory_fraction: float = 0.85
-    cuda_graphs: bool = True
-    overlap_schedule: bool = True  # launch each decode step before the host has the previous step's tokens
-    pdl: bool = True  # programmatic dependent launch of the Triton kernels on Hopper (kernels/pdl.py); process-wide
-    seed: int = 0
+    """The engine's settings. Flags: `--<name>` (`--no-<name>` for a setting that is on by default)."""
+
+    model: str = option("default", "'default' (SmolLM2-135M-Instruct) or a local HF directory")
+    load_format: str = option("auto", "dummy = random weights (speed work on shapes without a checkpoint)", ("auto", "dummy"))
+    device: str = option("auto", "auto = cuda when there is one", ("auto", "cpu", "cuda"))
+    dtype: str = option("auto", "auto = float32 on CPU, bfloat16 on CUDA", ("auto", "float32", "bfloat16", "float16"))
+    attention_backend: str = option("auto", "auto = triton on CUDA, torch elsewhere", ("auto", "torch", "triton"))
+    max_model_len: int | None = option(None, "default: the model's context, capped at 8192")
+    max_running_seqs: int = option(256, "sequences decoded together, at most")
+    max_prefill_tokens: int = option(4096, "tokens per step across prefill chunks")
+    kv_cache_tokens: int | None = option(None, "KV pool size in tokens (default: from the memory fraction on CUDA, 16,384 on CPU)")
+    kv_cache_memory_fraction: float = option(0.85, "share of free GPU memory the KV pool takes when its size is not given")
+    cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs")
+    overlap_schedule: bool = option(True, "launch each decode step before the host has the previous step's tokens")
+    pdl: bool = option(True, "use programmatic dependent launch for the Triton kernels on Hopper (process-wide)")
+    seed: int = option(0, "seeds the samples of requests that give no seed")
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -189,3 +216,40 @@ class EngineConfig:
             raise ValueError(f"load_format {self.load_format!r}: choose auto or dummy")
         if self.max_running_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        """The engine's flags, for every subcommand that builds one."""
+        _add_args(parser.add_argument_group("engine"), EngineConfig, "")
+        _add_args(parser.add_argument_group("speculation"), SpecConfig, "spec")
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> "EngineConfig":
+        return EngineConfig(**_values(args, EngineConfig, ""), spec=SpecConfig(**_values(args, SpecConfig, "spec")))
+
+
+def _flag_fields(cls, prefix: str):
+    """(field, dest, type) for each of cls's flags; `method` is the prefix's own flag (`--spec`)."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if "help" in f.metadata:
+            dest = prefix if f.name == "method" else "_".join(filter(None, (prefix, f.name)))
+            kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+            yield f, dest, kind
+
+
+def _add_args(group, cls, prefix: str) -> None:
+    for f, dest, kind in _flag_fields(cls, prefix):
+        flag = "--" + dest.replace("_", "-")
+        if kind is bool and f.default:
+            no = "--" + "-".join(filter(None, (prefix, "no", f.name.replace("_", "-"))))
+            group.add_argument(no, dest=dest, action="store_false", help=f"do not {f.metadata['help']}")
+        elif kind is bool:
+            group.add_argument(flag, dest=dest, action="store_true", help=f.metadata["help"])
+        else:
+            group.add_argument(flag, dest=dest, type=kind, default=f.default, choices=f.metadata["choices"],
+                               help=f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})"))
+
+
+def _values(args: argparse.Namespace, cls, prefix: str) -> dict:
+    return {f.name: getattr(args, dest) for f, dest, _ in _flag_fields(cls, prefix)}

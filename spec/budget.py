@@ -26,26 +26,20 @@ second, S (1 + acc(w)) / cost(b, w), among the widths that fit (S (w + 1) tokens
 
 from __future__ import annotations
 
-import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from rollout.engine.step import bucket
+
 SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance statistics
 COST_WINDOW = 5  # costs are medians of the last this many steps
 REFRESH_EVERY = 16  # while drafting, one plain step in this many keeps the plain cost current
 ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc(w)
 WIDTHS = (0, 1, 2, 4, 8, 16, 32, 63)  # the widths a step may take, up to SpecConfig.max_draft_tokens
-# Batch sizes are padded up to these (one CUDA graph each): costs are kept per bucket too.
-BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
-
-def bucket(num_seqs: int) -> int:
-    """The padded batch size of `num_seqs` sequences, or num_seqs past the largest bucket."""
-    i = bisect.bisect_left(BATCH_BUCKETS, num_seqs)
-    return BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else num_seqs
 
 
 @dataclass(frozen=True)

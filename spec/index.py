@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.sequence import Sequence
-from rollout.token_table import TokenTable
+from rollout.engine.sequence import Sequence
+from rollout.engine.token_table import TokenTable
 
 
 @dataclass(eq=False)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout.config import SpecConfig
-from rollout.model_runner import DraftSettings
-from rollout.sequence import Sequence
-from rollout.token_table import TokenTable
+from rollout.engine.sequence import Sequence
+from rollout.engine.step import DraftSettings
+from rollout.engine.token_table import TokenTable
 from spec.budget import DraftBudget, StepPlan
 from spec.index import NgramIndex
 

@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from rollout.default_model import ensure_default_model
+    from rollout.models.default_model import ensure_default_model
 
     return ensure_default_model()
 

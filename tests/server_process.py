@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from rollout.launch import free_port, launched_server
+from rollout.tools.launch import free_port, launched_server
 
 __all__ = ["free_port", "running_server"]
 

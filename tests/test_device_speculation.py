@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout import Engine, SamplingParams, SpecConfig
-from rollout.datasets import chat_prompt_ids
+from rollout.tools.datasets import chat_prompt_ids
 from spec.budget import REFRESH_EVERY, SHADOW_EVERY, DraftBudget
 from spec.speculator import Speculator, _Trees
 

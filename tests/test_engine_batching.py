@@ -105,7 +105,7 @@ def test_abort_returns_partial_output_and_frees_kv(engine):
 def test_admissions_wait_for_a_share_of_free_rows_but_not_forever(model_dir):
     """With 16 rows a new prompt waits for 2 free rows, or at most MAX_ADMIT_WAIT steps;
     its tokens are those it gets alone."""
-    from rollout.scheduler import MAX_ADMIT_WAIT
+    from rollout.engine.scheduler import MAX_ADMIT_WAIT
 
     engine = Engine(model=str(model_dir), spec="off", device="cpu", max_running_seqs=16)
     assert engine.scheduler.admit_rows == 2

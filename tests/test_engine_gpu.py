@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_probes import count_chained, draft_every_other_step
+
 from rollout import Engine, SamplingParams
-from rollout.datasets import arithmetic_tasks, chat_prompt_ids
+from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import requests
 import torch
-from transformers import AutoTokenizer
-
 from server_process import running_server
+from transformers import AutoTokenizer
 from wandb_records import history
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))

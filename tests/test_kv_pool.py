@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.kv_pool import KVPool, OutOfSlots
+from rollout.engine.kv_pool import KVPool, OutOfSlots
 
 
 def pool(num_slots=16) -> KVPool:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import VOCAB, make_tiny_model
 
 from rollout import Engine, SamplingParams, SpecConfig
-from rollout.logits_processing import logit_edits, reference_logits
-from rollout.sampler import sequence_key
-from rollout.sequence import Request, Sequence
-from tiny_models import VOCAB, make_tiny_model
+from rollout.engine.logits_processing import logit_edits, reference_logits
+from rollout.engine.sampler import sequence_key
+from rollout.engine.sequence import Request, Sequence
 
 EDITS = {
     "frequency": dict(frequency_penalty=1.5),

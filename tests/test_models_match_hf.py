@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from tiny_models import CONFIGS, make_tiny_model
 
 from rollout import Engine, SamplingParams
-from tiny_models import CONFIGS, make_tiny_model
 
 MAX_NEW = 12
 

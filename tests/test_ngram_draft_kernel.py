@@ -7,11 +7,10 @@ import random
 
 import pytest
 import torch
-
+from test_ngram_draft import random_table
 from triton_kernels import DEVICE, GPU_ONLY
 
 from kernels.ngram_draft import _draft_triton, draft_trees_ref
-from test_ngram_draft import random_table
 
 pytestmark = GPU_ONLY
 

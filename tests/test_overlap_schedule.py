@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from engine_probes import count_chained, draft_every_other_step
+
 from rollout import Engine, SamplingParams
 
 
@@ -96,10 +96,10 @@ def test_a_sequence_cut_off_while_its_verify_step_runs_keeps_none_of_its_tree(mo
     engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
     draft_every_other_step(engine)
     reqs = [engine.add_request(p, params) for p in prompts]
-    while engine._in_flight is None or not engine._in_flight.step.width:
+    while engine._in_flight is None or not engine._in_flight.width:
         engine.step()
     victim = reqs[0].sequences[0]
-    assert victim in [item.seq for item in engine._in_flight.step.batch.items]  # its verify step runs
+    assert victim in [item.seq for item in engine._in_flight.batch.items]  # its verify step runs
     if cut == "abort":
         engine.abort(reqs[0].rid)
     else:  # at the next schedule, as when the pool runs dry

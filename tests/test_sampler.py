@@ -7,7 +7,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rollout.sampler import SamplingTensors, processed_logprobs, sample, sequence_key, uniforms
+from rollout.engine.sampler import (
+    SamplingTensors,
+    processed_logprobs,
+    sample,
+    sequence_key,
+    uniforms,
+)
 
 
 def tensors(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, keys=None, positions=None) -> SamplingTensors:

@@ -1,4 +1,4 @@
-"""The fused sampling kernels against `rollout.sampler.sample`'s torch path, on fresh random logits.
+"""The fused sampling kernels against `rollout.engine.sampler.sample`'s torch path, on fresh random logits.
 
 On the H100: `pytest -m gpu tests/test_sampling_kernel.py`. Without a GPU they also run under
 Triton's interpreter: `TRITON_INTERPRET=1 pytest -o addopts='' tests/test_sampling_kernel.py`.
@@ -11,7 +11,7 @@ import torch
 from triton_kernels import DEVICE, GPU_ONLY, ON_GPU
 
 from kernels import sampling
-from rollout import sampler
+from rollout.engine import sampler
 
 pytestmark = GPU_ONLY
 VOCABS = [49152, 5000, 2 * sampling.CHUNK + 7] if ON_GPU else [5000, 2 * sampling.CHUNK + 7]

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import requests
+from server_process import running_server
 
 from rollout import Engine, SamplingParams, SpecConfig
-from server_process import running_server
 
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 USER = {"Authorization": f"Bearer {API_KEY}"}

@@ -15,7 +15,6 @@ import pytest
 import requests
 import torch
 from safetensors.torch import save_file
-
 from server_process import running_server
 from tiny_models import VOCAB
 
@@ -390,15 +389,16 @@ def test_serve_refuses_a_network_address_without_an_admin_key(model_dir):
 
 def test_serve_without_the_server_packages_names_the_missing_one_whatever_the_arguments():
     code = ("import sys; sys.modules['fastapi'] = None\n"
-            "from rollout.cli import main\n"
+            "from rollout.tools.cli import main\n"
             "main(['serve', '--port', '1234', '--model', 'x'])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "needs the package fastapi" in r.stderr, r.stderr
 
 
 def test_the_engine_loop_fails_the_request_a_step_raised_on_and_goes_on(model_dir, monkeypatch):
-    from rollout import Engine, protocol
-    from rollout.engine_loop import EngineLoop
+    from rollout import Engine
+    from rollout.server import protocol
+    from rollout.server.engine_loop import EngineLoop
 
     class Pipe:
         def __init__(self):

@@ -8,7 +8,6 @@ import threading
 import time
 
 import requests
-
 from server_process import running_server
 
 # Still running when the engine is killed a second after it is sent: one greedy sample of 1,000

@@ -5,10 +5,10 @@ from __future__ import annotations
 import openai
 import pytest
 import requests
+from server_process import running_server
 from transformers import AutoTokenizer
 
-from rollout.datasets import chat_prompt_ids
-from server_process import running_server
+from rollout.tools.datasets import chat_prompt_ids
 
 QUESTION = "What is the capital of France?"
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-
 from engine_probes import count_chained, draft_every_other_step
+from scipy.stats import chisquare
+from wandb_records import history
+
 from kernels.tree_accept import accept_trees_ref
 from rollout import Engine, SamplingParams, SpecConfig
-from rollout.datasets import arithmetic_tasks, chat_prompt_ids
-from rollout.sampler import SamplingTensors, sample, sequence_key
-from rollout.wandb_log import WandbLogger
-from wandb_records import history
+from rollout.engine.sampler import SamplingTensors, sample, sequence_key
+from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids
+from rollout.tools.wandb_log import WandbLogger
 
 QUESTIONS = [
     "Repeat after me three times: the quick brown fox jumps over the lazy dog.",

@@ -11,13 +11,13 @@ import signal
 import time
 
 import pytest
-
-from rollout.datasets import chat_prompt_ids
-from rollout.weights import iter_checkpoint
 from server_process import running_server
-from weight_sync import WeightPusher
 from weight_sync_http import ServerApi, versions, wait_for
 from weight_sync_trainer import TrainerProcess
+
+from rollout.models.weights import iter_checkpoint
+from rollout.tools.datasets import chat_prompt_ids
+from weight_sync import WeightPusher
 
 MAX_NEW = 12
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW}

@@ -13,14 +13,14 @@ import pytest
 import requests
 import torch
 from safetensors.torch import save_file
-
-from rollout import Engine, SamplingParams
 from server_process import free_port, running_server
 from tiny_models import make_tiny_model
+from weight_sync_http import ServerApi, error, versions, wait_for
+
+from rollout import Engine, SamplingParams
+from rollout.server.weight_routes import ROUTES
 from weight_sync import WeightPusher, WeightReceiver, WeightSyncError
 from weight_sync.group import WeightGroup
-from weight_sync.routes import ROUTES
-from weight_sync_http import ServerApi, error, versions, wait_for
 
 ADMIN_KEY = "weights-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

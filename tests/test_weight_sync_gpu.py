@@ -20,13 +20,13 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from safetensors.torch import save_file  # noqa: E402
-
-from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.weights import iter_checkpoint  # noqa: E402
 from server_process import running_server  # noqa: E402
-from weight_sync import WeightPusher, WeightReceiver  # noqa: E402
 from weight_sync_http import ServerApi, wait_for  # noqa: E402
 from weight_sync_trainer import TrainerProcess, perturb  # noqa: E402
+
+from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.models.weights import iter_checkpoint  # noqa: E402
+from weight_sync import WeightPusher, WeightReceiver  # noqa: E402
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 PROMPT = [1, 2, 3, 4]

@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from weight_sync import WeightSyncError
-from weight_sync.buckets import ALIGN, TensorSpec, header, pack, parse_dtype, parse_specs, plan_buckets, unpack
+from weight_sync.buckets import (
+    ALIGN,
+    TensorSpec,
+    header,
+    pack,
+    parse_dtype,
+    parse_specs,
+    plan_buckets,
+    unpack,
+)
 from weight_sync.ipc import decode_fields, encode_reduced
 from weight_sync.pusher import strip_wrapper_prefixes
 

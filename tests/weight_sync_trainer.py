@@ -82,7 +82,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         named = dict(hf.named_parameters())
     else:
-        from rollout.weights import iter_checkpoint
+        from rollout.models.weights import iter_checkpoint
 
         hf, named = None, dict(iter_checkpoint(args.model))
     if args.device != "cpu":

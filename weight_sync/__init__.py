@@ -5,7 +5,7 @@ Imports are lazy so that a trainer importing the pusher does not load the engine
 
 from weight_sync.errors import WeightSyncError
 
-__all__ = ["PauseGate", "WeightPusher", "WeightReceiver", "WeightSyncError"]
+__all__ = ["WeightPusher", "WeightReceiver", "WeightSyncError"]
 
 
 def __getattr__(name: str):
@@ -17,8 +17,4 @@ def __getattr__(name: str):
         from weight_sync.receiver import WeightReceiver
 
         return WeightReceiver
-    if name == "PauseGate":
-        from weight_sync.pause import PauseGate
-
-        return PauseGate
     raise AttributeError(f"module 'weight_sync' has no attribute {name!r}")

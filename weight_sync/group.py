@@ -26,7 +26,12 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch
-from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+from torch._C._distributed_c10d import (
+    BroadcastOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    TCPStore,
+)
 
 from weight_sync.errors import WeightSyncError
 

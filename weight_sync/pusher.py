@@ -42,7 +42,15 @@ from pathlib import Path
 
 import torch
 
-from weight_sync.buckets import DEFAULT_BUCKET_BYTES, TensorSpec, dtype_name, header, pack, parse_dtype, plan_buckets
+from weight_sync.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    TensorSpec,
+    dtype_name,
+    header,
+    pack,
+    parse_dtype,
+    plan_buckets,
+)
 from weight_sync.errors import WeightSyncError
 from weight_sync.group import WeightGroup, resolve_backend
 from weight_sync.ipc import share_cuda_tensor

@@ -1,23 +1,11 @@
 """Engine side of weight sync: receive in the background, swap in at a step boundary.
 
 The receiver lives in the engine process next to the Engine and is driven by the engine
-loop, the only thread that touches the engine. Every operation returns a
-`concurrent.futures.Future` at once; the loop replies when it is done (result: a dict;
-failure: `WeightSyncError`, whose `.status` is the HTTP status to answer). The loop:
-
-    rx = WeightReceiver(engine, on_ready=wake_loop)   # on_ready: called from worker threads
-    while serving:
-        for msg in incoming():
-            if msg is a generate request and rx.gate.paused: rx.gate.hold(msg); continue
-            control routes -> fut = rx.init_group(**body) / rx.update_from_distributed(**body) /
-                rx.update_from_disk(**body) / rx.update_from_tensor(**body) / rx.destroy_group(**body) /
-                rx.gate.pause(mode) / rx.flush_cache(); remember (fut, reply address)
-            /continue_generation -> for held in rx.gate.resume(): admit(held)
-        rx.at_step_boundary()                  # applies finished receives, resolves pauses
-        if rx.gate.may_step and engine.has_work: engine.step()
-        reply to every remembered future that is done; output tokens carry rx.version_label(v)
-        if idle: sleep until a new message or on_ready (or poll every few ms while rx.busy)
-    rx.close()                                 # at shutdown: closes the groups
+loop (rollout.server.engine_loop), the only thread that touches the engine. Every operation
+returns a `concurrent.futures.Future` at once; the loop replies when it is done (result: a
+dict; failure: `WeightSyncError`, whose `.status` is the HTTP status to answer) and calls
+`at_step_boundary()` between steps, where finished receives are swapped in through
+`Engine.update_weights`.
 
 What blocks where:
 - The loop thread validates each update whole (names, shapes, dtypes against the model;
@@ -45,7 +33,6 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -53,12 +40,19 @@ from pathlib import Path
 
 import torch
 
-from rollout.weights import WeightError, check_weights, checkpoint_files, iter_checkpoint
-from weight_sync.buckets import Bucket, TensorSpec, bucket_buffer, header, parse_specs, plan_buckets, unpack
+from rollout.models.weights import WeightError, checkpoint_files, iter_checkpoint
+from weight_sync.buckets import (
+    Bucket,
+    TensorSpec,
+    bucket_buffer,
+    header,
+    parse_specs,
+    plan_buckets,
+    unpack,
+)
 from weight_sync.errors import WeightSyncError
 from weight_sync.group import WeightGroup, resolve_backend
 from weight_sync.ipc import decode_fields, open_cuda_tensor
-from weight_sync.pause import PauseGate
 
 log = logging.getLogger("rollout.weight_sync")
 
@@ -96,20 +90,16 @@ class WeightReceiver:
         engine,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         staging: str = "auto",
-        on_ready: Callable[[], None] | None = None,
     ):
         """`timeout_s`: how long one update (or a rendezvous) may take before it is abandoned.
         `staging` (GPU engines; NCCL and disk updates): `device` stages the received tensors on
         the GPU (fast swap, a second copy of the pushed weights in GPU memory), `cpu` in pinned
-        host memory (the swap is a host-to-device copy), `auto` picks device when free memory allows.
-        `on_ready`: called from worker threads when something finished (wake the loop)."""
+        host memory (the swap is a host-to-device copy), `auto` picks device when free memory allows."""
         if staging not in ("auto", "device", "cpu"):
             raise ValueError(f"staging {staging!r}: choose auto, device or cpu")
         self.engine = engine
         self.timeout_s = timeout_s
         self.staging = staging
-        self.on_ready = on_ready
-        self.gate = PauseGate(engine)
         self._groups: dict[str, _GroupSlot] = {}
         self._groups_lock = threading.Lock()
         self._pending: deque[_Update] = deque()
@@ -164,7 +154,6 @@ class WeightReceiver:
                 else:
                     slot.group = group
                     fut.set_result({"success": True, "message": f"joined group {group_name!r} as rank {rank_offset} ({group.backend})"})
-            self._notify()
 
         slot.executor.submit(connect)
         return fut
@@ -299,7 +288,7 @@ class WeightReceiver:
     def flush_cache(self) -> Future:
         """SGLang's flush: only when no request is in flight (a trainer's check that the server is idle);
         the cached KV is dropped. The n-gram index is untouched."""
-        busy = len(self.engine.requests) + self.gate.num_held
+        busy = len(self.engine.requests)
         if busy:
             return _failed(WeightSyncError(f"cache not flushed: {busy} request(s) in flight; flush_cache runs only "
                                            "when the server is idle (abort or wait for them first)", 400))
@@ -313,12 +302,6 @@ class WeightReceiver:
             upd = self._pending.popleft()
             if upd.state == "ready":
                 self._apply(upd)
-        self.gate.tick()
-
-    @property
-    def busy(self) -> bool:
-        """Something is in flight that a later `at_step_boundary()` will finish."""
-        return bool(self._pending) or self.gate.pending
 
     def progress(self) -> list[dict]:
         """Updates in flight, oldest first (for /get_server_info and tests)."""
@@ -356,7 +339,7 @@ class WeightReceiver:
     # ---------------- internals ----------------
     def _validate(self, specs: list[TensorSpec]) -> None:
         try:
-            check_weights(self.engine.model.weight_targets(), [(s.name, s.shape, s.dtype) for s in specs], require_all=False)
+            self.engine.check_weights((s.name, s.shape, s.dtype) for s in specs)
         except WeightError as e:
             raise WeightSyncError(str(e), 400) from e
 
@@ -378,7 +361,7 @@ class WeightReceiver:
     def _submit(self, method: str, specs, version: int, label: str, flush_cache: bool, abort_all: bool) -> _Update:
         """Queue a validated update (flags were checked by `_check_flags`)."""
         if abort_all:
-            self.gate.abort_all()
+            self.engine.abort_all()
         upd = _Update(method, version, label, bool(flush_cache), len(specs), sum(s.nbytes for s in specs))
         self._pending.append(upd)
         return upd
@@ -477,7 +460,6 @@ class WeightReceiver:
     def _ready(self, upd: _Update) -> None:
         upd.received_s = time.perf_counter() - upd.started
         upd.state = "ready"
-        self._notify()
 
     def _fail(self, upd: _Update, e: BaseException) -> None:
         upd.tensors = None
@@ -487,7 +469,6 @@ class WeightReceiver:
         if not upd.future.done():
             upd.future.set_exception(err)
         log.warning("weight update to version %s failed: %s", upd.label, e)
-        self._notify()
 
     def _take_group(self, name: str) -> _GroupSlot | None:
         with self._groups_lock:
@@ -515,12 +496,6 @@ class WeightReceiver:
             pass
         slot.executor.shutdown(wait=False)
 
-    def _notify(self) -> None:
-        if self.on_ready is not None:
-            try:
-                self.on_ready()
-            except Exception as e:  # noqa: BLE001
-                log.debug("on_ready callback failed: %s", e)
 
 
 _SAFETENSORS_DTYPES = {

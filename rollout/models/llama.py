@@ -14,7 +14,7 @@ from torch import nn
 
 from kernels import fused, skinny_gemm
 from kernels.attention import AttentionBackend, AttentionMetadata
-from rollout.model_config import ModelConfig
+from rollout.models.config import ModelConfig
 
 
 @dataclass

@@ -12,25 +12,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from rollout.kv_pool import KVPool
-from rollout.sequence import Sequence, Status
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new: int  # tokens whose KV this step computes: a prefill chunk, or 1 (+ drafts) for decode
-    samples: bool  # this step draws the sequence's next token(s)
-    decode: bool = False  # a running sequence's decode (or verify) step, not a prefill chunk
-
-
-@dataclass
-class Batch:
-    items: list[ScheduledSeq]
-    is_prefill: bool  # holds prefill chunks; decode items then run without drafts
-
+from rollout.engine.kv_pool import KVPool
+from rollout.engine.sequence import Sequence, Status
+from rollout.engine.step import Batch, ScheduledSeq
 
 # While sequences decode, a new prompt is admitted only once this share of the rows is free
 # (or it has waited MAX_ADMIT_WAIT steps): a step that holds prefill work runs without a CUDA

@@ -1,7 +1,7 @@
 """CUDA graphs of decode and verify steps: one per (batch bucket, width, drafting, sampling mode).
 
 A decode step of a small model is mostly kernel-launch time; replaying a captured graph turns
-hundreds of launches into one. A graph holds the whole of `ModelRunner.run_decode`: the
+hundreds of launches into one. A graph holds the whole of a decode step (`ModelRunner.run_decode`): the
 drafter, the layout, the model, the draws (one graph per sampling mode: greedy, plain
 sampling, or with top-k/top-p/min-p truncation) and the accept walk. Its inputs are three
 small tensors (rows and groups, KV slots and RNG keys, sampling numbers), padded to the
@@ -14,17 +14,13 @@ every shape the engine can ask for up front. Prefill steps run eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rollout.model_runner import DecodeInputs, DecodeOutputs
-from spec.budget import BATCH_BUCKETS, bucket
-
-if TYPE_CHECKING:
-    from rollout.model_runner import ModelRunner
+from rollout.engine.step import BATCH_BUCKETS, DecodeInputs, DecodeOutputs, bucket
 
 MODES = ("greedy", "sample")  # captured up front; truncation is captured when first used
 
@@ -41,15 +37,18 @@ class _Graph:
 
 
 class CudaGraphs:
-    def __init__(self, runner: "ModelRunner", max_batch: int, widths: list[int], drafting: bool, max_tokens: int):
-        self.runner = runner
+    def __init__(self, run_decode: Callable[..., DecodeOutputs], attn_out: torch.Tensor, padding_row: int,
+                 max_batch: int, widths: list[int], drafting: bool):
+        """`run_decode(inputs, width, drafting, mode, attn_out=...)` is the step to capture (ModelRunner's);
+        `attn_out` [max tokens, heads, head_dim] its attention output buffer, shared by every graph."""
+        self.run_decode = run_decode
+        self.device = attn_out.device
+        self.padding_row = padding_row
         self.batch_sizes = [b for b in BATCH_BUCKETS if b <= max_batch] or [max_batch]
         self.widths = widths
         self.drafting = drafting
-        self.max_tokens = max_tokens  # a verify step's tokens (sequences x nodes) at most
-        cfg = runner.model.config
-        dtype = runner.model.model.embed_tokens.weight.dtype
-        self._attn_out = torch.zeros(max_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=runner.device)
+        self.max_tokens = attn_out.shape[0]  # a verify step's tokens (sequences x nodes) at most
+        self._attn_out = attn_out
         self._mempool = torch.cuda.graph_pool_handle()
         self._graphs: dict[Shape, _Graph] = {}
 
@@ -88,7 +87,7 @@ class CudaGraphs:
     def launch(self, shape: Shape, arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> DecodeOutputs:
         """Replay the graph for these host arrays (DecodeInputs.host_arrays of the real sequences);
         returns its outputs, cut to the real sequences."""
-        g = self._graphs.get(shape) or self._capture(*shape)
+        g = self.graph(shape)
         b, width, _, _ = shape
         i64, i32, f32 = arrays
         s = len(i32) // 2
@@ -97,7 +96,7 @@ class CudaGraphs:
         g.turn ^= 1
         h64, h32, hf = (h.numpy() for h in staging)
         _pad_into(h64, i64, s, b, n)
-        _pad_into_i32(h32, i32, s, b, self.runner.table.padding_row)
+        _pad_into_i32(h32, i32, s, b, self.padding_row)
         _pad_into_f32(hf, f32, s, b)
         for dst, src in zip((g.inputs.i64, g.inputs.i32, g.inputs.f32), staging):
             dst.copy_(src, non_blocking=True)
@@ -106,18 +105,22 @@ class CudaGraphs:
         trees = None if o.trees is None else tuple(t[:s] for t in o.trees)
         return DecodeOutputs(o.ints[:s], o.logprobs[:s], trees)
 
+    def graph(self, shape: Shape) -> _Graph:
+        """The captured graph of this shape, captured now if it was not."""
+        return self._graphs.get(shape) or self._capture(*shape)
+
     def _capture(self, b: int, width: int, drafting: bool, mode: str) -> _Graph:
-        runner, dev = self.runner, self.runner.device
+        dev = self.device
         n = width + 1
         i64 = torch.zeros(b * n + 2 * b, dtype=torch.int64, device=dev)
         i32 = torch.zeros(2 * b, dtype=torch.int32, device=dev)
         f32 = torch.zeros(3 * b, dtype=torch.float32, device=dev)
-        i32[:b] = runner.table.padding_row  # all padding until the first replay writes real values
+        i32[:b] = self.padding_row  # all padding until the first replay writes real values
         f32[b : 2 * b] = 1.0  # top_p
         inputs = DecodeInputs(i64, i32, f32, b, n)
 
         def step() -> DecodeOutputs:
-            return runner.run_decode(inputs, width, drafting, mode, attn_out=self._attn_out[: b * n])
+            return self.run_decode(inputs, width, drafting, mode, attn_out=self._attn_out[: b * n])
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))

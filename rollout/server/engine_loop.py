@@ -1,23 +1,23 @@
 """The engine process: an `Engine` driven by messages from the HTTP front end.
 
-    python -m rollout.engine_loop --config '<EngineConfig as JSON>' --recv ipc://... --send ipc://...
+    python -m rollout.server.engine_loop --config '<EngineConfig as JSON>' --recv ipc://... --send ipc://...
 
 The loop: take every message waiting on the socket (blocking only while there is nothing
 to step), run one `engine.step()`, send what it produced in one `out` message (see
-rollout.protocol).
+rollout.server.protocol).
 
-Control calls (abort, stats, server info, and the weight-update ops) all go through one
-dispatch: `EngineLoop.handlers` maps an op name to `handler(args: dict) -> result`. A
-handler raises to fail the call: `ValueError`/`TypeError`/`KeyError` answer 400, an
-exception with a `status` attribute (e.g. weight_sync.errors.WeightSyncError) answers that
-status, anything else 500. A handler that finishes later returns a
-`concurrent.futures.Future`; the loop replies when it resolves (checking every
-`BUSY_POLL_MS` while any is pending) and goes on stepping meanwhile.
+Control calls (abort, stats, server info, pause, and the weight-update ops of
+rollout.server.weight_routes) all go through one dispatch: `EngineLoop.handlers` maps an op
+name to `handler(args: dict) -> result`. A handler raises to fail the call:
+`ValueError`/`TypeError`/`KeyError` answer 400, an exception with a `status` attribute
+(e.g. weight_sync.errors.WeightSyncError) answers that status, anything else 500. A
+handler that finishes later returns a `concurrent.futures.Future`; the loop replies when it
+resolves (checking every `BUSY_POLL_MS` while any is pending) and goes on stepping meanwhile.
 
-Seams for weight updates: `handlers` (ops), `before_step()` (runs between steps, e.g. to
-swap in received weights), `may_step()` (a pause gate), `admit()` (hold new requests
-while paused), `abort()` (reach requests held there), `version_label` (the string a weight
-version is reported as, in every output and per token). weight_sync.install fills them in.
+Weight updates are received in the background by a weight_sync.WeightReceiver and swapped
+in between two steps; while generation is paused (rollout.server.pause) new requests are
+held, not refused, and admitted in arrival order on `/continue_generation`. Outputs report
+weight versions as the trainer named them (`version_label`).
 """
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ from typing import Any
 
 import zmq
 
-from rollout import protocol
 from rollout.config import EngineConfig, SamplingParams, SpecConfig
-from rollout.engine import Engine, freeze_heap
-from rollout.sequence import Request, Sequence, Status
-from weight_sync.install import install as install_weight_sync
+from rollout.engine.engine import Engine, freeze_heap
+from rollout.engine.sequence import Request, Sequence, Status
+from rollout.server import protocol
+from rollout.server.pause import PauseGate
+from weight_sync.errors import WeightSyncError
+from weight_sync.receiver import WeightReceiver
 
-log = logging.getLogger("rollout.engine_loop")
+log = logging.getLogger("rollout.server.engine_loop")
 
 IDLE_POLL_MS = int(protocol.HEARTBEAT_S * 1000)  # an idle engine wakes this often: heartbeat, parent alive
 BUSY_POLL_MS = 5  # how often a paused or idle loop checks its pending control calls
@@ -58,7 +60,9 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.running = True
         self.orphaned = False  # the front end died without stopping us
-        self.version_label: Callable[[int], str] = str
+        self.receiver = WeightReceiver(engine)
+        self.gate = PauseGate(engine)
+        self.version_label: Callable[[int], str] = self.receiver.version_label
         self.pending_calls: list[tuple[int, str, Future]] = []  # (cid, op, future) of handlers that answer later
         self.streams: dict[str, list[int]] = {}  # rid -> tokens already sent, per sample (streaming requests)
         self.handlers: dict[str, Callable[[dict], Any]] = {
@@ -68,6 +72,15 @@ class EngineLoop:
             "get_server_info": self.op_get_server_info,
             "release_memory_occupation": lambda a: self.engine.release_memory(a.get("tags")),
             "resume_memory_occupation": lambda a: self.engine.resume_memory(a.get("tags")),
+            "pause_generation": lambda a: self.gate.pause(**a),
+            "continue_generation": self.op_continue_generation,
+            "flush_cache": self.op_flush_cache,
+            "get_weight_version": lambda a: self.receiver.get_weight_version(),
+            "init_weights_update_group": lambda a: self.receiver.init_group(**a),
+            "destroy_weights_update_group": lambda a: self.receiver.destroy_group(**a),
+            "update_weights_from_distributed": lambda a: self.receiver.update_from_distributed(**a),
+            "update_weights_from_disk": lambda a: self.receiver.update_from_disk(**a),
+            "update_weights_from_tensor": lambda a: self.receiver.update_from_tensor(**a),
         }
         self.step_failures = 0
         self._last_beat = 0.0
@@ -78,7 +91,8 @@ class EngineLoop:
             self._drain(block=not self._should_step())
             if not self.may_step() or self.engine.released:  # nothing runs; aborted requests still report
                 self._publish(self.engine.drain())
-            self.before_step()
+            self.receiver.at_step_boundary()  # swap in weights that have arrived
+            self.gate.tick()
             if self.pending_calls:
                 self._reply_finished_calls()
             if self._should_step():
@@ -107,15 +121,20 @@ class EngineLoop:
             self._last_beat = now
             self._emit(protocol.beat(self.version_label(self.engine.weight_version)))
 
-    def before_step(self) -> None:
-        """Runs once per loop iteration, between steps (a weight swap belongs here)."""
+    def close(self) -> None:
+        """Tear down the weight-update groups and fail updates still in flight."""
+        self.receiver.close()
 
     def may_step(self) -> bool:
-        """False holds generation in place (a pause for weight updates)."""
-        return True
+        """False while a `keep` pause holds generation in place; aborted requests still report."""
+        return self.gate.may_step or not self.engine.scheduler.has_work
 
     def admit(self, add: dict) -> dict | None:
-        """Queue one request (an Add of rollout.protocol); returns a ReqOut error if the engine refuses it."""
+        """Queue one request (an Add of rollout.server.protocol), or hold it while paused; returns a ReqOut
+        error if the engine refuses it."""
+        if self.gate.paused:
+            self.gate.hold(add)
+            return None
         rid = add["rid"]
         try:
             params = SamplingParams.from_dict(add["params"])
@@ -131,8 +150,8 @@ class EngineLoop:
         return None
 
     def abort(self, rid: str) -> bool:
-        """Stop one request; it reports on the next step, finished by abort. False if it is unknown."""
-        return self.engine.abort(rid)
+        """Stop one request (held or running); it reports on the next step, finished by abort. False if unknown."""
+        return self.gate.cancel(rid) or self.engine.abort(rid)
 
     def take_batch(self, adds: list[dict], aborts: list[str]) -> None:
         """Admit new requests (answering refusals at once), then abort others: one batch message."""
@@ -239,24 +258,47 @@ class EngineLoop:
             if not isinstance(rid, str):
                 raise ValueError("rid must be a string (or pass abort_all: true)")
             rids = [rid]
-        return {"aborted": [rid for rid in rids if self.abort(rid)]}
+        aborted = [rid for rid in rids if self.abort(rid)]
+        if args.get("abort_all"):
+            aborted += self.gate.cancel_all()
+        return {"aborted": aborted}
+
+    def op_continue_generation(self, args: dict) -> dict:
+        adds, cancelled = self.gate.resume()
+        self.take_batch(adds, cancelled)  # not paused any more: admitted as if they arrived now
+        return {"success": True, "message": f"generation resumed; {len(adds)} held request(s) admitted"}
+
+    def op_flush_cache(self, args: dict) -> Future:
+        if self.gate.num_held:
+            raise WeightSyncError(f"cache not flushed: {self.gate.num_held} request(s) held; flush_cache runs only "
+                                  "when the server is idle (continue or abort them first)", 400)
+        return self.receiver.flush_cache()
 
     def op_stats(self, args: dict) -> dict:
-        stats = self.engine.stats()
+        stats = {**self.engine.stats(), **self.receiver.stats()}
         reqs = self.engine.requests.values()
         stats["rollout/num_requests"] = len(reqs)
         stats["rollout/num_running_requests"] = sum(any(s.status is Status.RUNNING for s in r.sequences) for r in reqs)
         stats["rollout/step_failures"] = self.step_failures
+        stats["rollout/paused"] = int(self.gate.paused)
+        stats["rollout/num_held"] = self.gate.num_held
         return stats
 
     def op_get_server_info(self, args: dict) -> dict:
         info = engine_info(self.engine)
         info["weight_version"] = self.version_label(self.engine.weight_version)
+        info["weight_sync"] = {
+            "paused": self.gate.mode,
+            "held_requests": self.gate.num_held,
+            "updates_in_flight": self.receiver.progress(),
+            "last_update": self.receiver.last_update,
+            "last_error": self.receiver.last_error,
+        }
         return {**info, "stats": self.op_stats(args)}
 
 
 def _seq_out(seq: Sequence, start: int, label: Callable[[int], str]) -> dict:
-    """A SeqOut (rollout.protocol) with the sample's tokens from `start` on; versions as `label` reports them."""
+    """A SeqOut (rollout.server.protocol) with the sample's tokens from `start` on; versions as `label` reports them."""
     finish = {"type": seq.finish_reason or "abort", "matched": seq.matched_stop} if seq.finished else None
     return {
         "i": seq.sample_index,
@@ -285,7 +327,7 @@ def engine_info(engine: Engine) -> dict:
     }
 
 
-def restore_weights(rx, restore: dict) -> None:
+def restore_weights(rx: WeightReceiver, restore: dict) -> None:
     """A restarted engine takes the last weights its front end saw loaded from disk (pushed ones died
     with the old process); if they are gone, it serves the model's own, and says so."""
     fut = rx.update_from_disk(model_path=restore["model_path"], weight_version=restore["weight_version"])
@@ -306,7 +348,7 @@ def config_from_json(text: str) -> EngineConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m rollout.engine_loop", description="the engine process of `rollout serve`")
+    p = argparse.ArgumentParser(prog="python -m rollout.server.engine_loop", description="the engine process of `rollout serve`")
     p.add_argument("--config", required=True, help="EngineConfig as JSON")
     p.add_argument("--recv", required=True, help="ZMQ address to pull requests from")
     p.add_argument("--send", required=True, help="ZMQ address to push outputs to")
@@ -330,13 +372,15 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(config=config_from_json(args.config))
         freeze_heap()  # this process lives and dies with its engine
         loop = EngineLoop(engine, recv, send, args.parent_pid)
-        with install_weight_sync(loop) as rx:  # weight-update ops, pause gate, version labels; closed at shutdown
+        try:
             if args.restore:
-                restore_weights(rx, json.loads(args.restore))
+                restore_weights(loop.receiver, json.loads(args.restore))
             info = {**engine_info(engine), "weight_version": loop.version_label(engine.weight_version)}
             send.send(protocol.pack(protocol.ready(info)))
             log.info("engine ready: %s on %s, weight version %s", engine.model_path, engine.device, info["weight_version"])
             loop.run()
+        finally:
+            loop.close()
         if loop.orphaned and args.recv.startswith("ipc://"):  # nobody else will remove the socket directory
             shutil.rmtree(os.path.dirname(args.recv.removeprefix("ipc://")), ignore_errors=True)
     except (KeyboardInterrupt, SystemExit):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.sequence import Sequence
+from rollout.engine.sequence import Sequence
 
 
 @dataclass

@@ -7,8 +7,7 @@ from rollout.config import SamplingParams
 
 def final_text(tokenizer, ids: list[int], matched_stop: int | str | None, params: SamplingParams) -> str:
     """The text `Engine.output` gives: the decoded ids, cut before a matched stop string (unless no_stop_trim)."""
-    text = decode(tokenizer, ids, params)
-    return text if params.no_stop_trim else trim_at_stop(text, matched_stop)
+    return trim_at_stop(decode(tokenizer, ids, params), matched_stop, params)
 
 
 def decode(tokenizer, ids: list[int], params: SamplingParams) -> str:
@@ -16,8 +15,9 @@ def decode(tokenizer, ids: list[int], params: SamplingParams) -> str:
                             spaces_between_special_tokens=params.spaces_between_special_tokens)
 
 
-def trim_at_stop(text: str, matched_stop: int | str | None) -> str:
-    if isinstance(matched_stop, str) and matched_stop in text:
+def trim_at_stop(text: str, matched_stop: int | str | None, params: SamplingParams) -> str:
+    """The text cut before the stop string it matched, unless `no_stop_trim`."""
+    if not params.no_stop_trim and isinstance(matched_stop, str) and matched_stop in text:
         return text[: text.find(matched_stop)]
     return text
 

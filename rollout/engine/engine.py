@@ -16,25 +16,35 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from kernels import pdl
-from kernels.attention import create_backend
-from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig
-from rollout.detokenizer import final_text
-from rollout.kv_pool import KVPool
-from rollout.model_config import ModelConfig
-from rollout.model_loader import build_model, load_checkpoint, randomize, resolve_model_path
-from rollout.model_runner import Emitted, ModelRunner, StepInFlight
-from rollout.token_table import TokenTable
-from rollout.sampler import sequence_key
-from rollout.scheduler import Batch, Scheduler
-from rollout.sequence import Request, Sequence, SpecCounters, Status
-from rollout.weights import check_weights, checkpoint_specs, copy_weights, iter_checkpoint
+from kernels.attention import AttentionBackend
+from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig, request_limit
+from rollout.engine.detokenizer import final_text
+from rollout.engine.kv_pool import KVPool
+from rollout.engine.model_runner import ModelRunner
+from rollout.engine.sampler import sequence_key
+from rollout.engine.scheduler import Scheduler
+from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
+from rollout.engine.step import Batch, Emitted, StepInFlight
+from rollout.engine.token_table import TokenTable
+from rollout.models.config import ModelConfig
+from rollout.models.loader import (
+    build_model,
+    load_checkpoint,
+    randomize,
+    resolve_model_path,
+)
+from rollout.models.weights import (
+    check_weights,
+    checkpoint_specs,
+    copy_weights,
+    iter_checkpoint,
+)
 from spec.speculator import Speculator
 
 log = logging.getLogger("rollout")
@@ -46,24 +56,14 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names
 
 def freeze_heap() -> None:
     """Hide every object alive now from Python's cyclic garbage collector: for a process that
-    has built its engine and keeps it.
-
-    A full collection walks every tracked object, and a built engine holds ~340k on the CPU and
-    ~450k on CUDA (modules, tensors, the tokenizer, compiled kernels): 0.2 s on either machine
-    measured (`bench/host_costs.py engine-gc`), at whichever step happens to cross the
-    collector's threshold. Frozen objects are still freed by reference
-    counting; only cycles among them outlive the freeze, so call `gc.unfreeze()` before
-    dropping an engine whose memory must come back.
+    has built its engine and keeps it. A full collection would walk the engine's hundreds of
+    thousands of objects (modules, tensors, the tokenizer, compiled kernels) at whichever step
+    crosses the collector's threshold. Frozen objects are still freed by reference counting;
+    only cycles among them outlive the freeze, so call `gc.unfreeze()` before dropping an
+    engine whose memory must come back.
     """
     gc.collect()
     gc.freeze()
-
-
-class Launched(NamedTuple):
-    """A step on the device, as the engine tracks it until it completes."""
-
-    step: StepInFlight
-    began: float  # when the engine's step() that launched it began
 
 
 @dataclass
@@ -122,18 +122,21 @@ class Engine:
         backend_name = cfg.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if self.device.type == "cuda" else "torch"
-        self.backend = create_backend(backend_name, self.device)
+        self.backend = attention_backend(backend_name, self.device)
         history = cfg.spec.history_rows if cfg.spec.enabled else 0
         self.table = TokenTable(cfg.max_running_seqs, history, self.pool.max_context, self.device)
         self._build_speculation()
         self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
         if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
-            from rollout.cuda_graphs import CudaGraphs
+            from rollout.engine.cuda_graphs import CudaGraphs
 
             max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
             widths = self.spec.budget.widths if cfg.spec.enabled else [0]
-            self.runner.graphs = CudaGraphs(self.runner, cfg.max_running_seqs, widths, cfg.spec.enabled, max_tokens)
+            mc = self.model_config
+            attn_out = torch.zeros(max_tokens, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+            self.runner.graphs = CudaGraphs(self.runner.run_decode, attn_out, self.table.padding_row,
+                                            cfg.max_running_seqs, widths, cfg.spec.enabled)
             t0 = time.perf_counter()
             count = self.runner.graphs.capture_all()
             log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
@@ -145,7 +148,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._updated: dict[int, Request] = {}  # reported by the next step(): aborted, or completed by a drain
         self._ended: dict[int, Request] = {}  # requests with a sequence finished since the last _collect
-        self._in_flight: Launched | None = None  # a decode or verify step left running
+        self._in_flight: StepInFlight | None = None  # a decode or verify step left running
         self._last_done = 0.0  # when the last step completed
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
@@ -192,17 +195,10 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in flight")
         if not (isinstance(top_logprobs_num, int) and 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS):
             raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}] (got {top_logprobs_num!r})")
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                f"exceeds the context length {self.max_model_len}"
-            )
-        if len(prompt_ids) + params.n * params.max_new_tokens > self.pool.num_slots - 1:
-            raise ValueError(
-                f"request needs up to {len(prompt_ids) + params.n * params.max_new_tokens} KV slots but the pool "
-                f"holds {self.pool.num_slots - 1}; lower n or max_new_tokens, or raise kv_cache_tokens"
-            )
+        broken = request_limit(len(prompt_ids), params, self.max_model_len, self.config.max_running_seqs,
+                               self.pool.num_slots - 1)
+        if broken is not None:
+            raise ValueError(f"{broken[0]}: {broken[1]}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(rid, prompt_ids, params, seed, return_logprob, top_logprobs_num, stop_ids=stop_ids,
@@ -220,11 +216,6 @@ class Engine:
     def _checked(self, params: SamplingParams) -> SamplingParams:
         """The request's params, checked against what this engine can ever run."""
         vocab = self.model_config.vocab_size
-        if params.n > self.config.max_running_seqs:
-            raise ValueError(
-                f"sampling_params.n ({params.n}) exceeds the {self.config.max_running_seqs} sequences the engine runs "
-                "at once (--max-running-seqs); send at most that many samples per request"
-            )
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"sampling_params.stop_token_ids must be in [0, {vocab}) (got {bad[0]})")
@@ -260,6 +251,13 @@ class Engine:
         self._updated[id(req)] = req
         return True
 
+    def abort_all(self) -> list[str]:
+        """Abort every unfinished request; returns their rids."""
+        rids = [rid for rid, req in self.requests.items() if not req.finished]
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None or bool(self._updated)
@@ -275,7 +273,7 @@ class Engine:
         sequence's last token and length, its drafts), so steps chain whether they draft or not;
         a sequence that stops in the earlier step has its tokens from the later one dropped.
         Prefill steps need the host's view of every token, and so do steps whose logits are
-        edited (rollout/logits_processing.py): the pipeline drains before them.
+        edited (rollout/engine/logits_processing.py): the pipeline drains before them.
         """
         if self.released:
             raise MemoryStateError(f"memory released ({', '.join(sorted(self.released))}): resume it before stepping")
@@ -298,23 +296,26 @@ class Engine:
                 batch = _without_finished(batch)
             if batch is not None:
                 launched = self._launch(batch, began)
-                if self.config.overlap_schedule and launched.step.chainable and not self._editing_logits:
+                if self.config.overlap_schedule and launched.chainable and not self._editing_logits:
                     self._in_flight = launched
                 else:
                     self._complete(launched, updated)
         self._busy_s += time.perf_counter() - began
         return self._collect(updated)
 
-    def _launch(self, batch: Batch, began: float) -> Launched:
+    def _launch(self, batch: Batch, began: float) -> StepInFlight:
         if batch.is_prefill:
-            return Launched(self.runner.launch_prefill(batch), began)
-        plan = self.spec.plan(len(batch.items), self.pool.free_slots)
-        self._draft_steps += plan.width > 0
-        return Launched(self.runner.launch_decode(batch, plan.width, plan.drafting, plan.shadow), began)
+            step = self.runner.launch_prefill(batch)
+        else:
+            plan = self.spec.plan(len(batch.items), self.pool.free_slots)
+            self._draft_steps += plan.width > 0
+            step = self.runner.launch_decode(batch, plan.width, plan.drafting, plan.shadow)
+        step.began = began
+        return step
 
-    def _complete(self, launched: Launched, updated: dict) -> None:
+    def _complete(self, step: StepInFlight, updated: dict) -> None:
         """Wait for a launched step and apply what it emitted."""
-        step, began = launched.step, launched.began
+        began = step.began
         seqs = [item.seq for item in step.batch.items]
         roots = np.fromiter((len(q.tokens) for q in seqs), np.int64, len(seqs)) if step.shadow else None
         emitted = [e for e in self.runner.collect(step) if not e.seq.finished]  # stopped while this step ran
@@ -384,7 +385,7 @@ class Engine:
 
     def _append(self, e: Emitted) -> None:
         """Append what the step emitted, up to a stop condition. (Runs for every sequence of every
-        step: at 256 sequences its host time is a sixth of a decode step on an H100 host.)"""
+        step, so it is kept lean.)"""
         seq = e.seq
         req = seq.request
         tokens, logprobs, versions, version = seq.tokens, seq.logprobs, seq.weight_versions, self.weight_version
@@ -485,29 +486,29 @@ class Engine:
         their KV is recomputed (they are preempted and re-prefilled), so no token mixes
         two versions in its context.
         """
+        staged = list(named_tensors)
+        return self._swap_weights([(n, tuple(t.shape), t.dtype) for n, t in staged], staged, version, recompute_kv)
+
+    def update_weights_from_disk(self, path: str, version: int | None = None, recompute_kv: bool = True) -> int:
+        """`update_weights` from a safetensors checkpoint, streamed file by file once every shape checks."""
+        return self._swap_weights(checkpoint_specs(resolve_model_path(path)), iter_checkpoint(path), version, recompute_kv)
+
+    def _swap_weights(self, specs, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
+                      recompute_kv: bool) -> int:
+        """The one door for new weights: every (name, shape, dtype) in `specs` is checked before any is copied."""
         t0 = time.perf_counter()
         self._complete_in_flight()  # the step in flight ran on the old weights; its tokens say so
-        staged = [(name, tensor) for name, tensor in named_tensors]
-        targets = self.model.weight_targets()
-        check_weights(targets, [(n, tuple(t.shape), t.dtype) for n, t in staged], require_all=False)
-        copy_weights(targets, staged)
+        self.check_weights(specs)
+        copy_weights(self.model.weight_targets(), tensors)
         self._set_version(version)
         if recompute_kv:
             self.invalidate_kv()
         self._weight_sync_s = time.perf_counter() - t0
         return self.weight_version
 
-    def update_weights_from_disk(self, path: str, version: int | None = None, recompute_kv: bool = True) -> int:
-        t0 = time.perf_counter()
-        self._complete_in_flight()
-        targets = self.model.weight_targets()
-        check_weights(targets, checkpoint_specs(resolve_model_path(path)), require_all=False)
-        copy_weights(targets, iter_checkpoint(path))
-        self._set_version(version)
-        if recompute_kv:
-            self.invalidate_kv()
-        self._weight_sync_s = time.perf_counter() - t0
-        return self.weight_version
+    def check_weights(self, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Raise WeightError unless every (name, shape, dtype) names one of the model's weights as it is."""
+        check_weights(self.model.weight_targets(), list(specs), require_all=False)
 
     def _set_version(self, version: int | None) -> None:
         version = self.weight_version + 1 if version is None else int(version)
@@ -657,3 +658,18 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise ValueError(f"dtype {name!r}: choose auto, {', '.join(dtypes)}")
     return dtypes[name]
+
+
+def attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`torch` (the reference, any device) or `triton` (CUDA); Triton is imported only when chosen."""
+    if name == "torch":
+        from kernels.torch_attention import TorchAttention
+
+        return TorchAttention()
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("the triton attention backend needs a CUDA device; use --attention-backend torch on CPU")
+        from kernels.triton_attention import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}: choose 'torch' or 'triton'")

@@ -1,6 +1,6 @@
 """The front end's shared core: tokenize, submit to the engine, wait or stream, detokenize.
 
-Both APIs (SGLang's native in rollout.server, OpenAI's in rollout.openai_api) sit on
+Both APIs (SGLang's native in rollout.server.app, OpenAI's in rollout.server.openai_routes) sit on
 `Frontend`: `submit` checks lengths and hands token ids to the EngineClient; `wait`
 returns when every request is done (aborting them if the HTTP client hangs up);
 `updates` yields a streaming request's progress with text deltas; `texts` decodes
@@ -20,10 +20,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from rollout.config import SamplingParams
-from rollout.detokenizer import StreamDetokenizer, trim_at_stop
-from rollout.engine_client import EngineClient, RequestState
-from rollout.http_guard import ApiError, check_text
+from rollout.config import SamplingParams, request_limit
+from rollout.engine.detokenizer import StreamDetokenizer, trim_at_stop
+from rollout.server.engine_client import EngineClient, RequestState
+from rollout.server.guard import ApiError, check_text
 
 DEFAULT_PORT = 30000
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -132,26 +132,13 @@ class Frontend:
         """Check what the engine can never run, then queue one engine request per prompt (n samples each)."""
         kv_tokens = self.engine.info["kv_cache_tokens"]
         max_seqs = self.engine.info["max_running_seqs"]
-        if params.n > max_seqs:
-            raise ApiError(400, f"{n_param} ({params.n}) exceeds the {max_seqs} sequences the engine runs at once "
-                                "(--max-running-seqs); send at most that many samples per request", n_param)
         for k, ids in enumerate(prompts):
-            param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]"
-            if len(ids) >= self.max_model_len:
-                raise ApiError(400, f"{param}: the prompt has {len(ids)} tokens; the context holds {self.max_model_len}", param)
-            if len(ids) + params.max_new_tokens > self.max_model_len:
-                raise ApiError(
-                    400,
-                    f"{tokens_param} ({params.max_new_tokens}) + prompt ({len(ids)} tokens) exceeds the context length "
-                    f"{self.max_model_len}; ask for at most {self.max_model_len - len(ids)} new tokens",
-                    tokens_param,
-                )
-            if len(ids) + params.n * params.max_new_tokens > kv_tokens:
-                raise ApiError(
-                    400,
-                    f"n x {tokens_param} + prompt needs more KV slots than the pool holds ({kv_tokens}); lower one of them",
-                    tokens_param,
-                )
+            broken = request_limit(len(ids), params, self.max_model_len, max_seqs, kv_tokens)
+            if broken is not None:
+                which, why = broken
+                param = {"n": n_param, "max_new_tokens": tokens_param}.get(which) or (
+                    prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]")
+                raise ApiError(400, f"{param}: {why}", param)
         queue = asyncio.Queue() if stream else None
         raw = asdict(params)
         states: list[RequestState] = []
@@ -217,10 +204,10 @@ class Frontend:
             self.tokenizer.batch_decode, [s.ids for s in flat], skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-        matched = [None if params.no_stop_trim else (s.finish or {}).get("matched") for s in flat]
         out, k = [], 0
         for st in states:
-            out.append([trim_at_stop(decoded[k + i], matched[k + i]) for i in range(st.n)])
+            out.append([trim_at_stop(decoded[k + i], (flat[k + i].finish or {}).get("matched"), params)
+                        for i in range(st.n)])
             k += st.n
         return out
 

@@ -1,15 +1,15 @@
 """`rollout serve`: the HTTP front end (FastAPI + uvicorn) in this process, the engine in another.
 
-A request's path: a route parses and checks the JSON (rollout.http_guard), tokenizes,
-and `Frontend.submit` hands token ids to `EngineClient` (rollout.engine_client), which
+A request's path: a route parses and checks the JSON (rollout.server.guard), tokenizes,
+and `Frontend.submit` hands token ids to `EngineClient` (rollout.server.engine_client), which
 ships them to the engine process over ZMQ. Results come back as token ids; the route
-detokenizes and answers in SGLang's native shape (here) or OpenAI's (rollout.openai_api).
+detokenizes and answers in SGLang's native shape (here) or OpenAI's (rollout.server.openai_routes).
 
 Routes here: /generate, /abort_request, /health, /get_model_info, /get_server_info, /metrics;
-the shared core (Frontend) is rollout.frontend.
-Weight and pause routes are an APIRouter of their own (weight_sync.routes), included in
+the shared core (Frontend) is rollout.server.frontend.
+Weight and pause routes are an APIRouter of their own (rollout.server.weight_routes), included in
 `create_app` behind `require_admin`, talking to the engine through
-`Frontend.engine.control(op, args)`; the engine side is weight_sync.install.
+`Frontend.engine.control(op, args)`; the engine side is rollout.server.engine_loop.
 """
 
 from __future__ import annotations
@@ -31,10 +31,25 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.config import MAX_TOP_LOGPROBS, SamplingParams
-from rollout.engine_client import ControlError, EngineClient, EngineDead, EngineRefused, RequestState
-from rollout.frontend import DEFAULT_PORT, JSON, SSE_HEADERS, ClientGone, Frontend, ServerSettings, frontend, sse_event
-from rollout.http_guard import (
+from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams
+from rollout.server.engine_client import (
+    ControlError,
+    EngineClient,
+    EngineDead,
+    EngineRefused,
+    RequestState,
+)
+from rollout.server.frontend import (
+    DEFAULT_PORT,
+    JSON,
+    SSE_HEADERS,
+    ClientGone,
+    Frontend,
+    ServerSettings,
+    frontend,
+    sse_event,
+)
+from rollout.server.guard import (
     ApiError,
     Keys,
     check_fields,
@@ -360,8 +375,8 @@ def create_app(engine: EngineClient, settings: ServerSettings, tokenizer) -> Fas
     app.state.keys = Keys(settings.api_key, settings.admin_key)
     _add_error_handlers(app)
 
-    from rollout.openai_api import openai_router
-    from weight_sync.routes import router as weight_router
+    from rollout.server.openai_routes import openai_router
+    from rollout.server.weight_routes import router as weight_router
 
     app.include_router(native)
     app.include_router(openai_router)
@@ -396,8 +411,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 # ---------------- the command ----------------
 def add_serve_parser(sub) -> None:
-    from rollout.cli import add_engine_args
-
     p = sub.add_parser("serve", help="serve the SGLang-native and OpenAI HTTP APIs")
     h = p.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -415,18 +428,17 @@ def add_serve_parser(sub) -> None:
                    help="seconds /health waits for the engine to answer before reporting 503")
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     h.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    add_engine_args(p)
+    EngineConfig.add_args(p)
     p.set_defaults(func=cmd_serve)  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from rollout.cli import engine_config
-    from rollout.model_loader import resolve_model_path
+    from rollout.models.loader import resolve_model_path
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(message)s")
-    config = engine_config(args)
+    config = EngineConfig.from_args(args)
     model_path = resolve_model_path(config.model)  # the default model is fetched and converted once, here
     config.model = str(model_path)
     name = args.served_model_name or (

@@ -1,7 +1,7 @@
 """The front end's handle on the engine process: start it, feed it, hear back, restart it.
 
-`EngineClient` owns the subprocess (`python -m rollout.engine_loop`) and the two ZMQ pipes
-(rollout.protocol). Requests are queued with `submit()` and go out together at the end of
+`EngineClient` owns the subprocess (`python -m rollout.server.engine_loop`) and the two ZMQ pipes
+(rollout.server.protocol). Requests are queued with `submit()` and go out together at the end of
 the event-loop tick; one receive task turns `out` messages into `RequestState` updates and
 `ctl_reply` messages into the results of `control()` calls, and notes when it last heard
 from the engine (it beats while idle), which is what `/health` reads.
@@ -31,8 +31,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from rollout import protocol
 from rollout.config import EngineConfig
+from rollout.server import protocol
 
 log = logging.getLogger("rollout.server")
 
@@ -133,7 +133,7 @@ class EngineClient:
         if self.proc is not None and self.proc.poll() is None:
             return
         cmd = [
-            sys.executable, "-m", "rollout.engine_loop",
+            sys.executable, "-m", "rollout.server.engine_loop",
             "--config", json.dumps(asdict(self.config)),
             "--recv", self._to_engine, "--send", self._from_engine,
             "--parent-pid", str(os.getpid()), "--log-level", self.log_level,

@@ -23,8 +23,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from rollout.config import SamplingParams
-from rollout.engine_client import EngineDead, EngineRefused, RequestState
-from rollout.http_guard import (
+from rollout.server.engine_client import EngineDead, EngineRefused, RequestState
+from rollout.server.frontend import JSON, SSE_HEADERS, Frontend, frontend, sse_event
+from rollout.server.guard import (
     ApiError,
     check_fields,
     check_token_ids,
@@ -35,7 +36,6 @@ from rollout.http_guard import (
     read_json,
     require_api_key,
 )
-from rollout.frontend import JSON, SSE_HEADERS, Frontend, frontend, sse_event
 
 openai_router = APIRouter(dependencies=[Depends(require_api_key)])
 

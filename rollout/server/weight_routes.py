@@ -3,7 +3,7 @@
 `create_app` includes `router` behind `require_admin` (a weight push rewrites the model).
 Each route checks the body's form (a JSON object, no unknown fields, the required ones
 present) and forwards it as one control call to the engine process, where
-weight_sync.install hands it to the WeightReceiver as keyword arguments. The receiver checks
+the engine loop hands it to the WeightReceiver as keyword arguments. The receiver checks
 the values (types, every name, shape and dtype against the model, version order) before
 anything changes; its WeightSyncError comes back with the status that fits (400 bad input,
 404 unknown group, 409 stale version, 504 a trainer that stopped sending) and a JSON
@@ -27,8 +27,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from rollout.frontend import JSON, frontend
-from rollout.http_guard import ApiError, check_fields, is_number, read_json
+from rollout.server.frontend import JSON, frontend
+from rollout.server.guard import ApiError, check_fields, is_number, read_json
 
 router = APIRouter()
 

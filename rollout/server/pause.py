@@ -8,8 +8,9 @@
   and after `resume()` they continue under the new weights.
 
 In every mode, requests that arrive while paused are held (not rejected) and handed back
-by `resume()` for the loop to admit. The gate never calls `engine.step()` itself; the loop
-asks `may_step`.
+by `resume()` for the loop to admit. A held request aborted meanwhile is handed back too,
+marked cancelled, so it reports like any other aborted request (finish_reason abort, no
+tokens). The gate never steps the engine; the loop asks `may_step`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class PauseGate:
     def __init__(self, engine):
         self.engine = engine
         self.mode: str | None = None
-        self._held: list = []
+        self._held: list[dict] = []  # Adds of rollout.server.protocol, in arrival order
+        self._cancelled: set[str] = set()  # rids of held requests aborted meanwhile
         self._waiters: list[tuple[Future, int]] = []  # (future, requests it aborted)
 
     @property
@@ -37,11 +39,27 @@ class PauseGate:
         """False while requests are held in place (`keep`)."""
         return self.mode != "keep"
 
-    def hold(self, item) -> None:
-        """Keep a new request (in whatever form the loop uses) until `resume()`."""
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def hold(self, add: dict) -> None:
         if not self.paused:
             raise RuntimeError("hold() while not paused: admit the request instead")
-        self._held.append(item)
+        self._held.append(add)
+
+    def cancel(self, rid: str) -> bool:
+        """Abort a held request; False if none is held under `rid`."""
+        if all(add["rid"] != rid for add in self._held):
+            return False
+        self._cancelled.add(rid)
+        return True
+
+    def cancel_all(self) -> list[str]:
+        """Abort every held request; returns the rids not cancelled before."""
+        rids = [add["rid"] for add in self._held if add["rid"] not in self._cancelled]
+        self._cancelled.update(rids)
+        return rids
 
     def pause(self, mode: str = "abort") -> Future:
         """Resolves to {"success", "mode", "aborted"} once the pause is in effect (see the modes above)."""
@@ -50,41 +68,24 @@ class PauseGate:
             fut.set_exception(WeightSyncError(f"pause mode {mode!r}: choose {', '.join(MODES)}"))
             return fut
         self.mode = mode
-        aborted = self.abort_all() if mode == "abort" else []
+        aborted = self.engine.abort_all() if mode == "abort" else []
         self._waiters.append((fut, len(aborted)))
         self.tick()
         return fut
 
-    def abort_all(self) -> list[str]:
-        """Abort every in-flight request; they come back from the engine's next step with finish_reason abort."""
-        rids = [rid for rid, req in self.engine.requests.items() if not req.finished]
-        for rid in rids:
-            self.engine.abort(rid)
-        return rids
-
-    def resume(self) -> list:
-        """Leave the pause; returns the requests held meanwhile, in arrival order, for the loop to admit."""
+    def resume(self) -> tuple[list[dict], list[str]]:
+        """Leave the pause; returns the held requests in arrival order and the rids of those cancelled."""
         self.mode = None
         for fut, aborted in self._waiters:
             fut.set_result({"success": True, "mode": None, "aborted": aborted, "message": "resumed"})
         self._waiters = []
-        held, self._held = self._held, []
-        return held
+        held, cancelled = self._held, sorted(self._cancelled)
+        self._held, self._cancelled = [], set()
+        return held, cancelled
 
     def tick(self) -> None:
         """Call at every step boundary: resolves pauses that are now in effect."""
-        if not self._waiters:
-            return
-        if self.mode == "keep" or not self.engine.requests:
+        if self._waiters and (self.mode == "keep" or not self.engine.requests):
             for fut, aborted in self._waiters:
                 fut.set_result({"success": True, "mode": self.mode, "aborted": aborted, "message": f"paused ({self.mode})"})
             self._waiters = []
-
-    @property
-    def pending(self) -> bool:
-        """A pause was asked for and is not in effect yet."""
-        return bool(self._waiters)
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from rollout.config import EngineConfig
+
 SPEED_SHAPES = {
     "llama3-8b": {
         "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
@@ -76,7 +78,7 @@ def speed_model_dir(shape: str) -> str:
     """An HF directory with a speed-shape config and the default model's tokenizer (weights: random)."""
     from transformers import AutoTokenizer
 
-    from rollout.default_model import ensure_default_model
+    from rollout.models.default_model import ensure_default_model
 
     path = Path(tempfile.mkdtemp(prefix=f"rollout-{shape}-"))
     (path / "config.json").write_text(json.dumps(SPEED_SHAPES[shape]))
@@ -96,7 +98,12 @@ class Timeline:
 
 def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]], int]:
     """(prompt token ids, samples per prompt) for one batch size."""
-    from rollout.datasets import arithmetic_tasks, chat_prompt_ids, humaneval_prompts, sharegpt_prompts
+    from rollout.tools.datasets import (
+        arithmetic_tasks,
+        chat_prompt_ids,
+        humaneval_prompts,
+        sharegpt_prompts,
+    )
 
     rng = random.Random(args.seed)
     if args.workload == "decode":
@@ -297,8 +304,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from rollout.cli import engine_config
-    from rollout.engine import Engine, freeze_heap
+    from rollout.engine.engine import Engine, freeze_heap
 
     if args.random_model:
         if args.baseline_hf:
@@ -316,7 +322,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for _ in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
         for spec in args.spec_modes.split(","):
             args.spec = spec
-            engine = Engine(config=engine_config(args))
+            engine = Engine(config=EngineConfig.from_args(args))
             freeze_heap()  # as the server's engine process does
             tokenizer = engine.tokenizer
             for args.temperature in temperatures:
@@ -342,10 +348,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.baseline_hf:
         from transformers import AutoModelForCausalLM
 
-        engine_cfg = engine_config(args)
+        engine_cfg = EngineConfig.from_args(args)
         device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        from rollout.model_loader import resolve_model_path
+        from rollout.models.loader import resolve_model_path
 
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(engine_cfg.model), dtype=dtype).to(device).eval()
         for args.temperature in temperatures:
@@ -375,8 +381,6 @@ def _device_name() -> str:
 
 
 def add_bench_parser(sub) -> None:
-    from rollout.cli import add_engine_args
-
     b = sub.add_parser("bench", help="offline throughput benchmark (JSON + Markdown + PNG under bench/results)")
     b.add_argument("--workload", choices=["decode", "grpo", "rl", "sharegpt"], default="grpo")
     b.add_argument("--spec-modes", default="off,ngram", help="comma-separated spec modes to compare")
@@ -397,5 +401,5 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=1,
                    help="rounds over the spec modes; the table reports medians and the tok/s spread")
     b.add_argument("--out", default="bench/results")
-    add_engine_args(b)
+    EngineConfig.add_args(b)
     b.set_defaults(func=cmd_bench)

@@ -1,0 +1,132 @@
+"""Step profiles that `rollout bench` does not cover: one kernel against the step it lives in (GPU).
+
+    python bench/profile.py draft [--seqs 512] [--output-len 1000] [--history 8] [--width 8]
+    python bench/profile.py gemm [--rows 1] [--pdl]
+    python bench/profile.py sampling
+
+- draft: the n-gram drafting kernel's device time against a replay of the default model's
+  decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
+  samples in groups of 8 (prompts of 100 tokens, `--output-len` output tokens drawn from a
+  short motif per prompt, so that matches are found) and `--history` finished samples per prompt.
+- gemm: few-row products of the Llama-3.1-8B shapes, cuBLAS against the skinny Triton kernel,
+  back to back inside a CUDA graph (as the engine times its choice), with the weight bytes
+  streamed per second and which one `kernels.skinny_gemm.linear` picks.
+- sampling: drawing one token per logits row, the fused kernels against the torch reference,
+  each alone in a CUDA graph, over the default model's vocabulary.
+
+Each prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from kernels import pdl, skinny_gemm
+
+
+def draft(args: argparse.Namespace) -> None:
+    import triton
+
+    from kernels.ngram_draft import draft_trees
+    from rollout import Engine
+    from spec.speculator import CANDIDATES, SCAN_WIDTH
+
+    engine = Engine(model="default", spec="ngram", device="cuda", max_running_seqs=args.seqs,
+                    max_model_len=args.output_len + 2000)
+    table = engine.table
+    g = torch.Generator().manual_seed(0)
+    prompt_len, length = 100, 100 + args.output_len
+    scan = torch.full((args.seqs, SCAN_WIDTH), -1, dtype=torch.int32)
+    for p in range(args.seqs // 8):
+        prompt = torch.randint(0, 49152, (prompt_len,), generator=g)
+        motif = torch.randint(0, 49152, (24,), generator=g)
+        history = range(table.history_start + args.history * p, table.history_start + args.history * (p + 1))
+        rows = list(range(8 * p, 8 * p + 8)) + list(history)
+        for r in rows:
+            out = motif[torch.randint(0, 24, (args.output_len,), generator=g)]
+            table.tokens[r, :length] = torch.cat([prompt, out]).to(torch.int32)
+            table.lengths[r] = length
+            table.prompt_lens[r] = prompt_len
+        for r in range(8 * p, 8 * p + 8):
+            scan[r, : min(len(rows), SCAN_WIDTH)] = torch.tensor(rows[:SCAN_WIDTH], dtype=torch.int32)
+    rows = torch.arange(args.seqs, dtype=torch.int32, device="cuda")
+    scan, cfg = scan.cuda(), engine.config.spec
+
+    def run_draft():
+        return draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start, rows, scan,
+                           cfg.max_match, cfg.min_match, CANDIDATES, args.width, args.width)
+
+    found = int((run_draft()[1][:, 1:] >= 0).any(dim=1).sum())
+    draft_ms = triton.testing.do_bench(run_draft, return_mode="median")
+    graphs = engine.runner.graphs
+    decode = graphs.graph(graphs.shape(args.seqs, 0, False, "sample"))
+    decode.inputs.rows.copy_(rows)  # the filled rows: attention over their whole context
+    decode.inputs.params[0].fill_(1.0)  # temperature
+    step_ms = triton.testing.do_bench(decode.graph.replay, return_mode="median")
+    print(f"{args.seqs} sequences of {length} tokens, {args.history} history rows per prompt, width {args.width}: "
+          f"{found} trees with drafts")
+    print("| drafting kernel us | decode step us | ratio |\n|---|---|---|")
+    print(f"| {draft_ms * 1e3:.1f} | {step_ms * 1e3:.1f} | {draft_ms / step_ms:.1%} |")
+
+
+GEMM_SHAPES = {  # Llama-3.1-8B, (N, K)
+    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
+}
+
+
+def gemm(args: argparse.Namespace) -> None:
+    pdl.set_enabled(args.pdl)
+    print("| layer | N x K | cuBLAS ms | Triton ms | best TB/s | picked |\n|---|---|---|---|---|---|")
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
+        cublas = skinny_gemm.graph_ms(lambda x=x, w=w: F.linear(x, w))
+        ours = skinny_gemm.graph_ms(lambda x=x, w=w: skinny_gemm.skinny_linear(x, w))
+        picked = "Triton" if skinny_gemm.takes_triton(x, w, None) else "cuBLAS"
+        print(f"| {name} | {n} x {k} | {cublas:.4f} | {ours:.4f} | {n * k * 2 / min(cublas, ours) / 1e9:.2f} | {picked} |")
+
+
+def sampling(args: argparse.Namespace) -> None:
+    from rollout.engine.sampler import SamplingTensors, sample, sample_reference
+
+    vocab = 49152
+    print(f"{torch.cuda.get_device_name()}: us per draw, alone in a CUDA graph")
+    print("| rows | mode | fused kernels | torch reference | ratio |\n|---|---|---|---|---|")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (1, 8, 64, 128, 256, 512):
+        logits = torch.randn(rows, vocab, generator=g, device="cuda") * 4
+        for mode in ("greedy", "sample"):
+            st = SamplingTensors(
+                temperature=torch.full((rows,), 0.0 if mode == "greedy" else 1.0, device="cuda"),
+                top_k=torch.zeros(rows, dtype=torch.int64, device="cuda"),
+                top_p=torch.ones(rows, device="cuda"), min_p=torch.zeros(rows, device="cuda"),
+                keys=torch.randint(0, 2**32, (rows,), generator=g, device="cuda"),
+                positions=torch.arange(rows, device="cuda"),
+                all_greedy=mode == "greedy", any_truncation=False,
+            )
+            fused = skinny_gemm.graph_ms(lambda logits=logits, st=st: sample(logits, st)) * 1e3
+            ref = skinny_gemm.graph_ms(lambda logits=logits, st=st: sample_reference(logits, st)) * 1e3
+            print(f"| {rows} | {mode} | {fused:.1f} | {ref:.1f} | {ref / fused:.1f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="profile", required=True)
+    d = sub.add_parser("draft", help="the drafting kernel against a decode step")
+    d.add_argument("--seqs", type=int, default=512)
+    d.add_argument("--output-len", type=int, default=1000)
+    d.add_argument("--history", type=int, default=8, help="finished samples per prompt")
+    d.add_argument("--width", type=int, default=8)
+    m = sub.add_parser("gemm", help="8B-shape products: cuBLAS against the skinny Triton GEMM")
+    m.add_argument("--rows", type=int, default=1)
+    m.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels/pdl.py)")
+    sub.add_parser("sampling", help="the fused sampling kernels against the torch reference")
+    args = ap.parse_args()
+    {"draft": draft, "gemm": gemm, "sampling": sampling}[args.profile](args)
+
+
+if __name__ == "__main__":
+    main()

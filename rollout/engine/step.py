@@ -1,0 +1,182 @@
+"""The types of one engine step, from the scheduler's batch to what the host collects; and
+the one packing of a decode step's inputs, shared by eager steps and CUDA graphs."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollout.engine.sequence import Sequence
+
+# Batch sizes are padded up to these (one CUDA graph each): costs are kept per bucket too.
+BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+def bucket(num_seqs: int) -> int:
+    """The padded batch size of `num_seqs` sequences, or num_seqs past the largest bucket."""
+    i = bisect.bisect_left(BATCH_BUCKETS, num_seqs)
+    return BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else num_seqs
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens whose KV this step computes: a prefill chunk, or 1 (+ drafts) for decode
+    samples: bool  # this step draws the sequence's next token(s)
+    decode: bool = False  # a running sequence's decode (or verify) step, not a prefill chunk
+
+
+@dataclass
+class Batch:
+    items: list[ScheduledSeq]
+    is_prefill: bool  # holds prefill chunks; decode items then run without drafts
+
+
+@dataclass
+class Emitted:
+    """What one sequence produced in a step (before stop-condition truncation)."""
+
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list[float]
+    decode: bool  # a decode/verify step (counts toward accept length), not a prefill's first token
+    drafted: int = 0  # draft tokens verified for it
+    accepted: int = 0
+    source: str = ""
+    top: list[tuple[list[int], list[float]]] | None = None  # per token: the most likely tokens and their logprobs
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """What the drafter searches (kernels/ngram_draft.py): SpecConfig's values."""
+
+    window: int
+    min_match: int
+    cands: int
+    depth: int  # deepest draft, and the widest tree: `width` nodes of a step are its top-ranked
+    scan: torch.Tensor  # [groups, M] int32: the rows each group of sequences searches (spec/index.py)
+
+
+@dataclass
+class SamplingRows:
+    """Per-sequence sampling inputs on the host: i64 [2, S] (RNG key, top_k), f32 [3, S] (temperature, top_p, min_p)."""
+
+    i64: np.ndarray
+    f32: np.ndarray
+    mode: str  # greedy | sample | truncate: the code path all rows can share
+
+    @staticmethod
+    def of(seqs: list[Sequence]) -> "SamplingRows":
+        n = len(seqs)
+        params = [s.request.params for s in seqs]
+        col = lambda values, dtype: np.fromiter(values, dtype, n)  # noqa: E731
+        top_k = col((p.top_k for p in params), np.int64)
+        f32 = np.stack([col((p.temperature for p in params), np.float32), col((p.top_p for p in params), np.float32),
+                        col((p.min_p for p in params), np.float32)])
+        if not f32[0].any():
+            mode = "greedy"
+        elif (top_k > 0).any() or (f32[1] < 1).any() or (f32[2] > 0).any():
+            mode = "truncate"
+        else:
+            mode = "sample"
+        return SamplingRows(np.stack([col((s.key for s in seqs), np.int64), top_k]), f32, mode)
+
+
+class DecodeInputs:
+    """A decode or verify step's inputs on the device, packed in three tensors (one copy each):
+    i64 [S * N + 2 * S]: KV slots [S, N], RNG keys, top_k; i32 [2 * S]: rows, groups; f32 [3 * S]."""
+
+    def __init__(self, i64: torch.Tensor, i32: torch.Tensor, f32: torch.Tensor, num_seqs: int, nodes: int):
+        s, n = num_seqs, nodes
+        self.i64, self.i32, self.f32 = i64, i32, f32
+        self.slots = i64[: s * n].view(s, n)
+        self.sampling = i64[s * n :].view(2, s)
+        self.rows, self.groups = i32[:s], i32[s:]
+        self.params = f32.view(3, s)
+
+    @staticmethod
+    def host_arrays(slots: np.ndarray, sampling: SamplingRows, rows: np.ndarray, groups: np.ndarray):
+        return (np.concatenate([slots.ravel(), sampling.i64.ravel()]), np.concatenate([rows, groups]).astype(np.int32),
+                sampling.f32.ravel())
+
+
+@dataclass
+class DecodeOutputs:
+    """What a decode or verify step leaves on the device for the host."""
+
+    ints: torch.Tensor  # [S, N + 3] int64: emitted tokens by depth, accepted length, accepted-node bits, drafts verified
+    logprobs: torch.Tensor  # [S, N] float32: the emitted tokens' logprobs
+    trees: tuple[torch.Tensor, torch.Tensor] | None  # the drafter's whole trees (tokens, parents) [S, depth + 1]
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [S * N, k], logprobs [S * N, k] (eager steps)
+
+
+class DeviceClock:
+    """When a step's device work starts, to time it against the HostCopy that ends it (CUDA
+    events: exact and asynchronous; on the CPU, where a step is done at launch, wall time)."""
+
+    def __init__(self, device: torch.device):
+        self.event = None
+        self.began = time.perf_counter()
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+
+
+class HostCopy:
+    """A step's results on their way to the host: asynchronous copies into pinned memory, one event."""
+
+    def __init__(self, tensors: list[torch.Tensor], clock: DeviceClock | None = None):
+        self.event = None
+        self.clock = clock
+        self.waited = 0.0  # seconds the host spent waiting for it
+        if tensors and tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event(enable_timing=clock is not None)
+            self.event.record()
+        else:
+            self.host = list(tensors)  # (on the CPU every step makes fresh tensors: no graphs)
+            self.ended = time.perf_counter()
+
+    @property
+    def overlaps_host(self) -> bool:
+        return self.event is not None
+
+    def wait(self) -> list[np.ndarray]:
+        if self.event is not None:
+            t0 = time.perf_counter()
+            self.event.synchronize()  # the step's one intended host sync
+            self.waited = time.perf_counter() - t0
+        return [h.numpy() for h in self.host]
+
+    def device_seconds(self) -> float:
+        """The step's device time, from its clock to its results' copy (after `wait`)."""
+        if self.event is None:
+            return self.ended - self.clock.began
+        return self.clock.event.elapsed_time(self.event) / 1e3
+
+
+@dataclass
+class StepInFlight:
+    """A launched step: what `collect` needs once the device is done."""
+
+    batch: Batch
+    width: int  # draft nodes per sequence (decode and verify steps)
+    result: HostCopy
+    slots: np.ndarray | None = None  # [S, N] decode/verify: each node's KV slot
+    rows: np.ndarray | None = None  # [S] decode/verify: each sequence's row at launch
+    first_draw: np.ndarray | None = None  # prefill: item k's draws (its sample's, then its forks')
+    shadow: bool = False  # the drafter's whole trees come back too
+    top: bool = False
+    trees: tuple[np.ndarray, np.ndarray] | None = None  # those trees (tokens, parents [S, depth + 1]), once collected
+    began: float = 0.0  # when the engine's step() that launched it began
+
+    @property
+    def chainable(self) -> bool:
+        """A decode or verify step: the next one can be launched before this one is collected."""
+        return not self.batch.is_prefill
