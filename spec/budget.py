@@ -19,9 +19,12 @@ second, S (1 + acc(w)) / cost(b, w), among the widths that fit (S (w + 1) tokens
   them all) whatever its width, while what a width adds (more tokens through the same
   weights) does not. So per bucket the budget keeps what a plain step costs the device now
   (the median of its last few) and, per width, what a drafting step cost above the plain cost
-  of its time; and the host's time per step. A width not measured yet at a bucket is taken to
-  add nothing, so it gets tried as soon as acceptance says it may pay. While drafting, every
-  REFRESH_EVERY-th step decodes plainly, so the plain cost follows the contexts as they grow.
+  of its time. The host's time per step is kept per (bucket, width): a wider step has more
+  slots to lay out, keep or free and more tokens to append, and where the host is the
+  bottleneck that, not the device, is what drafting costs. A width not measured yet at a
+  bucket is taken to add nothing, so it gets tried as soon as acceptance says it may pay.
+  While drafting, every REFRESH_EVERY-th step decodes plainly, so the plain cost follows the
+  contexts as they grow.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class DraftBudget:
         self.acc = np.zeros(len(self.widths))  # accepted drafts per sequence, by width
         self._plain: dict[int, deque] = {}  # bucket -> recent device times of plain steps
         self._extra: dict[tuple[int, int], deque] = {}  # (bucket, width) -> recent device times above plain
-        self._host: dict[int, deque] = {}  # bucket -> recent host times per step
+        self._host: dict[tuple[int, int], deque] = {}  # (bucket, width) -> recent host times per step
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
 
@@ -73,8 +76,7 @@ class DraftBudget:
             plain = _median(self._plain.get(b))
             w = 0
             if plain is not None:  # (a bucket's first steps measure plain decoding)
-                host = _median(self._host.get(b)) or 0.0
-                cost = lambda w: max(plain + self._extra_cost(b, w), host)  # noqa: E731
+                cost = lambda w: max(plain + self._extra_cost(b, w), self._host_cost(b, w))  # noqa: E731
                 w = self.widths[max(fits, key=lambda i: (1 + self.acc[i]) / cost(self.widths[i]))]
             if w:
                 self._drafting[b] = self._drafting.get(b, 0) + 1
@@ -84,7 +86,7 @@ class DraftBudget:
 
     def observe_step(self, num_seqs: int, width: int, device_s: float, host_s: float) -> None:
         b = bucket(num_seqs)
-        self._host.setdefault(b, deque(maxlen=COST_WINDOW)).append(host_s)
+        self._host.setdefault((b, width), deque(maxlen=COST_WINDOW)).append(host_s)
         if width == 0:
             self._plain.setdefault(b, deque(maxlen=COST_WINDOW)).append(device_s)
         elif (plain := _median(self._plain.get(b))) is not None:
@@ -98,10 +100,14 @@ class DraftBudget:
     def _extra_cost(self, b: int, width: int) -> float:
         return max(_median(self._extra.get((b, width))) or 0.0, 0.0) if width else 0.0
 
+    def _host_cost(self, b: int, width: int) -> float:
+        """The host's time per step at this width, or at plain decoding until this width is measured."""
+        return _median(self._host.get((b, width))) or _median(self._host.get((b, 0))) or 0.0
+
     def costs(self) -> dict[str, float]:
         """Milliseconds by bucket: plain steps, and what each width adds (for stats and benchmarks)."""
         out = {f"b{b}_plain": 1e3 * _median(v) for b, v in self._plain.items() if v}
-        out.update({f"b{b}_host": 1e3 * _median(v) for b, v in self._host.items() if v})
+        out.update({f"b{b}_w{w}_host": 1e3 * _median(v) for (b, w), v in self._host.items() if v})
         out.update({f"b{b}_w{w}_extra": 1e3 * _median(v) for (b, w), v in self._extra.items() if v})
         return out
 

@@ -118,9 +118,12 @@ def test_the_budget_drafts_only_when_measured_acceptance_pays_for_measured_costs
     for _ in range(5):  # the contexts grew: plain steps cost more, drafting adds what it did
         budget.observe_step(16, 0, 0.100, 0.004)
     assert budget.plan(16, 10_000).width == 4  # (1 + 3) / 130 ms now beats (1 + 2) / 102 ms
-    for _ in range(5):  # a host that takes longer than any step: what the device adds is free
+    for _ in range(5):  # the host lags plain steps: what the device adds is free up to its time...
         budget.observe_step(16, 0, 0.100, 0.200)
-    assert budget.plan(16, 10_000).width == 4  # (1 + 3) / 200 ms at 4 and 8 alike: the first of the best
+    assert budget.plan(16, 10_000).width == 4  # (1 + 3) / 130 ms (the host's 4 ms measured at width 4)
+    for _ in range(5):  # ... but a width whose host time outgrows its gain loses
+        budget.observe_step(16, 4, 0.130, 0.300)
+    assert budget.plan(16, 10_000).width == 2  # (1 + 2) / 102 ms beats (1 + 3) / 300 ms and (1 + 0) / 200 ms
     assert budget.plan(128, 10_000).width == 0 and budget.plan(16, 40).width == 1  # 16 x 3 nodes need 48 slots
     widths = [budget.plan(16, 10_000).width for _ in range(4 * REFRESH_EVERY)]
     assert widths.count(0) == 4  # while drafting, a plain step now and then keeps the plain cost current
