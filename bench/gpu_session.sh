@@ -32,7 +32,7 @@ kernels)
 engine)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
   timeout 360 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py 2>&1 | tee "$OUT/engine.log" | tail -25
-  for w in 8 4; do python3 bench/profile.py draft --seqs 512 --width $w; done 2>&1 | tee "$OUT/draft-cost.log"
+  for w in 8 4; do python3 bench/step_profile.py draft --seqs 512 --width $w; done 2>&1 | tee "$OUT/draft-cost.log"
   ;;
 decode)  # decode speed, spec off, against HF transformers generate in the same run
   bench --workload decode --spec-modes off --batch-sizes 1,8,64 --prompt-len 64 --output-len 256 --baseline-hf \

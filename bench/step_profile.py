@@ -1,8 +1,8 @@
 """Step profiles that `rollout bench` does not cover: one kernel against the step it lives in (GPU).
 
-    python bench/profile.py draft [--seqs 512] [--output-len 1000] [--history 8] [--width 8]
-    python bench/profile.py gemm [--rows 1] [--pdl]
-    python bench/profile.py sampling
+    python bench/step_profile.py draft [--seqs 512] [--output-len 1000] [--history 8] [--width 8]
+    python bench/step_profile.py gemm [--rows 1] [--pdl]
+    python bench/step_profile.py sampling
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live

@@ -4,7 +4,7 @@
 the inverse CDF at a counter-based uniform, for a greedy row the argmax. In torch that is
 some ten passes over the [rows, vocab] float32 logits (divide, log-softmax, exp, cumsum,
 searchsorted, gather), a large share of a small model's decode step
-(`python bench/profile.py sampling`). Here:
+(`python bench/step_profile.py sampling`). Here:
 
 1. `_chunk_kernel`, one program per (row, chunk of `CHUNK` columns): the chunk's maximum of
    z = logits / temperature, the first column holding it, and sum(exp(z - max)).
