@@ -14,11 +14,11 @@ def count_chained(engine: Engine) -> list[int]:
     chained, outstanding = [0, 0], []
     launch, collect = engine.runner.launch_decode, engine.runner.collect
 
-    def launching(batch, width, drafting, shadow=False):
+    def launching(batch, slots, drafting, shadow=False):
         if outstanding:
             chained[0] += 1
             chained[1] += outstanding[-1].width > 0
-        step = launch(batch, width, drafting, shadow)
+        step = launch(batch, slots, drafting, shadow)
         outstanding.append(step)
         return step
 

@@ -174,7 +174,6 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.pool.reset()
         self.table.lengths.zero_()
-        self.runner.reset()
         self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.config.max_prefill_tokens, self._released)
         self._build_speculation()  # (its history too: it may hold what broke the step)
         return dropped
@@ -305,11 +304,12 @@ class Engine:
 
     def _launch(self, batch: Batch, began: float) -> StepInFlight:
         if batch.is_prefill:
-            step = self.runner.launch_prefill(batch)
+            step = self.runner.launch_prefill(batch, *self.scheduler.place_prefill(batch))
         else:
-            plan = self.spec.plan(len(batch.items), self.pool.free_slots)
+            plan = self.spec.plan(len(batch.items), self.scheduler.free_slots)
             self._draft_steps += plan.width > 0
-            step = self.runner.launch_decode(batch, plan.width, plan.drafting, plan.shadow)
+            slots = self.scheduler.step_slots(len(batch.items), plan.width + 1)
+            step = self.runner.launch_decode(batch, slots, plan.drafting, plan.shadow)
         step.began = began
         return step
 
@@ -319,6 +319,8 @@ class Engine:
         seqs = [item.seq for item in step.batch.items]
         roots = np.fromiter((len(q.tokens) for q in seqs), np.int64, len(seqs)) if step.shadow else None
         emitted = [e for e in self.runner.collect(step) if not e.seq.finished]  # stopped while this step ran
+        if step.accepted is not None:
+            self.scheduler.settle_step(seqs, step.rows, step.slots, step.accepted)
         for item in step.batch.items:  # (a decode item may be waiting too: preempted while this step ran)
             if item.samples and not item.decode and item.seq.status is Status.WAITING:
                 for seq in [item.seq, *item.seq.forks]:

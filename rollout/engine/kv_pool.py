@@ -75,10 +75,6 @@ class KVPool:
         return freed
 
     @property
-    def allocated(self) -> bool:
-        return self.k_cache is not None
-
-    @property
     def nbytes(self) -> int:
         return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
 

@@ -77,20 +77,19 @@ class ModelRunner:
         self.draft = draft
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, set by the engine on CUDA
-        self._dirty_rows: list[np.ndarray] = []  # slot-table entries changed on the host since the last commit
-        self._dirty_cols: list[np.ndarray] = []
 
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
-    def launch_decode(self, batch: Batch, width: int, drafting: bool, shadow: bool = False) -> StepInFlight:
-        """Queue a decode (width 0) or verify step of every sequence in `batch` on the device; it may
-        follow a step not yet collected. `drafting`: the drafter runs (width > 0 needs it; at width 0
-        it only looks, for the statistics); `shadow`: its whole trees come back to the host."""
+    def launch_decode(self, batch: Batch, slots: np.ndarray, drafting: bool, shadow: bool = False) -> StepInFlight:
+        """Queue a decode or verify step of every sequence in `batch` on the device, its nodes' KV in
+        `slots` [S, width + 1] (the scheduler's); it may follow a step not yet collected. `drafting`:
+        the drafter runs (width > 0 needs it; at width 0 it only looks, for the statistics); `shadow`:
+        its whole trees come back to the host."""
         seqs = [item.seq for item in batch.items]
-        s, n = len(seqs), width + 1
+        s, n = slots.shape
+        width = n - 1
         rows = np.fromiter((q.row for q in seqs), np.int32, s)
         groups = np.fromiter((q.group for q in seqs), np.int32, s) if drafting else np.zeros(s, np.int32)
-        slots = self.pool.alloc(s * n).astype(np.int64).reshape(s, n)
         sampling = SamplingRows.of(seqs)
         editing = any(q.request.params.processes_logits for q in seqs)
         top = max(q.request.top_logprobs_num for q in seqs)
@@ -183,15 +182,15 @@ class ModelRunner:
 
     # ---------------- prefill steps ----------------
     @torch.inference_mode()
-    def launch_prefill(self, batch: Batch) -> StepInFlight:
-        """Prompt chunks (and decode tokens riding along), laid out by the host; a finished prompt
-        draws for its sample and its forks, which take the prompt's KV slots and tokens now."""
-        ids, starts, q_lens, rows, logits_rows, draw_seqs, first_draw = [], [], [], [], [], [], [0]
+    def launch_prefill(self, batch: Batch, slots: np.ndarray, offsets: np.ndarray, starts: np.ndarray) -> StepInFlight:
+        """Prompt chunks (and decode tokens riding along) in the KV slots the scheduler placed them
+        (Scheduler.place_prefill: `slots`, `offsets`, and each item's `starts`); a finished prompt
+        draws for its sample and its forks, which take the prompt's tokens now."""
+        ids, q_lens, rows, logits_rows, draw_seqs, first_draw = [], [], [], [], [], [0]
         num_tokens = 0
-        for item in batch.items:
-            seq, start = item.seq, item.seq.num_cached
+        for item, start in zip(batch.items, starts.tolist()):
+            seq = item.seq
             ids.append(np.asarray(seq.tokens[start : start + item.num_new], dtype=np.int64))
-            starts.append(start)
             q_lens.append(item.num_new)
             rows.append(seq.row)
             num_tokens += item.num_new
@@ -199,17 +198,14 @@ class ModelRunner:
                 logits_rows.append(num_tokens - 1)
                 draw_seqs += [seq, *seq.forks]
             first_draw.append(len(draw_seqs))
-        q_lens_a, starts_a = np.array(q_lens, dtype=np.int32), np.array(starts, dtype=np.int64)
+        q_lens_a, starts_a = np.array(q_lens, dtype=np.int32), starts
         rows_a = np.array(rows, dtype=np.int64)
-        slots, offsets = self._place(rows_a, starts_a, q_lens_a)
         input_ids = np.concatenate(ids)
         positions = np.repeat(starts_a, q_lens_a) + offsets
         self.table.write(np.repeat(rows_a, q_lens_a), positions, input_ids)
-        for item in batch.items:  # forks take the finished prompt's slots and tokens
+        for item in batch.items:  # forks take the finished prompt's tokens
             if item.samples and item.seq.forks:
-                self._fork(item.seq, item.num_new)
-            item.seq.num_cached += item.num_new
-        self._commit_rows()
+                self.table.copy_prefix(item.seq.row, [f.row for f in item.seq.forks], item.seq.num_cached)
         meta = AttentionMetadata(
             seq_rows=_to_device(rows_a.astype(np.int32), self.device),
             kv_lens=_to_device((starts_a + q_lens_a).astype(np.int32), self.device),
@@ -243,18 +239,6 @@ class ModelRunner:
             tensors += [ids_, values]
         return StepInFlight(batch, 0, HostCopy(tensors), first_draw=np.array(first_draw, dtype=np.int64), top=bool(top))
 
-    def _fork(self, leader: Sequence, chunk: int) -> None:
-        """`leader`'s forks share its prompt's KV slots and copy its tokens (its last chunk is in this step)."""
-        n = leader.num_cached + chunk
-        prompt_slots = self.pool.rows_host[leader.row, :n]
-        for fork in leader.forks:
-            fork.row = self.pool.alloc_row()
-            self.pool.share(prompt_slots)
-            self._set_slots(np.full(n, fork.row, dtype=np.int64), np.arange(n, dtype=np.int64), prompt_slots.copy())
-            fork.num_cached = n
-            fork.cached_tokens = fork.cached_tokens or n
-        self.table.copy_prefix(leader.row, [f.row for f in leader.forks], n)
-
     # ---------------- collecting ----------------
     def collect(self, step: StepInFlight) -> list[Emitted]:
         """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
@@ -276,21 +260,13 @@ class ModelRunner:
         return out
 
     def _emit_decode(self, step: StepInFlight, host: list[np.ndarray]) -> list[Emitted]:
-        """Tokens by depth; the accepted nodes' slots join their sequences' rows in the host's copy of
-        the slot table, the rest are freed. A sequence preempted or finished since the launch keeps
-        no KV from the step (a preempted one keeps its tokens: they are right, only recomputed)."""
+        """Tokens by depth, and the nodes accepted (`step.accepted`, for Scheduler.settle_step). A
+        sequence preempted since the launch keeps its tokens: they are right, only recomputed."""
         ints, lps = host[0], host[1]
-        s, n = step.slots.shape
+        n = step.slots.shape[1]
         toks, lengths, bits, drafts = ints[:, :n], ints[:, n], ints[:, n + 1], ints[:, n + 2]
-        accepted = ((bits[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]: node order is depth order
+        step.accepted = ((bits[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]: node order is depth order
         seqs = [item.seq for item in step.batch.items]
-        holds = np.fromiter((q.row == r and not q.finished for q, r in zip(seqs, step.rows.tolist())), bool, s)
-        keep = accepted & holds[:, None]
-        cached = np.fromiter((q.num_cached for q in seqs), np.int64, s)
-        cols = cached[:, None] + np.cumsum(keep, axis=1) - 1
-        # the device moved the slots already: only the host's copy of the slot table follows
-        self.pool.rows_host[np.broadcast_to(step.rows[:, None], (s, n))[keep], cols[keep]] = step.slots[keep]
-        self.pool.release(step.slots[~keep])
         top_of = _top_rows(host[-2:] if step.top else None)
         out: list[Emitted] = []
         toks_l, lps_l, len_l, drafts_l = toks.tolist(), lps.tolist(), lengths.tolist(), drafts.tolist()
@@ -298,8 +274,6 @@ class ModelRunner:
             if seq.finished:
                 continue
             k = len_l[i]
-            if holds[i]:
-                seq.num_cached += k
             out.append(Emitted(seq, toks_l[i][:k], lps_l[i][:k], True, drafts_l[i], k - 1, "ngram",
                                top_of([i * n + j for j in _path(bits[i], k)]) if step.top else None))
         return out
@@ -312,31 +286,6 @@ class ModelRunner:
         ctx = ForwardContext(meta, self.backend, self.pool.k_caches, self.pool.v_caches,
                              self.cos[positions], self.sin[positions], attn_out)
         return self.model(input_ids, ctx, logits_rows)
-
-    # ---------------- the host's slot table ----------------
-    def _place(self, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """New KV slots for each sequence's `q_lens` tokens, written into the slot table after its cached
-        prefix. Returns the slots and each token's offset within its sequence's new tokens."""
-        num_tokens = int(q_lens.sum())
-        offsets = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
-        slots = self.pool.alloc(num_tokens).astype(np.int64)
-        self._set_slots(np.repeat(rows, q_lens), np.repeat(starts, q_lens) + offsets, slots)
-        return slots, offsets
-
-    def _set_slots(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
-        """Slot-table entries (rows[i], cols[i]) = slots[i], on the host now and on the device at commit."""
-        self.pool.rows_host[rows, cols] = slots
-        self._dirty_rows.append(rows)
-        self._dirty_cols.append(cols)
-
-    def _commit_rows(self) -> None:
-        if self._dirty_rows:
-            self.pool.commit_rows(np.concatenate(self._dirty_rows), np.concatenate(self._dirty_cols))
-            self._dirty_rows, self._dirty_cols = [], []
-
-    def reset(self) -> None:
-        """Forget slot-table edits not yet committed (the engine starts over: Engine.recover)."""
-        self._dirty_rows, self._dirty_cols = [], []
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs (they hold the addresses of the weights and the KV pool)."""

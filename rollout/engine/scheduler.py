@@ -1,4 +1,4 @@
-"""Continuous batching: who runs this step, and how many tokens each computes.
+"""Continuous batching: who runs this step, how many tokens each computes, and where their KV goes.
 
 A step is either an extend step (prefill chunks of waiting sequences, plus one decode
 token for every running sequence) or a decode step (every running sequence, each with
@@ -6,12 +6,19 @@ a draft tree when speculation is on). Prefill of a request is done once for its 
 samples: the first sample prefills, its siblings ride along as `forks` and take the
 prompt's KV slots when it finishes. When the KV pool runs dry, the newest running
 sequences are preempted: their slots are freed and they are recomputed later.
+
+The scheduler is the one owner of KV rows and slots: it allocates them for each step
+(`place_prefill`, `step_slots`), keeps a verify step's accepted nodes and frees the rest
+(`settle_step`), shares a prompt's slots with its forks, and frees a sequence's row when it
+finishes or is preempted. The model runner only reads the layout it is given.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+
+import numpy as np
 
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.sequence import Sequence, Status
@@ -34,7 +41,6 @@ class Scheduler:
                  on_release: Callable[[Sequence], None] | None = None):
         self.pool = pool
         self.on_release = on_release  # called before a sequence's KV row is freed (finished or preempted)
-        self.max_running = max_running_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.admit_rows = max(1, int(max_running_seqs * ADMIT_SHARE))
         self._admit_wait = 0
@@ -143,6 +149,61 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = Status.FINISHED
+
+    # ---------------- KV slots ----------------
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free_slots
+
+    def place_prefill(self, batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """KV slots for a prefill step's tokens after each sequence's cached prefix, in the slot table
+        on the host and (committed) on the device. A finished prompt's forks get rows sharing its
+        slots. Advances every sequence's cached length; returns the slots, each token's offset within
+        its sequence's new tokens, and each item's start (its cached length before this step)."""
+        items = batch.items
+        rows = np.fromiter((item.seq.row for item in items), np.int64, len(items))
+        starts = np.fromiter((item.seq.num_cached for item in items), np.int64, len(items))
+        q_lens = np.fromiter((item.num_new for item in items), np.int64, len(items))
+        offsets = np.arange(int(q_lens.sum())) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        slots = self.pool.alloc(len(offsets)).astype(np.int64)
+        edits = [(np.repeat(rows, q_lens), np.repeat(starts, q_lens) + offsets, slots)]
+        self.pool.rows_host[edits[0][0], edits[0][1]] = slots  # (forks below read the prompt's slots)
+        for item in items:
+            seq = item.seq
+            seq.num_cached += item.num_new
+            if item.samples and seq.forks:
+                n = seq.num_cached
+                prompt_slots = self.pool.rows_host[seq.row, :n]
+                for fork in seq.forks:
+                    fork.row = self.pool.alloc_row()
+                    self.pool.share(prompt_slots)
+                    edit = (np.full(n, fork.row, dtype=np.int64), np.arange(n, dtype=np.int64), prompt_slots.copy())
+                    self.pool.rows_host[edit[0], edit[1]] = edit[2]
+                    edits.append(edit)
+                    fork.num_cached = n
+                    fork.cached_tokens = fork.cached_tokens or n
+        self.pool.commit_rows(np.concatenate([r for r, _, _ in edits]), np.concatenate([c for _, c, _ in edits]))
+        return slots, offsets, starts
+
+    def step_slots(self, num_seqs: int, nodes: int) -> np.ndarray:
+        """Fresh KV slots [num_seqs, nodes] for a decode or verify step; `settle_step` keeps the accepted ones."""
+        return self.pool.alloc(num_seqs * nodes).astype(np.int64).reshape(num_seqs, nodes)
+
+    def settle_step(self, seqs: list[Sequence], rows: np.ndarray, slots: np.ndarray, accepted: np.ndarray) -> None:
+        """After a decode or verify step: a sequence that still holds its row keeps its accepted nodes'
+        slots (`accepted` [S, N], depth order; the device moved them into its row already, the host's
+        copy of the slot table follows) and its cached length grows by them; every other slot is
+        freed. A sequence preempted or finished since the launch keeps none."""
+        s, n = slots.shape
+        holds = np.fromiter((q.row == r and not q.finished for q, r in zip(seqs, rows.tolist())), bool, s)
+        keep = accepted & holds[:, None]
+        kept = keep.sum(axis=1)
+        cached = np.fromiter((q.num_cached for q in seqs), np.int64, s)
+        cols = cached[:, None] + np.cumsum(keep, axis=1) - 1
+        self.pool.rows_host[np.broadcast_to(rows[:, None], (s, n))[keep], cols[keep]] = slots[keep]
+        self.pool.release(slots[~keep])
+        for q, k in zip(seqs, kept.tolist()):
+            q.num_cached += k
 
     def _release(self, seq: Sequence) -> None:
         if seq.row >= 0 and self.on_release is not None:

@@ -143,10 +143,6 @@ class HostCopy:
             self.host = list(tensors)  # (on the CPU every step makes fresh tensors: no graphs)
             self.ended = time.perf_counter()
 
-    @property
-    def overlaps_host(self) -> bool:
-        return self.event is not None
-
     def wait(self) -> list[np.ndarray]:
         if self.event is not None:
             t0 = time.perf_counter()
@@ -174,6 +170,7 @@ class StepInFlight:
     shadow: bool = False  # the drafter's whole trees come back too
     top: bool = False
     trees: tuple[np.ndarray, np.ndarray] | None = None  # those trees (tokens, parents [S, depth + 1]), once collected
+    accepted: np.ndarray | None = None  # [S, N] decode/verify: the nodes whose KV is kept, once collected
     began: float = 0.0  # when the engine's step() that launched it began
 
     @property
