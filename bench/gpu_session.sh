@@ -12,7 +12,7 @@
 #   later:  bash bench/gpu_session.sh <stage>   (carry .whl; while the machine is warm)
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | decode | rl | rl-epoch | grpo | sharegpt | big | weights | recipe | quick}
+stage=${1:?stage: kernels | engine | decode | rl | rl-epoch | steps | grpo | sharegpt | big | weights | recipe | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -43,6 +43,10 @@ rl)  # issue 23's rl rows: 64 prompts x 8 samples, up to 2,048 new tokens, EOS s
   ;;
 rl-epoch)  # the second epoch: the warm-up rollout of the same prompts is the first, kept as history
   bench $RL --temperature 0.7 --keep-history | tee "$OUT/rl-epoch.log"
+  ;;
+steps)  # where the rl rollout's time goes at T=1.0, by batch bucket and width, spec off against n-gram
+  timeout 300 python3 bench/step_profile.py steps --temperature 1.0 2>&1 | grep -v -i -e warn -e "^Loading" \
+    | tee "$OUT/steps-t10.log" | tail -45
   ;;
 grpo)  # never slower: every batch size at every temperature, 256 new tokens
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,512 --max-running-seqs 512 \

@@ -3,6 +3,7 @@
     python bench/step_profile.py draft [--seqs 512] [--output-len 1000] [--history 8] [--width 8]
     python bench/step_profile.py gemm [--rows 1] [--pdl]
     python bench/step_profile.py sampling
+    python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
@@ -13,6 +14,9 @@
   streamed per second and which one `kernels.skinny_gemm.linear` picks.
 - sampling: drawing one token per logits row, the fused kernels against the torch reference,
   each alone in a CUDA graph, over the default model's vocabulary.
+- steps: where a rollout's time goes, spec off against n-gram: the `rl` workload's prompts
+  (one warm-up rollout each, then the measured one), its steps grouped by batch-size bucket and
+  width from `Engine.step_log`: how many, and the median wall, device and host milliseconds.
 
 Each prints a Markdown table.
 """
@@ -112,6 +116,45 @@ def sampling(args: argparse.Namespace) -> None:
             print(f"| {rows} | {mode} | {fused:.1f} | {ref:.1f} | {ref / fused:.1f}x |")
 
 
+def steps(args: argparse.Namespace) -> None:
+    import gc
+    import statistics
+    from types import SimpleNamespace
+
+    from rollout import Engine, SamplingParams
+    from rollout.engine.engine import freeze_heap
+    from rollout.engine.step import bucket
+    from rollout.tools.bench import workload_prompts
+
+    for spec in ("off", "ngram"):
+        engine = Engine(model="default", spec=spec, device=args.device, max_running_seqs=args.prompts * args.n)
+        freeze_heap()
+        opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
+        prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
+        params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=args.output_len, seed=0)
+        engine.generate(prompts, params)  # warm-up: graphs, kernels, the budget's costs
+        engine.spec.clear_history()
+        engine.reset_stats()
+        engine.generate(prompts, params)
+        groups: dict[tuple[int, int], list] = {}
+        for r in engine.step_log:
+            if not r.prefill:
+                groups.setdefault((bucket(r.num_seqs), r.width), []).append(r)
+        total = sum(r.wall_ms for r in engine.step_log)
+        print(f"\n{spec}: {engine.stats()['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
+              f"{total / 1e3:.2f} s of steps")
+        print("| bucket | width | steps | share of time | wall ms | device ms | host ms |\n|---|---|---|---|---|---|---|")
+        for (b, w), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+            med = lambda f, rs=rs: statistics.median(f(r) for r in rs)  # noqa: E731
+            share = sum(r.wall_ms for r in rs) / total
+            print(f"| {b} | {w} | {len(rs)} | {share:.1%} | {med(lambda r: r.wall_ms):.2f} | "
+                  f"{med(lambda r: r.device_ms):.2f} | {med(lambda r: r.host_ms):.2f} |")
+        del engine  # (its memory must come back before the next engine takes its share)
+        gc.unfreeze()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="profile", required=True)
@@ -124,8 +167,14 @@ def main() -> None:
     m.add_argument("--rows", type=int, default=1)
     m.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels/pdl.py)")
     sub.add_parser("sampling", help="the fused sampling kernels against the torch reference")
+    t = sub.add_parser("steps", help="where a rollout's steps spend their time, spec off against n-gram")
+    t.add_argument("--prompts", type=int, default=64)
+    t.add_argument("--n", type=int, default=8)
+    t.add_argument("--temperature", type=float, default=1.0)
+    t.add_argument("--output-len", type=int, default=2048)
+    t.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    {"draft": draft, "gemm": gemm, "sampling": sampling}[args.profile](args)
+    {"draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps}[args.profile](args)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from rollout.engine.model_runner import ModelRunner
 from rollout.engine.sampler import sequence_key
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
-from rollout.engine.step import Batch, Emitted, StepInFlight
+from rollout.engine.step import Batch, Emitted, StepInFlight, StepRecord
 from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
 from rollout.models.loader import (
@@ -52,6 +53,7 @@ log = logging.getLogger("rollout")
 DEFAULT_CPU_KV_TOKENS = 16384
 DEFAULT_MAX_MODEL_LEN = 8192
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names
+STEP_LOG = 1 << 16  # steps Engine.step_log keeps (a server runs for days: it must not grow)
 
 
 def freeze_heap() -> None:
@@ -334,9 +336,12 @@ class Engine:
         done = time.perf_counter()
         cost = done - max(began, self._last_done)
         self._last_done = done
-        self.step_times_ms.append(cost * 1e3)
-        if not step.batch.is_prefill:
-            self.spec.observe(seqs, roots, step.trees, step.width, step.result.device_seconds(), cost - step.result.waited)
+        prefill = step.batch.is_prefill
+        device_s, host_s = (0.0 if prefill else step.result.device_seconds()), cost - step.result.waited
+        self.step_log.append(StepRecord(len(seqs), step.width, prefill, cost * 1e3, device_s * 1e3, host_s * 1e3))
+        self._steps += 1
+        if not prefill:
+            self.spec.observe(seqs, roots, step.trees, step.width, device_s, host_s)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between
@@ -568,7 +573,8 @@ class Engine:
         self._output_tokens = 0
         self._busy_s = 0.0
         self._draft_steps = 0  # steps that verified drafts
-        self.step_times_ms: list[float] = []
+        self._steps = 0
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)  # the latest steps, for profiles
 
     def stats(self) -> dict:
         t = self._spec_totals
@@ -581,7 +587,7 @@ class Engine:
             "rollout/spec_emitted_tokens": t.emitted_tokens,
             "rollout/tokens_per_s": self._output_tokens / self._busy_s if self._busy_s else 0.0,
             "rollout/output_tokens": self._output_tokens,
-            "rollout/steps": len(self.step_times_ms),
+            "rollout/steps": self._steps,
             "rollout/draft_steps": self._draft_steps,
             "rollout/weight_version": self.weight_version,
             "rollout/weight_sync_s": self._weight_sync_s,

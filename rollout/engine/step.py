@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +35,17 @@ class ScheduledSeq:
 class Batch:
     items: list[ScheduledSeq]
     is_prefill: bool  # holds prefill chunks; decode items then run without drafts
+
+
+class StepRecord(NamedTuple):
+    """One step as it ran, for profiles (Engine.step_log)."""
+
+    num_seqs: int
+    width: int  # draft nodes verified per sequence (0: plain decoding)
+    prefill: bool
+    wall_ms: float  # the wall time the step added (overlapping steps: since the one before completed)
+    device_ms: float  # decode and verify steps: the device's time (CUDA events; prefill: 0)
+    host_ms: float  # the wall time less the time the host waited for the device
 
 
 @dataclass

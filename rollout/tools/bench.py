@@ -153,7 +153,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
     row = Row(
         workload=args.workload, system="rollout", spec=spec, batch_size=batch_size, prompts=len(prompts), n=n,
         temperature=args.temperature, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
-        steps=st["rollout/steps"], step_ms_median=statistics.median(engine.step_times_ms or [0.0]),
+        steps=st["rollout/steps"], step_ms_median=statistics.median([r.wall_ms for r in engine.step_log] or [0.0]),
         draft_steps=st["rollout/draft_steps"], tail_s=ends[-1] - ends[int(0.9 * (len(ends) - 1))],
         indexed=found / total if total else 0.0, gc_ms=gc_time.seconds * 1e3,
         accept_rate=st["rollout/spec_accept_rate"], accept_length=st["rollout/spec_accept_length"],
