@@ -117,12 +117,11 @@ def sampling(args: argparse.Namespace) -> None:
 
 
 def steps(args: argparse.Namespace) -> None:
-    import gc
     import statistics
     from types import SimpleNamespace
 
     from rollout import Engine, SamplingParams
-    from rollout.engine.engine import freeze_heap
+    from rollout.engine.engine import freeze_heap, thaw_heap
     from rollout.engine.step import bucket
     from rollout.tools.bench import workload_prompts
 
@@ -133,7 +132,7 @@ def steps(args: argparse.Namespace) -> None:
         prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
         params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=args.output_len, seed=0)
         engine.generate(prompts, params)  # warm-up: graphs, kernels, the budget's costs
-        engine.spec.clear_history()
+        engine.clear_speculation_history()
         engine.reset_stats()
         engine.generate(prompts, params)
         groups: dict[tuple[int, int], list] = {}
@@ -149,10 +148,8 @@ def steps(args: argparse.Namespace) -> None:
             share = sum(r.wall_ms for r in rs) / total
             print(f"| {b} | {w} | {len(rs)} | {share:.1%} | {med(lambda r: r.wall_ms):.2f} | "
                   f"{med(lambda r: r.device_ms):.2f} | {med(lambda r: r.host_ms):.2f} |")
-        del engine  # (its memory must come back before the next engine takes its share)
-        gc.unfreeze()
-        gc.collect()
-        torch.cuda.empty_cache()
+        del engine
+        thaw_heap()  # its memory must come back before the next engine takes its share
 
 
 def main() -> None:

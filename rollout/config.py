@@ -154,8 +154,16 @@ def _token_key(k) -> int:
 
 
 def option(default, help: str, choices: tuple[str, ...] | None = None):
-    """A config field that is also a command-line flag (`add_args`): written once, here."""
+    """A config field that is also a command-line flag (`add_args`): written once, here. `choices`
+    bind both the flag and the field (`_check_choices`)."""
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _check_choices(config, what: str = "") -> None:
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        if choices and getattr(config, f.name) not in choices:
+            raise ValueError(f"{what}{f.name} {getattr(config, f.name)!r}: choose {', '.join(choices)}")
 
 
 @dataclass
@@ -173,8 +181,7 @@ class SpecConfig:
     adaptive: bool = option(True, "adapt the width to measured costs and acceptance, rather than draft the widest tree that fits")
 
     def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram", "auto"):
-            raise ValueError(f"spec {self.method!r} is not available: choose off, ngram or auto")
+        _check_choices(self, "spec ")
         if not 0 <= self.max_draft_tokens <= 63:
             raise ValueError("spec max_draft_tokens must be in [0, 63] (trees hold at most 64 tokens)")
         if not 1 <= self.min_match <= self.max_match <= 32:
@@ -193,7 +200,7 @@ class EngineConfig:
 
     model: str = option("default", "'default' (SmolLM2-135M-Instruct) or a local HF directory")
     load_format: str = option("auto", "dummy = random weights (speed work on shapes without a checkpoint)", ("auto", "dummy"))
-    device: str = option("auto", "auto = cuda when there is one", ("auto", "cpu", "cuda"))
+    device: str = option("auto", "auto, cpu, cuda or cuda:N (auto = cuda when there is one)")
     dtype: str = option("auto", "auto = float32 on CPU, bfloat16 on CUDA", ("auto", "float32", "bfloat16", "float16"))
     attention_backend: str = option("auto", "auto = triton on CUDA, torch elsewhere", ("auto", "torch", "triton"))
     max_model_len: int | None = option(None, "default: the model's context, capped at 8192")
@@ -210,10 +217,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.spec, str):
             self.spec = SpecConfig(method=self.spec)
+        _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device {self.device!r}: choose auto, cpu or cuda")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format {self.load_format!r}: choose auto or dummy")
+            raise ValueError(f"device {self.device!r}: choose auto, cpu, cuda or cuda:N")
         if self.max_running_seqs < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
 

@@ -68,6 +68,14 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def thaw_heap() -> None:
+    """Undo `freeze_heap` once an engine is dropped, so that its memory (the KV pool) comes back."""
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class Output:
     """One sample of one prompt."""
@@ -662,10 +670,7 @@ def _resolve_device(name: str) -> torch.device:
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype {name!r}: choose auto, {', '.join(dtypes)}")
-    return dtypes[name]
+    return getattr(torch, name)  # one of EngineConfig.dtype's choices
 
 
 def attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -680,4 +685,4 @@ def attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from kernels.triton_attention import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}: choose 'torch' or 'triton'")
+    raise ValueError(f"attention backend {name!r}: choose torch or triton")

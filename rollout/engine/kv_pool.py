@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rollout.engine.step import to_device
+
 
 class OutOfSlots(Exception):
     """The pool cannot hold the requested tokens; the scheduler preempts and retries."""
@@ -124,7 +126,6 @@ class KVPool:
         """Copy host entries (rows[i], cols[i]) to the device slot table, one scatter per step."""
         if self.device.type == "cpu" or len(rows) == 0:
             return
-        values = torch.from_numpy(self.rows_host[rows, cols]).to(self.device, non_blocking=True)
-        r = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
-        c = torch.from_numpy(cols.astype(np.int64)).to(self.device, non_blocking=True)
+        values, r, c = (to_device(a, self.device) for a in (self.rows_host[rows, cols], rows.astype(np.int64),
+                                                              cols.astype(np.int64)))
         self.slot_table[r, c] = values

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from rollout.engine.sequence import Sequence
+from rollout.engine.step import to_device
 
 
 @dataclass
@@ -37,8 +38,7 @@ class LogitEdits:
     ban: torch.Tensor | np.ndarray
 
     def to(self, device: torch.device) -> "LogitEdits":
-        move = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
-        return LogitEdits(*(move(a) for a in (self.draws, self.tokens, self.scale, self.add, self.ban)))
+        return LogitEdits(*(to_device(a, device) for a in (self.draws, self.tokens, self.scale, self.add, self.ban)))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [draws, vocab] float32, one row per draw; edited in place and returned."""

@@ -5,16 +5,16 @@ A prefill step (prompt chunks, with one decode token of every running sequence r
 runs eagerly: the host knows every token, position and KV slot, lays them out, and records
 the prompt and the drawn tokens in the token table (rollout/engine/token_table.py).
 
-A decode or verify step is one device function (`DecodeStep.run`), captured as a CUDA graph
+A decode or verify step is one device function (`run_decode`), captured as a CUDA graph
 per (batch bucket, width, drafting, sampling mode) on the GPU. The host gives it only the
-sequences' rows, fresh KV slots (width + 1 per sequence) and sampling parameters; everything
+sequences' rows, KV slots from the scheduler (width + 1 per sequence) and sampling parameters; everything
 else comes from the device: each sequence's last token and length from the token table, its
 draft tree from the drafter (kernels/ngram_draft.py, when drafting), and after the forward
 pass and the draws, the accept walk (kernels/tree_accept.py) writes the emitted tokens back
 and moves the accepted KV slots. So a step can be launched before the one before it has been
 collected (the overlap schedule), whether either drafts or not. Width 0 is plain decoding:
 the tree is the root alone. The host learns each step's tokens one step late (`collect`), and
-mirrors the slot table then.
+the scheduler mirrors the slot table then (Scheduler.settle_step).
 
 A step whose logits are edited (penalties, logit bias) or which reports top logprobs runs
 eagerly; with drafts, its trees are read back before sampling, so the edits can count the
@@ -43,6 +43,7 @@ from rollout.engine.step import (
     HostCopy,
     SamplingRows,
     StepInFlight,
+    to_device,
 )
 from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
@@ -100,7 +101,7 @@ class ModelRunner:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, sampling, rows, groups))
         else:
             arrays = DecodeInputs.host_arrays(slots, sampling, rows, groups)
-            inputs = DecodeInputs(*(_to_device(a, self.device) for a in arrays), s, n)
+            inputs = DecodeInputs(*(to_device(a, self.device) for a in arrays), s, n)
             edit = (lambda trees: self._edits(seqs, trees, width)) if editing else None
             # the host's tokens trail the device by the step in flight, if any: at most the widest step
             widest = (self.draft.depth if self.draft else 0) + 1
@@ -182,9 +183,9 @@ class ModelRunner:
 
     # ---------------- prefill steps ----------------
     @torch.inference_mode()
-    def launch_prefill(self, batch: Batch, slots: np.ndarray, offsets: np.ndarray, starts: np.ndarray) -> StepInFlight:
+    def launch_prefill(self, batch: Batch, slots: np.ndarray, positions: np.ndarray, starts: np.ndarray) -> StepInFlight:
         """Prompt chunks (and decode tokens riding along) in the KV slots the scheduler placed them
-        (Scheduler.place_prefill: `slots`, `offsets`, and each item's `starts`); a finished prompt
+        (Scheduler.place_prefill: each token's slot and position, each item's start); a finished prompt
         draws for its sample and its forks, which take the prompt's tokens now."""
         ids, q_lens, rows, logits_rows, draw_seqs, first_draw = [], [], [], [], [], [0]
         num_tokens = 0
@@ -201,26 +202,25 @@ class ModelRunner:
         q_lens_a, starts_a = np.array(q_lens, dtype=np.int32), starts
         rows_a = np.array(rows, dtype=np.int64)
         input_ids = np.concatenate(ids)
-        positions = np.repeat(starts_a, q_lens_a) + offsets
         self.table.write(np.repeat(rows_a, q_lens_a), positions, input_ids)
         for item in batch.items:  # forks take the finished prompt's tokens
             if item.samples and item.seq.forks:
                 self.table.copy_prefix(item.seq.row, [f.row for f in item.seq.forks], item.seq.num_cached)
         meta = AttentionMetadata(
-            seq_rows=_to_device(rows_a.astype(np.int32), self.device),
-            kv_lens=_to_device((starts_a + q_lens_a).astype(np.int32), self.device),
-            qo_indptr=_to_device(np.concatenate([[0], np.cumsum(q_lens_a)]).astype(np.int32), self.device),
-            slot_table=self.pool.slot_table, out_slots=_to_device(slots, self.device), tree_mask=None,
+            seq_rows=to_device(rows_a.astype(np.int32), self.device),
+            kv_lens=to_device((starts_a + q_lens_a).astype(np.int32), self.device),
+            qo_indptr=to_device(np.concatenate([[0], np.cumsum(q_lens_a)]).astype(np.int32), self.device),
+            slot_table=self.pool.slot_table, out_slots=to_device(slots, self.device), tree_mask=None,
             max_q_len=int(q_lens_a.max()), max_kv_len=int((starts_a + q_lens_a).max()),
         )
         draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
-        logits = self.forward(_to_device(input_ids, self.device), _to_device(positions, self.device), meta,
-                              _to_device(np.array(logits_rows, dtype=np.int64), self.device))
+        logits = self.forward(to_device(input_ids, self.device), to_device(positions, self.device), meta,
+                              to_device(np.array(logits_rows, dtype=np.int64), self.device))
         sampling = SamplingRows.of(draw_seqs)
         out_pos = np.array([q.num_output for q in draw_seqs], dtype=np.int64)
-        st = sampling_tensors(_to_device(sampling.i64, self.device), _to_device(sampling.f32, self.device),
-                              _to_device(out_pos, self.device), 1, sampling.mode)
-        logits = logits[_to_device(draw_rows, self.device)]
+        st = sampling_tensors(to_device(sampling.i64, self.device), to_device(sampling.f32, self.device),
+                              to_device(out_pos, self.device), 1, sampling.mode)
+        logits = logits[to_device(draw_rows, self.device)]
         edits = logit_edits(draw_seqs, [[]] * len(draw_seqs))
         if edits is not None:
             edits.to(self.device).apply(logits)
@@ -241,7 +241,8 @@ class ModelRunner:
 
     # ---------------- collecting ----------------
     def collect(self, step: StepInFlight) -> list[Emitted]:
-        """Wait for a launched step and apply what it produced to the sequences' KV bookkeeping."""
+        """Wait for a launched step: what each sequence emitted (a decode step also sets `step.accepted`,
+        the nodes whose KV the scheduler keeps)."""
         host = step.result.wait()
         if step.batch.is_prefill:
             return self._emit_prefill(step, host)
@@ -304,10 +305,3 @@ def _top_rows(top) -> callable:
         return lambda draws: None
     ids, values = top[0].tolist(), top[1].tolist()
     return lambda draws: [(ids[d], values[d]) for d in draws]
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    # non_blocking: a blocking copy would wait for the device to finish the step in flight. From
-    # pageable memory the copy is staged before the call returns, so `a` may be dropped at once.
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)

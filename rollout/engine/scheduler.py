@@ -158,15 +158,16 @@ class Scheduler:
     def place_prefill(self, batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """KV slots for a prefill step's tokens after each sequence's cached prefix, in the slot table
         on the host and (committed) on the device. A finished prompt's forks get rows sharing its
-        slots. Advances every sequence's cached length; returns the slots, each token's offset within
-        its sequence's new tokens, and each item's start (its cached length before this step)."""
+        slots. Advances every sequence's cached length; returns the slots, each token's position, and
+        each item's start (its cached length before this step)."""
         items = batch.items
         rows = np.fromiter((item.seq.row for item in items), np.int64, len(items))
         starts = np.fromiter((item.seq.num_cached for item in items), np.int64, len(items))
         q_lens = np.fromiter((item.num_new for item in items), np.int64, len(items))
         offsets = np.arange(int(q_lens.sum())) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         slots = self.pool.alloc(len(offsets)).astype(np.int64)
-        edits = [(np.repeat(rows, q_lens), np.repeat(starts, q_lens) + offsets, slots)]
+        positions = np.repeat(starts, q_lens) + offsets
+        edits = [(np.repeat(rows, q_lens), positions, slots)]
         self.pool.rows_host[edits[0][0], edits[0][1]] = slots  # (forks below read the prompt's slots)
         for item in items:
             seq = item.seq
@@ -183,7 +184,7 @@ class Scheduler:
                     fork.num_cached = n
                     fork.cached_tokens = fork.cached_tokens or n
         self.pool.commit_rows(np.concatenate([r for r, _, _ in edits]), np.concatenate([c for _, c, _ in edits]))
-        return slots, offsets, starts
+        return slots, positions, starts
 
     def step_slots(self, num_seqs: int, nodes: int) -> np.ndarray:
         """Fresh KV slots [num_seqs, nodes] for a decode or verify step; `settle_step` keeps the accepted ones."""

@@ -17,6 +17,14 @@ from rollout.engine.sequence import Sequence
 BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` (on the CPU: the same memory, no copy)."""
+    # non_blocking: a blocking copy would wait for the device to finish the step in flight. From
+    # pageable memory the copy is staged before the call returns, so `a` may be dropped at once.
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 def bucket(num_seqs: int) -> int:
     """The padded batch size of `num_seqs` sequences, or num_seqs past the largest bucket."""
     i = bisect.bisect_left(BATCH_BUCKETS, num_seqs)

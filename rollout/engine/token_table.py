@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rollout.engine.step import to_device
+
 
 class TokenTable:
     def __init__(self, live_rows: int, history_rows: int, capacity: int, device: torch.device):
@@ -36,18 +38,18 @@ class TokenTable:
     def write(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
         """tokens[rows[i], cols[i]] = values[i] (host-known tokens: prompt chunks)."""
         if len(rows):
-            self.tokens[_dev(rows, self.device), _dev(cols, self.device)] = _dev(values.astype(np.int32), self.device)
+            self.tokens[to_device(rows, self.device), to_device(cols, self.device)] = to_device(values.astype(np.int32), self.device)
 
     def record_prefill(self, rows: np.ndarray, lengths: np.ndarray, prompt_lens: np.ndarray,
                        drawn: torch.Tensor | None = None, draw_rows: np.ndarray | None = None,
                        draw_cols: np.ndarray | None = None) -> None:
         """After an eager step: the lengths and prompt lengths of `rows`, and the drawn tokens (on the
         device) at (draw_rows, draw_cols)."""
-        r = _dev(rows, self.device)
+        r = to_device(rows, self.device)
         if drawn is not None and len(draw_rows):
-            self.tokens[_dev(draw_rows, self.device), _dev(draw_cols, self.device)] = drawn.to(torch.int32)
-        self.lengths[r] = _dev(lengths.astype(np.int32), self.device)
-        self.prompt_lens[r] = _dev(prompt_lens.astype(np.int32), self.device)
+            self.tokens[to_device(draw_rows, self.device), to_device(draw_cols, self.device)] = drawn.to(torch.int32)
+        self.lengths[r] = to_device(lengths.astype(np.int32), self.device)
+        self.prompt_lens[r] = to_device(prompt_lens.astype(np.int32), self.device)
 
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
         """Rows `dsts` take the first `length` tokens of row `src` (a fork's prompt)."""
@@ -66,8 +68,3 @@ class TokenTable:
     def read(self, row: int) -> list[int]:
         """A row's tokens (a host sync: for tests and checks)."""
         return self.tokens[row, : int(self.lengths[row])].tolist()
-
-
-def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)

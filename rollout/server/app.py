@@ -22,13 +22,13 @@ import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams
@@ -42,12 +42,11 @@ from rollout.server.engine_client import (
 from rollout.server.frontend import (
     DEFAULT_PORT,
     JSON,
-    SSE_HEADERS,
     ClientGone,
     Frontend,
     ServerSettings,
     frontend,
-    sse_event,
+    sse_response,
 )
 from rollout.server.guard import (
     ApiError,
@@ -188,8 +187,7 @@ async def generate(request: Request) -> Response:
     rids = parse_rids(body.get("rid"), len(prompts), single)
     states = fe.submit(prompts, params, return_logprob, rids, stream, prompt_param, top_logprobs_num=top)
     if stream:
-        chunks = _stream_generate(fe, states, params, sampling.stream_interval, token_text)
-        return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+        return sse_response(fe, states, params, _generate_chunk(fe, states, sampling.stream_interval, token_text))
     await fe.wait(states, request)
     texts = await fe.texts(states, params)
     results = [
@@ -200,33 +198,28 @@ async def generate(request: Request) -> Response:
     return JSON(results[0] if single and params.n == 1 else results)
 
 
-async def _stream_generate(fe: Frontend, states: list[RequestState], params: SamplingParams, interval: int,
-                           token_text) -> AsyncIterator[str]:
-    """SSE chunks, at most one per `interval` new tokens of a sample (and its last); `index` is the
-    sample's place in the flat (prompt-major) result list."""
+def _generate_chunk(fe: Frontend, states: list[RequestState], interval: int, token_text) -> Callable[[Any], dict | None]:
+    """A streamed /generate chunk for an update: at most one per `interval` new tokens of a sample
+    (and its last); `index` is the sample's place in the flat (prompt-major) result list."""
     first = {st.rid: k * st.n for k, st in enumerate(states)}
     text = {(st.rid, i): "" for st in states for i in range(st.n)}
     sent = dict.fromkeys(text, 0)  # tokens covered by the chunks sent so far
-    try:
-        async with aclosing(fe.updates(states, params)) as updates:
-            async for u in updates:
-                st, i = u.state, u.i
-                key, s = (st.rid, i), st.samples[i]
-                text[key] += u.text
-                if not u.finished and len(s.ids) - sent[key] < interval:
-                    continue
-                start, sent[key] = sent[key], len(s.ids)
-                if fe.settings.incremental_streaming_output:
-                    chunk = {"text": text[key], "output_ids": s.ids[start:], "meta_info": meta_info(st, i, start, token_text)}
-                    text[key] = ""
-                else:
-                    chunk = {"text": text[key], "output_ids": s.ids, "meta_info": meta_info(st, i, token_text=token_text)}
-                chunk["index"] = first[st.rid] + i
-                yield sse_event(chunk)
-    except (EngineDead, EngineRefused) as e:
-        yield sse_event(error_body(getattr(e, "status", 503), str(e)))
-        return
-    yield "data: [DONE]\n\n"
+
+    def chunk_of(u) -> dict | None:
+        st, i = u.state, u.i
+        key, s = (st.rid, i), st.samples[i]
+        text[key] += u.text
+        if not u.finished and len(s.ids) - sent[key] < interval:
+            return None
+        start, sent[key] = sent[key], len(s.ids)
+        if fe.settings.incremental_streaming_output:
+            chunk = {"text": text[key], "output_ids": s.ids[start:], "meta_info": meta_info(st, i, start, token_text)}
+            text[key] = ""
+        else:
+            chunk = {"text": text[key], "output_ids": s.ids, "meta_info": meta_info(st, i, token_text=token_text)}
+        return {**chunk, "index": first[st.rid] + i}
+
+    return chunk_of
 
 
 @native.post("/abort_request", dependencies=[Depends(require_admin)])

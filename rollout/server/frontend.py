@@ -12,18 +12,24 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout.config import SamplingParams, request_limit
 from rollout.engine.detokenizer import StreamDetokenizer, trim_at_stop
-from rollout.server.engine_client import EngineClient, RequestState
-from rollout.server.guard import ApiError, check_text
+from rollout.server.engine_client import (
+    EngineClient,
+    EngineDead,
+    EngineRefused,
+    RequestState,
+)
+from rollout.server.guard import ApiError, check_text, error_body
 
 DEFAULT_PORT = 30000
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -246,3 +252,28 @@ def frontend(request: Request) -> Frontend:
 
 def sse_event(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_response(fe: Frontend, states: list[RequestState], params: SamplingParams, chunk_of: Callable[[Any], Any],
+                 opening: Iterable[Any] = (), closing: Callable[[], Iterable[Any]] = tuple) -> StreamingResponse:
+    """A streamed answer: the `opening` chunks, `chunk_of(update)` for each of the requests' updates
+    (None: nothing for that one), then the `closing()` chunks and [DONE]; an engine that dies or
+    refuses ends the stream with an error chunk."""
+
+    async def events() -> AsyncIterator[str]:
+        for chunk in opening:
+            yield sse_event(chunk)
+        try:
+            async with aclosing(fe.updates(states, params)) as updates:
+                async for u in updates:
+                    chunk = chunk_of(u)
+                    if chunk is not None:
+                        yield sse_event(chunk)
+        except (EngineDead, EngineRefused) as e:
+            yield sse_event(error_body(getattr(e, "status", 503), str(e)))
+            return
+        for chunk in closing():
+            yield sse_event(chunk)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

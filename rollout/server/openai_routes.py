@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from rollout.config import SamplingParams
-from rollout.server.engine_client import EngineDead, EngineRefused, RequestState
-from rollout.server.frontend import JSON, SSE_HEADERS, Frontend, frontend, sse_event
+from rollout.server.engine_client import RequestState
+from rollout.server.frontend import JSON, Frontend, frontend, sse_response
 from rollout.server.guard import (
     ApiError,
     check_fields,
     check_token_ids,
-    error_body,
     get_bool,
     is_int,
     parse_sampling_params,
@@ -170,8 +168,7 @@ async def completions(request: Request) -> Response:
                        "prompt", "max_tokens", top_logprobs_num=logprobs or 0, n_param="n")
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": fe.settings.served_model_name}
     if stream:
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream_completion(fe, states, params, head, usage), media_type="text/event-stream", headers=SSE_HEADERS)
+        return _streamed(fe, states, params, head, body, _completion_chunk(fe, states))
     await fe.wait(states, request)
     texts = await fe.texts(states, params)
     choices = [
@@ -187,23 +184,27 @@ async def completions(request: Request) -> Response:
     return JSON({**head, "choices": choices, "usage": _usage(states)})
 
 
-async def _stream_completion(fe, states, params, head: dict, include_usage: bool) -> AsyncIterator[str]:
+def _completion_chunk(fe, states) -> Callable[[Any], dict]:
+    """A streamed completion's choice for one update; logprob text offsets run on per sample."""
     first = {st.rid: k * st.n for k, st in enumerate(states)}
     offset = {(st.rid, i): 0 for st in states for i in range(st.n)}
-    try:
-        async with aclosing(fe.updates(states, params)) as updates:
-            async for u in updates:
-                st, i = u.state, u.i
-                lp = _completion_logprobs(fe, st, i, u.start, offset[st.rid, i]) if st.return_logprob else None
-                offset[st.rid, i] += len(u.text)
-                choice = {"index": first[st.rid] + i, "text": u.text, "logprobs": lp, "finish_reason": _finish(st, i)}
-                yield sse_event({**head, "choices": [choice]})
-    except (EngineDead, EngineRefused) as e:
-        yield sse_event(error_body(getattr(e, "status", 503), str(e)))
-        return
-    if include_usage:
-        yield sse_event({**head, "choices": [], "usage": _usage(states)})
-    yield "data: [DONE]\n\n"
+
+    def choice(u) -> dict:
+        st, i = u.state, u.i
+        lp = _completion_logprobs(fe, st, i, u.start, offset[st.rid, i]) if st.return_logprob else None
+        offset[st.rid, i] += len(u.text)
+        return {"index": first[st.rid] + i, "text": u.text, "logprobs": lp, "finish_reason": _finish(st, i)}
+
+    return choice
+
+
+def _streamed(fe, states, params, head: dict, body: dict, choice_of: Callable[[Any], dict],
+              opening: list[dict] | tuple = ()) -> StreamingResponse:
+    """OpenAI's chunks: the `opening` choices, one per update, the usage if `stream_options.include_usage`."""
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    usage = lambda: [{**head, "choices": [], "usage": _usage(states)}] if include_usage else []  # noqa: E731
+    return sse_response(fe, states, params, lambda u: {**head, "choices": [choice_of(u)]},
+                        [{**head, "choices": [choice]} for choice in opening], usage)
 
 
 # ---------------- /v1/chat/completions ----------------
@@ -264,8 +265,16 @@ async def chat_completions(request: Request) -> Response:
                        n_param="n")
     head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": fe.settings.served_model_name}
     if stream:
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream_chat(fe, states, params, head, usage), media_type="text/event-stream", headers=SSE_HEADERS)
+        st = states[0]
+
+        def chat_choice(u) -> dict:
+            lp = _chat_logprobs(fe, st, u.i, u.start) if st.return_logprob else None
+            delta = {"content": u.text} if u.text else {}
+            return {"index": u.i, "delta": delta, "logprobs": lp, "finish_reason": _finish(st, u.i)}
+
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(st.n)]
+        return _streamed(fe, states, params, {**head, "object": "chat.completion.chunk"}, body, chat_choice, roles)
     await fe.wait(states, request)
     texts = await fe.texts(states, params)
     st = states[0]
@@ -279,27 +288,6 @@ async def chat_completions(request: Request) -> Response:
         for i in range(st.n)
     ]
     return JSON({**head, "choices": choices, "usage": _usage(states)})
-
-
-async def _stream_chat(fe, states, params, head: dict, include_usage: bool) -> AsyncIterator[str]:
-    head = {**head, "object": "chat.completion.chunk"}
-    st = states[0]
-    for i in range(st.n):
-        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield sse_event({**head, "choices": [role]})
-    try:
-        async with aclosing(fe.updates(states, params)) as updates:
-            async for u in updates:
-                lp = _chat_logprobs(fe, st, u.i, u.start) if st.return_logprob else None
-                delta = {"content": u.text} if u.text else {}
-                choice = {"index": u.i, "delta": delta, "logprobs": lp, "finish_reason": _finish(st, u.i)}
-                yield sse_event({**head, "choices": [choice]})
-    except (EngineDead, EngineRefused) as e:
-        yield sse_event(error_body(getattr(e, "status", 503), str(e)))
-        return
-    if include_usage:
-        yield sse_event({**head, "choices": [], "usage": _usage(states)})
-    yield "data: [DONE]\n\n"
 
 
 @openai_router.get("/v1/models")

@@ -304,7 +304,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from rollout.engine.engine import Engine, freeze_heap
+    from rollout.engine.engine import Engine, freeze_heap, thaw_heap
 
     if args.random_model:
         if args.baseline_hf:
@@ -340,10 +340,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     if spec_stats:
                         print(f"  budget: {spec_stats}", flush=True)
             del engine
-            gc.unfreeze()
-            gc.collect()  # the engine holds reference cycles; free its KV pool before the next one
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            thaw_heap()  # the engine holds reference cycles: free its KV pool before the next one
     rows += median_rows(runs)
     if args.baseline_hf:
         from transformers import AutoModelForCausalLM
