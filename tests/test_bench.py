@@ -23,7 +23,7 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     off, ngram = rows
     assert off["output_tokens"] == ngram["output_tokens"] > 0  # greedy on the CPU: speculation changes no token
     assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in rows)
-    assert off["draft_steps"] == 0 and ngram["draft_steps"] >= 0
+    assert off["draft_steps"] == 0  # (how many n-gram drafts depends on the measured costs)
     assert ngram["indexed"] == 1.0  # every sample's tokens are in its history row
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
 
