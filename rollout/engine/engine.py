@@ -218,7 +218,7 @@ class Engine:
         leader, *forks = req.sequences
         leader.forks = forks
         self.requests[rid] = req
-        self._editing_logits += params.processes_logits
+        self._editing_logits += req.edits_logits
         self.scheduler.add(leader)
         return req
 
@@ -295,7 +295,7 @@ class Engine:
         if chain:
             launched = self._launch(batch, began)
             self._complete(prev, updated)
-            if all(item.seq.finished for item in batch.items):  # nothing left to wait for
+            if all(seq.finished for seq in batch.seqs):  # nothing left to wait for
                 self._complete(launched, updated)
             else:
                 self._in_flight = launched
@@ -316,9 +316,9 @@ class Engine:
         if batch.is_prefill:
             step = self.runner.launch_prefill(batch, *self.scheduler.place_prefill(batch))
         else:
-            plan = self.spec.plan(len(batch.items), self.scheduler.free_slots)
+            plan = self.spec.plan(len(batch.seqs), self.scheduler.free_slots)
             self._draft_steps += plan.width > 0
-            slots = self.scheduler.step_slots(len(batch.items), plan.width + 1)
+            slots = self.scheduler.step_slots(len(batch.seqs), plan.width + 1)
             step = self.runner.launch_decode(batch, slots, plan.drafting, plan.shadow)
         step.began = began
         return step
@@ -326,19 +326,18 @@ class Engine:
     def _complete(self, step: StepInFlight, updated: dict) -> None:
         """Wait for a launched step and apply what it emitted."""
         began = step.began
-        seqs = [item.seq for item in step.batch.items]
+        seqs = step.batch.seqs
         roots = np.fromiter((len(q.tokens) for q in seqs), np.int64, len(seqs)) if step.shadow else None
-        emitted = [e for e in self.runner.collect(step) if not e.seq.finished]  # stopped while this step ran
+        emitted = self.runner.collect(step)
         if step.accepted is not None:
-            self.scheduler.settle_step(seqs, step.rows, step.slots, step.accepted)
-        for item in step.batch.items:  # (a decode item may be waiting too: preempted while this step ran)
-            if item.samples and not item.decode and item.seq.status is Status.WAITING:
-                for seq in [item.seq, *item.seq.forks]:
-                    self.spec.join(seq)
-                self.scheduler.on_prefill_done(item.seq)
-        for e in emitted:
-            self._append(e)
-            updated[id(e.seq.request)] = e.seq.request
+            self.scheduler.settle_step(step.batch, step.rows, step.slots, step.accepted)
+        if step.batch.is_prefill:
+            for item in step.batch.items:  # (a decode item may be waiting too: preempted while this step ran)
+                if item.samples and not item.decode and item.seq.status is Status.WAITING:
+                    for seq in [item.seq, *item.seq.forks]:
+                        self.spec.join(seq)
+                    self.scheduler.on_prefill_done(item.seq)
+        self._append(emitted, updated)
         # A step's cost is the wall time it added: from its start, or from when the step before
         # it completed if they overlapped.
         done = time.perf_counter()
@@ -369,7 +368,7 @@ class Engine:
         for req in ended.values():  # (only these can have finished: asking every updated request costs)
             if req.finished and self.requests.get(req.rid) is req:
                 del self.requests[req.rid]
-                self._editing_logits -= req.params.processes_logits
+                self._editing_logits -= req.edits_logits
         return list(updated.values())
 
     @property
@@ -398,41 +397,61 @@ class Engine:
         history if it finished (not if it was preempted: it comes back)."""
         self.spec.leave(seq, keep=seq.finish_reason is not None)
 
-    def _append(self, e: Emitted) -> None:
-        """Append what the step emitted, up to a stop condition. (Runs for every sequence of every
-        step, so it is kept lean.)"""
-        seq = e.seq
+    def _append(self, e: Emitted, updated: dict) -> None:
+        """Append what a step emitted, up to each sequence's stop condition; a sequence that stopped
+        while the step ran takes none. (Runs for every sequence of every step: it is kept lean, and a
+        sequence that cannot stop in this step takes its tokens in three list extends.)"""
+        version, source, top = self.weight_version, e.source, e.top
+        totals = self._spec_totals
+        appended_all = plain_steps = 0
+        for i, (seq, tokens, logprobs, drafted, counted) in enumerate(
+                zip(e.seqs, e.tokens, e.logprobs, e.drafted, e.counted)):
+            if seq.finish_reason is not None:  # (Sequence.finished, without the call)
+                continue
+            req = seq.request
+            updated[id(req)] = req
+            k = len(tokens)
+            if req.plain and len(seq.tokens) + k < req.max_len and req.stop_ids.isdisjoint(tokens):
+                seq.tokens += tokens
+                seq.logprobs += logprobs
+                seq.weight_versions += [version] * k
+                reason = None
+            else:
+                k, reason = self._append_checked(seq, tokens, logprobs, version)
+            if top is not None:
+                seq.top_logprobs.extend(top[i][:k])
+            appended_all += k
+            if drafted:
+                seq.spec.record(source, drafted, len(tokens) - 1, k)
+                totals.record(source, drafted, len(tokens) - 1, k)
+            elif counted:  # a step without drafts: what SpecCounters.record does for it, without two calls
+                spec = seq.spec
+                spec.verify_steps += 1
+                spec.emitted_tokens += k
+                plain_steps += 1
+                totals.emitted_tokens += k
+            if reason is not None:
+                self._finish(seq, reason)
+        self._output_tokens += appended_all
+        totals.verify_steps += plain_steps
+
+    def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:
+        """Append token by token while no stop condition holds: (tokens appended, why it stopped or None)."""
         req = seq.request
-        tokens, logprobs, versions, version = seq.tokens, seq.logprobs, seq.weight_versions, self.weight_version
-        stop_ids, stop_strings, max_len = req.stop_ids, req.params.stop, req.max_len
         reason, appended = None, 0
-        for token, logprob in zip(e.tokens, e.logprobs):
-            tokens.append(token)
-            logprobs.append(logprob)
-            versions.append(version)
+        for token, logprob in zip(tokens, logprobs):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            seq.weight_versions.append(version)
             appended += 1
-            if token in stop_ids or stop_strings or len(tokens) >= max_len:  # may stop: _stop_reason decides
-                reason = self._stop_reason(seq, token, req)
-                if reason is not None:
-                    break
-        if req.params.processes_logits:
+            reason = self._stop_reason(seq, token, req)
+            if reason is not None:
+                break
+        if req.edits_logits:
             counts = seq.output_counts
-            for token in tokens[len(tokens) - appended :]:
+            for token in tokens[:appended]:
                 counts[token] = counts.get(token, 0) + 1
-        if e.top is not None:
-            seq.top_logprobs.extend(e.top[:appended])
-        self._output_tokens += appended
-        if e.drafted:
-            seq.spec.record(e.source, e.drafted, e.accepted, appended)
-            self._spec_totals.record(e.source, e.drafted, e.accepted, appended)
-        elif e.decode:  # a step without drafts: what SpecCounters.record does for it, without two calls
-            spec, totals = seq.spec, self._spec_totals
-            spec.verify_steps += 1
-            spec.emitted_tokens += appended
-            totals.verify_steps += 1
-            totals.emitted_tokens += appended
-        if reason is not None:
-            self._finish(seq, reason)
+        return appended, reason
 
     def _stop_reason(self, seq: Sequence, token: int, req: Request) -> str | None:
         if seq.num_output >= req.params.min_new_tokens:
@@ -652,8 +671,13 @@ def _without_finished(batch: Batch | None) -> Batch | None:
     """A batch scheduled before the step in flight completed, less the sequences that stopped in it."""
     if batch is None:
         return None
-    items = [item for item in batch.items if not item.seq.finished]
-    return Batch(items, batch.is_prefill) if items else None
+    if batch.is_prefill:
+        items = [item for item in batch.items if not item.seq.finished]
+        return Batch.prefill(items) if items else None
+    if not any(seq.finished for seq in batch.seqs):
+        return batch
+    seqs = [seq for seq in batch.seqs if not seq.finished]
+    return Batch(seqs) if seqs else None
 
 
 def _resolve_device(name: str) -> torch.device:

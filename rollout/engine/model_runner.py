@@ -35,6 +35,7 @@ from rollout.engine.sampler import SamplingTensors, processed_logprobs, sample
 from rollout.engine.sequence import Sequence
 from rollout.engine.step import (
     Batch,
+    BatchRows,
     DecodeInputs,
     DecodeOutputs,
     DeviceClock,
@@ -78,6 +79,7 @@ class ModelRunner:
         self.draft = draft
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, set by the engine on CUDA
+        self._rows: BatchRows | None = None  # the last decode batch's
 
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
@@ -86,34 +88,36 @@ class ModelRunner:
         `slots` [S, width + 1] (the scheduler's); it may follow a step not yet collected. `drafting`:
         the drafter runs (width > 0 needs it; at width 0 it only looks, for the statistics); `shadow`:
         its whole trees come back to the host."""
-        seqs = [item.seq for item in batch.items]
+        seqs = batch.seqs
         s, n = slots.shape
         width = n - 1
-        rows = np.fromiter((q.row for q in seqs), np.int32, s)
-        groups = np.fromiter((q.group for q in seqs), np.int32, s) if drafting else np.zeros(s, np.int32)
-        sampling = SamplingRows.of(seqs)
-        editing = any(q.request.params.processes_logits for q in seqs)
-        top = max(q.request.top_logprobs_num for q in seqs)
-        plain = not editing and not top
+        b = self._batch_rows(batch)
+        mode, top = b.sampling.mode, b.top
         clock = DeviceClock(self.device)
-        shape = self.graphs.shape(s, width, drafting, sampling.mode) if self.graphs is not None and plain else None
+        plain = not b.editing and not top
+        shape = self.graphs.shape(s, width, drafting, mode) if self.graphs is not None and plain else None
         if shape is not None:
-            out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, sampling, rows, groups))
+            out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, b))
         else:
-            arrays = DecodeInputs.host_arrays(slots, sampling, rows, groups)
-            inputs = DecodeInputs(*(to_device(a, self.device) for a in arrays), s, n)
-            edit = (lambda trees: self._edits(seqs, trees, width)) if editing else None
+            inputs = DecodeInputs(*(to_device(a, self.device) for a in DecodeInputs.host_arrays(slots, b)), s, n)
+            edit = (lambda trees: self._edits(seqs, trees, width)) if b.editing else None
             # the host's tokens trail the device by the step in flight, if any: at most the widest step
             widest = (self.draft.depth if self.draft else 0) + 1
             max_kv = min(max(len(q.tokens) for q in seqs) + widest + n, self.pool.max_context)
-            out = self.run_decode(inputs, width, drafting, sampling.mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
+            out = self.run_decode(inputs, width, drafting, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
         tensors = [out.ints, out.logprobs]
         if shadow and out.trees is not None:
             tensors += list(out.trees)
         if top:
             tensors += list(out.top)
-        return StepInFlight(batch, width, HostCopy(tensors, clock), slots=slots, rows=rows,
+        return StepInFlight(batch, width, HostCopy(tensors, clock), slots=slots, rows=b.rows,
                             shadow=shadow and out.trees is not None, top=bool(top))
+
+    def _batch_rows(self, batch: Batch) -> BatchRows:
+        """The batch's BatchRows: kept from the last decode step while the running set is the same."""
+        if batch.epoch is None or self._rows is None or self._rows.epoch != batch.epoch:
+            self._rows = BatchRows.of(batch)
+        return self._rows
 
     def run_decode(self, x: DecodeInputs, width: int, drafting: bool, mode: str, edit=None, top_logprobs: int = 0,
                    attn_out: torch.Tensor | None = None, max_kv_len: int | None = None) -> DecodeOutputs:
@@ -187,7 +191,7 @@ class ModelRunner:
         """Prompt chunks (and decode tokens riding along) in the KV slots the scheduler placed them
         (Scheduler.place_prefill: each token's slot and position, each item's start); a finished prompt
         draws for its sample and its forks, which take the prompt's tokens now."""
-        ids, q_lens, rows, logits_rows, draw_seqs, first_draw = [], [], [], [], [], [0]
+        ids, q_lens, rows, logits_rows, draw_seqs = [], [], [], [], []
         num_tokens = 0
         for item, start in zip(batch.items, starts.tolist()):
             seq = item.seq
@@ -198,7 +202,6 @@ class ModelRunner:
             if item.samples:
                 logits_rows.append(num_tokens - 1)
                 draw_seqs += [seq, *seq.forks]
-            first_draw.append(len(draw_seqs))
         q_lens_a, starts_a = np.array(q_lens, dtype=np.int32), starts
         rows_a = np.array(rows, dtype=np.int64)
         input_ids = np.concatenate(ids)
@@ -237,10 +240,10 @@ class ModelRunner:
         if top:
             values, ids_ = processed_logprobs(logits, st).topk(top, dim=-1)
             tensors += [ids_, values]
-        return StepInFlight(batch, 0, HostCopy(tensors), first_draw=np.array(first_draw, dtype=np.int64), top=bool(top))
+        return StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
 
     # ---------------- collecting ----------------
-    def collect(self, step: StepInFlight) -> list[Emitted]:
+    def collect(self, step: StepInFlight) -> Emitted:
         """Wait for a launched step: what each sequence emitted (a decode step also sets `step.accepted`,
         the nodes whose KV the scheduler keeps)."""
         host = step.result.wait()
@@ -250,34 +253,37 @@ class ModelRunner:
             step.trees = (host[2], host[3])
         return self._emit_decode(step, host)
 
-    def _emit_prefill(self, step: StepInFlight, host: list[np.ndarray]) -> list[Emitted]:
+    def _emit_prefill(self, step: StepInFlight, host: list[np.ndarray]) -> Emitted:
+        """The first token of each finished prompt's sample and forks (in the order they were drawn),
+        and the next of each decode riding along."""
         drawn, logprobs = host[0][0].astype(np.int64).tolist(), host[0][1].tolist()
         top_of = _top_rows(host[1:3] if step.top else None)
-        out: list[Emitted] = []
-        for item, i in zip(step.batch.items, step.first_draw.tolist()):
+        seqs, counted = [], []
+        for item in step.batch.items:
             if item.samples:
-                for j, seq in enumerate([item.seq, *item.seq.forks]):
-                    out.append(Emitted(seq, [drawn[i + j]], [logprobs[i + j]], item.decode, top=top_of([i + j])))
-        return out
+                seqs += [item.seq, *item.seq.forks]
+                counted += [item.decode] * (1 + len(item.seq.forks))
+        return Emitted(seqs, [[t] for t in drawn], [[lp] for lp in logprobs], counted, [0] * len(seqs),
+                       top=[top_of([d]) for d in range(len(seqs))] if step.top else None)
 
-    def _emit_decode(self, step: StepInFlight, host: list[np.ndarray]) -> list[Emitted]:
+    def _emit_decode(self, step: StepInFlight, host: list[np.ndarray]) -> Emitted:
         """Tokens by depth, and the nodes accepted (`step.accepted`, for Scheduler.settle_step). A
         sequence preempted since the launch keeps its tokens: they are right, only recomputed."""
         ints, lps = host[0], host[1]
-        n = step.slots.shape[1]
-        toks, lengths, bits, drafts = ints[:, :n], ints[:, n], ints[:, n + 1], ints[:, n + 2]
+        s, n = step.slots.shape
+        bits = ints[:, n + 1]
         step.accepted = ((bits[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]: node order is depth order
-        seqs = [item.seq for item in step.batch.items]
-        top_of = _top_rows(host[-2:] if step.top else None)
-        out: list[Emitted] = []
-        toks_l, lps_l, len_l, drafts_l = toks.tolist(), lps.tolist(), lengths.tolist(), drafts.tolist()
-        for i, seq in enumerate(seqs):
-            if seq.finished:
-                continue
-            k = len_l[i]
-            out.append(Emitted(seq, toks_l[i][:k], lps_l[i][:k], True, drafts_l[i], k - 1, "ngram",
-                               top_of([i * n + j for j in _path(bits[i], k)]) if step.top else None))
-        return out
+        if n == 1:  # plain decoding: one token each
+            tokens, logprobs = ints[:, :1].tolist(), lps.tolist()
+        else:
+            lengths = ints[:, n].tolist()
+            tokens = [row[:k] for row, k in zip(ints[:, :n].tolist(), lengths)]
+            logprobs = [row[:k] for row, k in zip(lps.tolist(), lengths)]
+        top = None
+        if step.top:
+            top_of = _top_rows(host[-2:])
+            top = [top_of([i * n + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
+        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, ints[:, n + 2].tolist(), "ngram", top)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -15,6 +15,7 @@ finishes or is preempted. The model runner only reads the layout it is given.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ MAX_ADMIT_WAIT = 16
 # large `n` never blocks small requests; after it was passed this many steps, nothing passes it
 # until it fits, so it cannot starve either.
 MAX_OVERTAKEN = 64
+_EPOCHS = itertools.count()  # unique across schedulers (the engine replaces its scheduler in recover())
 
 
 class Scheduler:
@@ -46,6 +48,7 @@ class Scheduler:
         self._admit_wait = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.epoch = next(_EPOCHS)  # changes whenever `running` does: a decode batch's arrays are cached by it
         self.num_preempted = 0
         self._passed: Sequence | None = None  # the first waiting sequence others overtook, and how often
         self._passed_steps = 0
@@ -63,8 +66,9 @@ class Scheduler:
         if not self.running and not prefill:
             return None
         decode = self._schedule_decode()
-        items = [ScheduledSeq(s, 1, True, decode=True) for s in decode] + prefill
-        return Batch(items, is_prefill=bool(prefill)) if items else None
+        if not prefill:
+            return Batch(decode, epoch=self.epoch)
+        return Batch.prefill([ScheduledSeq(s, 1, True, decode=True) for s in decode] + prefill)
 
     def _hold_admission(self) -> bool:
         """Whether the next prompt waits this step (see ADMIT_SHARE); a prompt whose prefill has
@@ -127,6 +131,7 @@ class Scheduler:
             s.status = Status.RUNNING
             self.running.append(s)
         seq.forks = []
+        self.epoch = next(_EPOCHS)
 
     def preempt_all(self) -> None:
         """Drop all cached KV (e.g. after a weight update): every sequence is recomputed from scratch."""
@@ -137,6 +142,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.epoch = next(_EPOCHS)
         self._release(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -145,6 +151,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            self.epoch = next(_EPOCHS)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
@@ -190,14 +197,17 @@ class Scheduler:
         """Fresh KV slots [num_seqs, nodes] for a decode or verify step; `settle_step` keeps the accepted ones."""
         return self.pool.alloc(num_seqs * nodes).astype(np.int64).reshape(num_seqs, nodes)
 
-    def settle_step(self, seqs: list[Sequence], rows: np.ndarray, slots: np.ndarray, accepted: np.ndarray) -> None:
+    def settle_step(self, batch: Batch, rows: np.ndarray, slots: np.ndarray, accepted: np.ndarray) -> None:
         """After a decode or verify step: a sequence that still holds its row keeps its accepted nodes'
         slots (`accepted` [S, N], depth order; the device moved them into its row already, the host's
         copy of the slot table follows) and its cached length grows by them; every other slot is
         freed. A sequence preempted or finished since the launch keeps none."""
+        seqs = batch.seqs
         s, n = slots.shape
-        holds = np.fromiter((q.row == r and not q.finished for q, r in zip(seqs, rows.tolist())), bool, s)
-        keep = accepted & holds[:, None]
+        keep = accepted
+        if batch.epoch != self.epoch:  # (the same running set: every sequence still holds its row)
+            holds = np.fromiter((q.row == r and not q.finished for q, r in zip(seqs, rows.tolist())), bool, s)
+            keep = accepted & holds[:, None]
         kept = keep.sum(axis=1)
         cached = np.fromiter((q.num_cached for q in seqs), np.int64, s)
         cols = cached[:, None] + np.cumsum(keep, axis=1) - 1

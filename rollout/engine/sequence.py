@@ -86,7 +86,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.finish_reason is not None  # (set as it finishes: the engine's hot loops read it directly)
 
 
 @dataclass(eq=False)
@@ -104,6 +104,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
+
+    @cached_property
+    def edits_logits(self) -> bool:
+        """Its logits are edited (SamplingParams.processes_logits): its steps need the host's tokens."""
+        return self.params.processes_logits
+
+    @cached_property
+    def plain(self) -> bool:
+        """No stop strings and no logit edits: a step's tokens can stop it only by a stop id or its length."""
+        return not self.params.stop and not self.edits_logits
 
     @cached_property
     def prompt_token_set(self) -> np.ndarray:

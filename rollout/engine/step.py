@@ -41,8 +41,21 @@ class ScheduledSeq:
 
 @dataclass
 class Batch:
-    items: list[ScheduledSeq]
-    is_prefill: bool  # holds prefill chunks; decode items then run without drafts
+    """One step's sequences. A decode step (every running sequence, drafts or not) is its list of
+    sequences alone; a prefill step has an item per sequence: prompt chunks, with running
+    sequences' decode tokens riding along (without drafts)."""
+
+    seqs: list[Sequence]
+    items: list[ScheduledSeq] | None = None  # prefill steps only, in `seqs` order
+    epoch: int | None = None  # decode steps: the scheduler's running set this is (Scheduler.epoch), if whole
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.items is not None
+
+    @staticmethod
+    def prefill(items: list[ScheduledSeq]) -> "Batch":
+        return Batch([item.seq for item in items], items)
 
 
 class StepRecord(NamedTuple):
@@ -58,16 +71,16 @@ class StepRecord(NamedTuple):
 
 @dataclass
 class Emitted:
-    """What one sequence produced in a step (before stop-condition truncation)."""
+    """What a step produced, in columns, one entry per sequence (before stop-condition truncation).
+    Columns rather than an object per sequence: at 512 sequences a step's host work is its budget."""
 
-    seq: Sequence
-    tokens: list[int]
-    logprobs: list[float]
-    decode: bool  # a decode/verify step (counts toward accept length), not a prefill's first token
-    drafted: int = 0  # draft tokens verified for it
-    accepted: int = 0
-    source: str = ""
-    top: list[tuple[list[int], list[float]]] | None = None  # per token: the most likely tokens and their logprobs
+    seqs: list[Sequence]
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    counted: list[bool]  # a decode/verify step's tokens (they count toward accept length), not a prefill's first
+    drafted: list[int]  # draft tokens verified for each sequence (accepted: its tokens less one)
+    source: str = ""  # the drafter
+    top: list[list[tuple[list[int], list[float]]]] | None = None  # per token: the most likely tokens and their logprobs
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,27 @@ class SamplingRows:
         return SamplingRows(np.stack([col((s.key for s in seqs), np.int64), top_k]), f32, mode)
 
 
+@dataclass
+class BatchRows:
+    """A decode batch's per-sequence inputs that stay the same while its sequences do: the model
+    runner keeps them for as long as the scheduler's running set is unchanged (Batch.epoch)."""
+
+    epoch: int | None
+    rows: np.ndarray  # [S] int32: each sequence's token-table and KV row
+    i32: np.ndarray  # [2 * S] int32: rows, then n-gram groups (DecodeInputs' i32)
+    sampling: SamplingRows
+    editing: bool  # some sequence's logits are edited
+    top: int  # the most top logprobs a sequence asks for
+
+    @staticmethod
+    def of(batch: Batch) -> "BatchRows":
+        seqs, s = batch.seqs, len(batch.seqs)
+        rows = np.fromiter((q.row for q in seqs), np.int32, s)
+        groups = np.fromiter((q.group for q in seqs), np.int32, s)
+        return BatchRows(batch.epoch, rows, np.concatenate([rows, groups]), SamplingRows.of(seqs),
+                         any(q.request.edits_logits for q in seqs), max(q.request.top_logprobs_num for q in seqs))
+
+
 class DecodeInputs:
     """A decode or verify step's inputs on the device, packed in three tensors (one copy each):
     i64 [S * N + 2 * S]: KV slots [S, N], RNG keys, top_k; i32 [2 * S]: rows, groups; f32 [3 * S]."""
@@ -119,9 +153,8 @@ class DecodeInputs:
         self.params = f32.view(3, s)
 
     @staticmethod
-    def host_arrays(slots: np.ndarray, sampling: SamplingRows, rows: np.ndarray, groups: np.ndarray):
-        return (np.concatenate([slots.ravel(), sampling.i64.ravel()]), np.concatenate([rows, groups]).astype(np.int32),
-                sampling.f32.ravel())
+    def host_arrays(slots: np.ndarray, b: BatchRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.concatenate([slots.ravel(), b.sampling.i64.ravel()]), b.i32, b.sampling.f32.ravel()
 
 
 @dataclass
@@ -186,7 +219,6 @@ class StepInFlight:
     result: HostCopy
     slots: np.ndarray | None = None  # [S, N] decode/verify: each node's KV slot
     rows: np.ndarray | None = None  # [S] decode/verify: each sequence's row at launch
-    first_draw: np.ndarray | None = None  # prefill: item k's draws (its sample's, then its forks')
     shadow: bool = False  # the drafter's whole trees come back too
     top: bool = False
     trees: tuple[np.ndarray, np.ndarray] | None = None  # those trees (tokens, parents [S, depth + 1]), once collected
