@@ -12,7 +12,7 @@
 #   later:  bash bench/gpu_session.sh <stage>   (carry .whl; while the machine is warm)
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | decode | rl | rl-epoch | steps | grpo | sharegpt | big | weights | recipe | quick}
+stage=${1:?stage: kernels | engine | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -73,6 +73,13 @@ recipe)  # the GRPO recipe re-sampling its prompts: rollout seconds per step, n-
     python3 recipes/grpo.py --steps 12 --prompts 32 --n 8 --max-new-tokens 512 --dataset-size 64 --spec $spec \
       --out "$OUT/recipe-$spec" 2>&1 | grep -E "step|rollout" | tail -14
   done | tee "$OUT/recipe.log"
+  ;;
+profile)  # where a verify step's device time and a decode step's host time go (bench/step_profile.py verify, host)
+  P="timeout 300 python3 bench/step_profile.py"
+  { $P verify --seqs 128 --context 2000; $P verify --seqs 512 --context 300 --widths 0,1,2,3; } 2>&1 \
+    | grep -v -i -e warn | tee "$OUT/verify.log"
+  { $P host --output-len 256 --top 30; $P host --output-len 256 --width 2 --top 30; } 2>&1 \
+    | grep -v -i -e warn | tee "$OUT/host.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"

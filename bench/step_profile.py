@@ -4,6 +4,8 @@
     python bench/step_profile.py gemm [--rows 1] [--pdl]
     python bench/step_profile.py sampling
     python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
+    python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--width W]
+    python bench/step_profile.py verify [--seqs 128] [--context 2000] [--widths 0,2,4,8]
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
@@ -17,6 +19,12 @@
 - steps: where a rollout's time goes, spec off against n-gram: the `rl` workload's prompts
   (one warm-up rollout each, then the measured one), its steps grouped by batch-size bucket and
   width from `Engine.step_log`: how many, and the median wall, device and host milliseconds.
+- host: where the host's time per decode step goes, spec off against n-gram (`--width W`: the
+  budget off, every step W wide): cProfile around the measured rollout's steps, functions by
+  their own time per decode step; the wait for the device is the `synchronize` row.
+- verify: what a step's width costs the device, apart from acceptance: `--seqs` sequences with
+  `--context` tokens of KV each, the captured decode/verify graph of each width replayed (what
+  the engine runs), then the eager step's kernels by device time at the narrowest and widest width.
 
 Each prints a Markdown table.
 """
@@ -152,6 +160,107 @@ def steps(args: argparse.Namespace) -> None:
         thaw_heap()  # its memory must come back before the next engine takes its share
 
 
+def host(args: argparse.Namespace) -> None:
+    import cProfile
+    import pstats
+    from types import SimpleNamespace
+
+    from rollout import Engine, SamplingParams
+    from rollout.config import SpecConfig
+    from rollout.engine.engine import freeze_heap, thaw_heap
+    from rollout.tools.bench import workload_prompts
+
+    for mode in ("off", "ngram"):
+        spec = SpecConfig(method=mode)
+        if mode != "off" and args.width is not None:
+            spec = SpecConfig(method=mode, max_draft_tokens=args.width, adaptive=False)
+        engine = Engine(model="default", spec=spec, device=args.device, max_running_seqs=args.prompts * args.n)
+        freeze_heap()
+        opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
+        prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
+        params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=args.output_len, seed=0)
+        engine.generate(prompts, params)  # warm-up
+        engine.clear_speculation_history()
+        engine.reset_stats()
+        profile = cProfile.Profile()
+        reqs = [engine.add_request(p, params) for p in prompts]
+        profile.enable()
+        while not all(r.finished for r in reqs):
+            engine.step()
+        profile.disable()
+        decode = [r for r in engine.step_log if not r.prefill]
+        wall = sum(r.wall_ms for r in engine.step_log)
+        print(f"\n{mode}: {engine.output_tokens} tokens, {len(engine.step_log)} steps ({len(decode)} decode), "
+              f"{wall:.0f} ms of steps, host {sum(r.host_ms for r in decode) / len(decode):.2f} ms per decode step")
+        stats = pstats.Stats(profile)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.top]
+        print("| function | calls per step | own us per step | with callees us per step |\n|---|---|---|---|")
+        for (file, line, name), (_, calls, own, total, _) in rows:
+            where = f"{file.split('/')[-1]}:{line}" if line else "~"
+            print(f"| {where} {name} | {calls / len(decode):.1f} | {own / len(decode) * 1e6:.1f} | "
+                  f"{total / len(decode) * 1e6:.1f} |")
+        del engine
+        thaw_heap()
+
+
+def verify(args: argparse.Namespace) -> None:
+    import triton
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout import Engine
+    from rollout.engine.step import DecodeInputs
+
+    widths = [int(w) for w in args.widths.split(",")]
+    engine = Engine(model="default", spec="ngram", device="cuda", max_running_seqs=args.seqs,
+                    max_model_len=args.context + 200)
+    table, pool, s = engine.table, engine.pool, args.seqs
+    g = torch.Generator().manual_seed(0)
+    for r in range(s):  # random tokens, and KV slots spread over the pool as a long rollout leaves them
+        table.tokens[r, : args.context] = torch.randint(0, 49152, (args.context,), generator=g).to(torch.int32)
+        pool.slot_table[r, : args.context] = torch.randint(1, pool.num_slots - 1, (args.context,), generator=g).to(torch.int32)
+    table.lengths[:s] = args.context
+    table.prompt_lens[:s] = 100
+    rows = torch.arange(s, dtype=torch.int32, device="cuda")
+    graphs = engine.runner.graphs
+
+    def inputs(width: int) -> DecodeInputs:
+        n = width + 1
+        i64 = torch.zeros(s * n + 2 * s, dtype=torch.int64, device="cuda")  # slots all 0: the dump slot
+        i32 = torch.cat([rows, torch.zeros(s, dtype=torch.int32, device="cuda")])
+        f32 = torch.tensor([1.0] * s + [1.0] * s + [0.0] * s, device="cuda")
+        return DecodeInputs(i64, i32, f32, s, n)
+
+    print(f"{s} sequences, {args.context} tokens of KV each, T=1 (the step writes nothing it keeps: lengths reset)")
+    print("| width | graph replay ms | vs width 0 |\n|---|---|---|")
+    base = None
+    for w in widths:
+        graph = graphs.graph(graphs.shape(s, w, w > 0, "sample"))
+        x = inputs(w)
+        for dst, src in zip((graph.inputs.i64, graph.inputs.i32, graph.inputs.f32), (x.i64, x.i32, x.f32)):
+            dst.copy_(src)
+
+        def replay(graph=graph):
+            graph.graph.replay()
+            table.lengths[:s] = args.context  # the accept walk moved them on
+
+        ms = triton.testing.do_bench(replay, return_mode="median")
+        base = base or ms
+        print(f"| {w} | {ms:.3f} | {ms / base:.2f}x |")
+    for w in (widths[0], widths[-1]):
+        x = inputs(w)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.runner.run_decode(x, w, w > 0, "sample", max_kv_len=args.context + 20)
+                table.lengths[:s] = args.context
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[: args.top]
+        total = sum(e.device_time_total for e in prof.key_averages()) / 5
+        print(f"\nwidth {w}, eager: {total / 1e3:.3f} ms of kernels per step")
+        print("| kernel | us per step | share |\n|---|---|---|")
+        for e in events:
+            print(f"| {e.key[:70]} | {e.device_time_total / 5:.1f} | {e.device_time_total / 5 / total:.1%} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="profile", required=True)
@@ -170,8 +279,21 @@ def main() -> None:
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--output-len", type=int, default=2048)
     t.add_argument("--device", default="cuda")
+    h = sub.add_parser("host", help="the host's time per decode step by function (cProfile), spec off against n-gram")
+    h.add_argument("--prompts", type=int, default=64)
+    h.add_argument("--n", type=int, default=8)
+    h.add_argument("--temperature", type=float, default=1.0)
+    h.add_argument("--output-len", type=int, default=256)
+    h.add_argument("--width", type=int, default=None, help="n-gram: every step this wide (the budget off)")
+    h.add_argument("--top", type=int, default=25)
+    h.add_argument("--device", default="cuda")
+    v = sub.add_parser("verify", help="a decode/verify step's device time by width, and its kernels")
+    v.add_argument("--seqs", type=int, default=128)
+    v.add_argument("--context", type=int, default=2000)
+    v.add_argument("--widths", default="0,1,2,4,8")
+    v.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
-    {"draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps}[args.profile](args)
+    {"draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "verify": verify}[args.profile](args)
 
 
 if __name__ == "__main__":

@@ -181,3 +181,21 @@ def test_release_and_resume_memory_free_the_pool_and_the_weights_and_change_no_o
     resumed = engine.resume_memory(None)
     assert resumed["released"] == [] and engine.runner.graphs.captured
     assert agreement(before, run(engine, prompts, temperature=0)) == 1.0
+
+
+def test_steps_after_admission_never_make_the_host_wait_for_the_device(engines, prompts):
+    """Once every prompt is in, decode and verify steps chain: nothing but a step's one result copy
+    may wait for the device (torch's sync debug mode raises on a blocking copy or an `.item()`).
+    Samples of different lengths finish throughout, so their rows leave the index as history."""
+    engine = engines["graphs_spec_on"]
+    reqs = [engine.add_request(p, SamplingParams(n=4, temperature=1.0, max_new_tokens=16 + 8 * i, seed=i))
+            for i, p in enumerate(prompts)]
+    while engine.scheduler.waiting:
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while not all(r.finished for r in reqs):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.spec.index.history_rows_used > 0

@@ -54,17 +54,23 @@ class TokenTable:
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
         """Rows `dsts` take the first `length` tokens of row `src` (a fork's prompt)."""
         if dsts and length:
-            self.tokens[dsts, :length] = self.tokens[src, :length]
+            self.tokens[to_device(np.array(dsts, dtype=np.int64), self.device), :length] = self.tokens[src, :length]
 
     def keep(self, src: int, dst: int, length: int, prompt_len: int) -> None:
         """History row `dst` takes the first `length` tokens of live row `src` (a finished sample)."""
         self.tokens[dst, :length] = self.tokens[src, :length]
-        self.lengths[dst] = length
-        self.prompt_lens[dst] = prompt_len
+        _set(self.lengths, dst, length)
+        _set(self.prompt_lens, dst, prompt_len)
 
     def forget(self, row: int) -> None:
-        self.lengths[row] = 0
+        _set(self.lengths, row, 0)
 
     def read(self, row: int) -> list[int]:
         """A row's tokens (a host sync: for tests and checks)."""
         return self.tokens[row, : int(self.lengths[row])].tolist()
+
+
+def _set(t: torch.Tensor, i: int, value: int) -> None:
+    """t[i] = value, queued on the device like a kernel. (`t[i] = value` copies a host scalar to
+    the device and waits for everything queued before it: a pipeline drain per finished sample.)"""
+    t[i : i + 1].fill_(value)
