@@ -76,10 +76,9 @@ recipe)  # the GRPO recipe re-sampling its prompts: rollout seconds per step, n-
   ;;
 profile)  # where a verify step's device time and a decode step's host time go (bench/step_profile.py verify, host)
   P="timeout 300 python3 bench/step_profile.py"
-  { $P verify --seqs 128 --context 2000; $P verify --seqs 512 --context 300 --widths 0,1,2,3; } 2>&1 \
+  { $P verify --seqs 128 --context 2000; $P verify --seqs 512 --context 300; } 2>&1 \
     | grep -v -i -e warn | tee "$OUT/verify.log"
-  { $P host --output-len 256 --top 30; $P host --output-len 256 --width 2 --top 30; } 2>&1 \
-    | grep -v -i -e warn | tee "$OUT/host.log"
+  $P host --output-len 256 --top 30 2>&1 | grep -v -i -e warn | tee "$OUT/host.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"

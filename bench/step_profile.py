@@ -4,8 +4,8 @@
     python bench/step_profile.py gemm [--rows 1] [--pdl]
     python bench/step_profile.py sampling
     python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
-    python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--width W]
-    python bench/step_profile.py verify [--seqs 128] [--context 2000] [--widths 0,2,4,8]
+    python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--fixed]
+    python bench/step_profile.py verify [--seqs 128] [--context 2000] [--draft-rows 0,16,...]
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
@@ -18,13 +18,15 @@
   each alone in a CUDA graph, over the default model's vocabulary.
 - steps: where a rollout's time goes, spec off against n-gram: the `rl` workload's prompts
   (one warm-up rollout each, then the measured one), its steps grouped by batch-size bucket and
-  width from `Engine.step_log`: how many, and the median wall, device and host milliseconds.
-- host: where the host's time per decode step goes, spec off against n-gram (`--width W`: the
-  budget off, every step W wide): cProfile around the measured rollout's steps, functions by
-  their own time per decode step; the wait for the device is the `synchronize` row.
-- verify: what a step's width costs the device, apart from acceptance: `--seqs` sequences with
-  `--context` tokens of KV each, the captured decode/verify graph of each width replayed (what
-  the engine runs), then the eager step's kernels by device time at the narrowest and widest width.
+  draft rows from `Engine.step_log`: how many, and the median wall, device and host milliseconds.
+- host: where the host's time per decode step goes, spec off against n-gram (`--fixed`: the
+  budget off, every step verifies as many drafts as fit): cProfile around the measured
+  rollout's steps, functions by their own time per decode step; the wait for the device is the
+  `synchronize` row.
+- verify: what a step's draft rows cost the device, apart from acceptance: `--seqs` sequences
+  with `--context` tokens of KV each, the captured decode/verify graph of each number of draft
+  rows replayed (what the engine runs; default: the budget's choices for that batch), then the
+  eager step's kernels by device time at the fewest and the most.
 
 Each prints a Markdown table.
 """
@@ -146,11 +148,11 @@ def steps(args: argparse.Namespace) -> None:
         groups: dict[tuple[int, int], list] = {}
         for r in engine.step_log:
             if not r.prefill:
-                groups.setdefault((bucket(r.num_seqs), r.width), []).append(r)
+                groups.setdefault((bucket(r.num_seqs), r.draft_rows), []).append(r)
         total = sum(r.wall_ms for r in engine.step_log)
         print(f"\n{spec}: {engine.stats()['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
               f"{total / 1e3:.2f} s of steps")
-        print("| bucket | width | steps | share of time | wall ms | device ms | host ms |\n|---|---|---|---|---|---|---|")
+        print("| bucket | draft rows | steps | share of time | wall ms | device ms | host ms |\n|---|---|---|---|---|---|---|")
         for (b, w), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
             med = lambda f, rs=rs: statistics.median(f(r) for r in rs)  # noqa: E731
             share = sum(r.wall_ms for r in rs) / total
@@ -171,9 +173,7 @@ def host(args: argparse.Namespace) -> None:
     from rollout.tools.bench import workload_prompts
 
     for mode in ("off", "ngram"):
-        spec = SpecConfig(method=mode)
-        if mode != "off" and args.width is not None:
-            spec = SpecConfig(method=mode, max_draft_tokens=args.width, adaptive=False)
+        spec = SpecConfig(method=mode, adaptive=not args.fixed)
         engine = Engine(model="default", spec=spec, device=args.device, max_running_seqs=args.prompts * args.n)
         freeze_heap()
         opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
@@ -210,9 +210,9 @@ def verify(args: argparse.Namespace) -> None:
     from rollout import Engine
     from rollout.engine.step import DecodeInputs
 
-    widths = [int(w) for w in args.widths.split(",")]
     engine = Engine(model="default", spec="ngram", device="cuda", max_running_seqs=args.seqs,
                     max_model_len=args.context + 200)
+    counts = [int(c) for c in args.draft_rows.split(",")] if args.draft_rows else engine.spec.budget.capacities(args.seqs)
     table, pool, s = engine.table, engine.pool, args.seqs
     g = torch.Generator().manual_seed(0)
     for r in range(s):  # random tokens, and KV slots spread over the pool as a long rollout leaves them
@@ -223,19 +223,18 @@ def verify(args: argparse.Namespace) -> None:
     rows = torch.arange(s, dtype=torch.int32, device="cuda")
     graphs = engine.runner.graphs
 
-    def inputs(width: int) -> DecodeInputs:
-        n = width + 1
-        i64 = torch.zeros(s * n + 2 * s, dtype=torch.int64, device="cuda")  # slots all 0: the dump slot
+    def inputs(c: int) -> DecodeInputs:
+        i64 = torch.zeros(s + c + 2 * s, dtype=torch.int64, device="cuda")  # slots all 0: the dump slot
         i32 = torch.cat([rows, torch.zeros(s, dtype=torch.int32, device="cuda")])
         f32 = torch.tensor([1.0] * s + [1.0] * s + [0.0] * s, device="cuda")
-        return DecodeInputs(i64, i32, f32, s, n)
+        return DecodeInputs(i64, i32, f32, s, s + c)
 
     print(f"{s} sequences, {args.context} tokens of KV each, T=1 (the step writes nothing it keeps: lengths reset)")
-    print("| width | graph replay ms | vs width 0 |\n|---|---|---|")
+    print("| draft rows | graph replay ms | vs none |\n|---|---|---|")
     base = None
-    for w in widths:
-        graph = graphs.graph(graphs.shape(s, w, w > 0, "sample"))
-        x = inputs(w)
+    for c in counts:
+        graph = graphs.graph(graphs.shape(s, c, c > 0, "sample"))
+        x = inputs(c)
         for dst, src in zip((graph.inputs.i64, graph.inputs.i32, graph.inputs.f32), (x.i64, x.i32, x.f32)):
             dst.copy_(src)
 
@@ -245,17 +244,17 @@ def verify(args: argparse.Namespace) -> None:
 
         ms = triton.testing.do_bench(replay, return_mode="median")
         base = base or ms
-        print(f"| {w} | {ms:.3f} | {ms / base:.2f}x |")
-    for w in (widths[0], widths[-1]):
-        x = inputs(w)
+        print(f"| {c} | {ms:.3f} | {ms / base:.2f}x |")
+    for c in (counts[0], counts[-1]):
+        x = inputs(c)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                engine.runner.run_decode(x, w, w > 0, "sample", max_kv_len=args.context + 20)
+                engine.runner.run_decode(x, c, c > 0, "sample", max_kv_len=args.context + 20)
                 table.lengths[:s] = args.context
             torch.cuda.synchronize()
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[: args.top]
         total = sum(e.device_time_total for e in prof.key_averages()) / 5
-        print(f"\nwidth {w}, eager: {total / 1e3:.3f} ms of kernels per step")
+        print(f"\n{c} draft rows, eager: {total / 1e3:.3f} ms of kernels per step")
         print("| kernel | us per step | share |\n|---|---|---|")
         for e in events:
             print(f"| {e.key[:70]} | {e.device_time_total / 5:.1f} | {e.device_time_total / 5 / total:.1%} |")
@@ -284,13 +283,13 @@ def main() -> None:
     h.add_argument("--n", type=int, default=8)
     h.add_argument("--temperature", type=float, default=1.0)
     h.add_argument("--output-len", type=int, default=256)
-    h.add_argument("--width", type=int, default=None, help="n-gram: every step this wide (the budget off)")
+    h.add_argument("--fixed", action="store_true", help="n-gram: every step verifies as many drafts as fit (the budget off)")
     h.add_argument("--top", type=int, default=25)
     h.add_argument("--device", default="cuda")
-    v = sub.add_parser("verify", help="a decode/verify step's device time by width, and its kernels")
+    v = sub.add_parser("verify", help="a decode/verify step's device time by draft rows, and its kernels")
     v.add_argument("--seqs", type=int, default=128)
     v.add_argument("--context", type=int, default=2000)
-    v.add_argument("--widths", default="0,1,2,4,8")
+    v.add_argument("--draft-rows", default=None, help="comma-separated (default: the budget's for --seqs)")
     v.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
     {"draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "verify": verify}[args.profile](args)

@@ -19,10 +19,18 @@ query q = its last `window` tokens:
    (recency). Counts never grow with depth, so a prefix always ranks above its extensions and
    the chosen set is a tree whose parents precede their children.
 
+4. Confidence. Each draft node gets a key that orders drafts across sequences (a step verifies
+   only the best few; rollout/engine/model_runner.py): the share of candidates continuing with
+   its prefix, shrunk for few candidates, times that of a long match,
+   floor(1024 * count * m / ((found + 1) * (m + 1))) with m the match length and `found` the
+   candidates kept. Within a tree it never grows with the rank, so the best few of a sequence
+   are always a tree.
+
 Outputs per sequence ([S, width + 1], int64): node tokens, parents (-1: the root, -2: padding,
-never accepted), depths (root 0) and ancestor bitmasks (bit j: node j is the node or above it),
-with node 0 the root, the sequence's last token. `draft_trees` runs the Triton kernel on CUDA
-and `draft_trees_ref` elsewhere; the reference is the definition the kernel is held to.
+never accepted), depths (root 0), ancestor bitmasks (bit j: node j is the node or above it) and
+keys (-1 for the root and padding), with node 0 the root, the sequence's last token.
+`draft_trees` runs the Triton kernel on CUDA and `draft_trees_ref` elsewhere; the reference is
+the definition the kernel is held to.
 """
 
 from __future__ import annotations
@@ -37,18 +45,19 @@ if triton is not None:
 
 PADDING = -2  # parent of a padding node: it carries no draft and is never accepted
 BLOCK = 256  # positions matched per vector step of the kernel
+KEY_SCALE = 1024  # a key's resolution (step 4)
 
 
 def draft_trees(
     tokens: torch.Tensor, lengths: torch.Tensor, prompt_lens: torch.Tensor, history_start: int,
     rows: torch.Tensor, scan: torch.Tensor, window: int, min_match: int, cands: int, depth: int, width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trees of `width` drafts (and the root) for the sequences in `rows` [S] int32.
 
     tokens [R, C] int32: the token table; lengths, prompt_lens [R] int32; rows from
     `history_start` on hold history (older than live rows). scan [S, M] int32: the rows each
-    sequence searches, its own among them, -1 for none. Returns tokens, parents, depths and
-    ancestor masks, each [S, width + 1] int64. At most 255 rows are scanned per sequence."""
+    sequence searches, its own among them, -1 for none. Returns tokens, parents, depths, ancestor
+    masks and keys, each [S, width + 1] int64. At most 255 rows are scanned per sequence."""
     if use_triton(tokens) and rows.numel():
         return _draft_triton(tokens, lengths, prompt_lens, history_start, rows, scan, window, min_match, cands,
                              depth, width)
@@ -95,11 +104,11 @@ def draft_trees_ref(tokens, lengths, prompt_lens, history_start, rows, scan, win
     found = top >= 0
     cand_t = t_safe.gather(1, where // cap)
     cand_c = where % cap
-    return _tree_from_candidates(tokens, lengths, rows, cand_t, cand_c, found, depth, width)
+    return _tree_from_candidates(tokens, lengths, rows, cand_t, cand_c, found, best, depth, width)
 
 
-def _tree_from_candidates(tokens, lengths, rows, cand_t, cand_c, found, depth, width):
-    """Steps 3 of the module docstring, batched: candidates [S, K] -> the four [S, width + 1] outputs."""
+def _tree_from_candidates(tokens, lengths, rows, cand_t, cand_c, found, best, depth, width):
+    """Steps 3 and 4 of the module docstring, batched: candidates [S, K] -> the five [S, width + 1] outputs."""
     dev = tokens.device
     s, k = cand_t.shape
     d_idx = torch.arange(depth, device=dev)
@@ -125,11 +134,14 @@ def _tree_from_candidates(tokens, lengths, rows, cand_t, cand_c, found, depth, w
     parent = torch.cat([torch.zeros(s, k, 1, dtype=torch.long, device=dev), node_at[:, :, :-1]], dim=2)
     bits = torch.where(node_at > 0, 1 << node_at, 0)
     anc = 1 + bits.cumsum(dim=2)  # distinct bits: the sum is their OR
+    m = best[:, None, None]
+    key = (KEY_SCALE * count * m) // ((found.sum(dim=1)[:, None, None] + 1) * (m + 1))  # [S, K, D]
     out_tok = torch.zeros(s, width + 1, dtype=torch.long, device=dev)
     out_par = torch.full((s, width + 1), PADDING, dtype=torch.long, device=dev)
     out_dep = torch.ones(s, width + 1, dtype=torch.long, device=dev)
     nodes = torch.arange(width + 1, device=dev)
     out_anc = 1 | (1 << nodes).expand(s, -1).clone()
+    out_key = torch.full((s, width + 1), -1, dtype=torch.long, device=dev)
     root_len = lengths[rows.long()].long()
     out_tok[:, 0] = tokens[rows.long(), (root_len - 1).clamp(min=0)].long()
     out_par[:, 0], out_dep[:, 0], out_anc[:, 0] = -1, 0, 1
@@ -140,7 +152,8 @@ def _tree_from_candidates(tokens, lengths, rows, cand_t, cand_c, found, depth, w
     out_par[bidx, target] = parent.view(s, -1)[bidx, fidx]
     out_dep[bidx, target] = (fidx % depth) + 1
     out_anc[bidx, target] = anc.view(s, -1)[bidx, fidx]
-    return out_tok, out_par, out_dep, out_anc
+    out_key[bidx, target] = key.view(s, -1)[bidx, fidx]
+    return out_tok, out_par, out_dep, out_anc, out_key
 
 
 # ---------------- the kernel ----------------
@@ -149,11 +162,11 @@ def _draft_triton(tokens, lengths, prompt_lens, history_start, rows, scan, windo
         raise ValueError(f"the drafting kernel takes a power-of-two number of candidates (got {cands})")
     s, m = scan.shape
     dev = tokens.device
-    outs = [torch.empty(s, width + 1, dtype=torch.int64, device=dev) for _ in range(4)]
+    outs = [torch.empty(s, width + 1, dtype=torch.int64, device=dev) for _ in range(5)]
     _draft_kernel[(s,)](
         tokens, lengths, prompt_lens, rows, scan, *outs, tokens.stride(0), scan.stride(0), history_start, m,
         WINDOW=window, MIN_MATCH=min_match, K=cands, DEPTH=depth, D=triton.next_power_of_2(depth), WIDTH=width,
-        NODES=triton.next_power_of_2(width + 1), BLOCK=BLOCK, num_warps=4, **pdl.launch_args(),
+        NODES=triton.next_power_of_2(width + 1), BLOCK=BLOCK, KEY_SCALE=KEY_SCALE, num_warps=4, **pdl.launch_args(),
     )
     return tuple(outs)
 
@@ -189,10 +202,10 @@ if triton is not None:
     @triton.jit
     def _draft_kernel(
         tokens_ptr, lengths_ptr, prompt_lens_ptr, rows_ptr, scan_ptr,
-        out_tok_ptr, out_par_ptr, out_dep_ptr, out_anc_ptr,
+        out_tok_ptr, out_par_ptr, out_dep_ptr, out_anc_ptr, out_key_ptr,
         stride_tok, stride_scan, history_start, num_scan,
         WINDOW: tl.constexpr, MIN_MATCH: tl.constexpr, K: tl.constexpr, DEPTH: tl.constexpr, D: tl.constexpr,
-        WIDTH: tl.constexpr, NODES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        WIDTH: tl.constexpr, NODES: tl.constexpr, BLOCK: tl.constexpr, KEY_SCALE: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program per sequence: both passes over its scan rows, then its tree (draft_trees_ref's steps)."""
         pdl.wait_for_previous(PDL)
@@ -260,6 +273,8 @@ if triton is not None:
         parent = tl.sum(tl.where(shift[None, :, :], node_at[:, :, None], 0), 1)
         bits = tl.where(node_at > 0, tl.full([K, D], 1, tl.int64) << node_at, 0)
         anc = 1 + tl.cumsum(bits, 1)
+        m = best.to(tl.int64)
+        key = (KEY_SCALE * count * m) // ((tl.sum(found.to(tl.int64), 0) + 1) * (m + 1))  # [K, D]
         # outputs: padding everywhere and the root, then the chosen prefixes at their node index
         nodes = tl.arange(0, NODES)
         node_ok = nodes <= WIDTH
@@ -270,9 +285,11 @@ if triton is not None:
         tl.store(out_par_ptr + base + nodes, tl.where(nodes == 0, -1, -2), mask=node_ok)
         tl.store(out_dep_ptr + base + nodes, tl.where(nodes == 0, 0, 1), mask=node_ok)
         tl.store(out_anc_ptr + base + nodes, tl.where(nodes == 0, 1, 1 | (one << nodes.to(tl.int64))), mask=node_ok)
+        tl.store(out_key_ptr + base + nodes, -one, mask=node_ok)
         tl.debug_barrier()
         target = base + node_of
         tl.store(out_tok_ptr + target, cont, mask=chosen)
         tl.store(out_par_ptr + target, parent, mask=chosen)
         tl.store(out_dep_ptr + target, dd[None, :].to(tl.int64) + 1 + tl.zeros([K, D], tl.int64), mask=chosen)
         tl.store(out_anc_ptr + target, anc, mask=chosen)
+        tl.store(out_key_ptr + target, key, mask=chosen)

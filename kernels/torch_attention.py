@@ -15,11 +15,12 @@ from kernels.attention import AttentionMetadata
 
 
 def dense_mask(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (seq_of_token [T], index_in_seq [T], allowed [T, max_kv_len] bool)."""
+    """Returns (seq_of_token [T'], index_in_seq [T'], allowed [T', max_kv_len] bool) for the T' tokens
+    that belong to a sequence (the first qo_indptr[-1]; a step's rows past them are left over)."""
     device = meta.seq_rows.device
     qo = meta.qo_indptr.long()
     q_lens = qo[1:] - qo[:-1]
-    num_tokens = int(meta.out_slots.shape[0])
+    num_tokens = int(qo[-1])  # (a host sync: this is the reference)
     seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), q_lens, output_size=num_tokens)
     index_in_seq = torch.arange(num_tokens, device=device) - qo[seq_of_token]
     num_cached = (meta.kv_lens.long() - q_lens)[seq_of_token]  # [T]
@@ -29,7 +30,7 @@ def dense_mask(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, tor
     if meta.tree_mask is None:
         among_new = new_index <= index_in_seq[:, None]
     else:
-        bit = torch.bitwise_right_shift(meta.tree_mask[:, None], new_index.clamp(0, 63)) & 1
+        bit = torch.bitwise_right_shift(meta.tree_mask[:num_tokens, None], new_index.clamp(0, 63)) & 1
         among_new = bit.bool()
     allowed = in_seq & ((new_index < 0) | among_new)
     return seq_of_token, index_in_seq, allowed
@@ -60,7 +61,7 @@ class TorchAttention:
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k_cache.shape[1]
         q_pad = q.new_zeros(meta.num_seqs, self._q_rows, num_heads, head_dim)
-        q_pad[self._seq_of_token, self._index_in_seq] = q
+        q_pad[self._seq_of_token, self._index_in_seq] = q[: len(self._seq_of_token)]
         # [B, num_heads, max_kv, head_dim]
         keys = k_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
         values = v_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
@@ -71,4 +72,6 @@ class TorchAttention:
         probs = scores.masked_fill(~self._mask, float("-inf")).softmax(dim=-1)  # [B, H, q_rows, max_kv]
         result = torch.matmul(probs, values.double()).to(q.dtype)  # [B, num_heads, q_rows, head_dim]
         result = result.transpose(1, 2)[self._seq_of_token, self._index_in_seq]
+        if len(result) < len(q):  # rows left over: zeros
+            result = torch.cat([result, result.new_zeros(len(q) - len(result), num_heads, head_dim)])
         return result if out is None else out.copy_(result)

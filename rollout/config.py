@@ -172,13 +172,13 @@ class SpecConfig:
 
     method: str = option("auto", "auto = the best drafter the model allows (today ngram)", ("off", "ngram", "auto"))
     max_draft_tokens: int = option(8, "the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63")
-    max_verify_tokens: int = option(2048, "tokens verified per step over the whole batch; speculation narrows as the batch grows")
+    max_verify_tokens: int = option(2048, "rows a step computes over the whole batch (a root per sequence and its drafts); speculation narrows as the batch grows")
     min_match: int = option(1, "the shortest suffix of a sequence that drafts")
     max_match: int = option(6, "the longest suffix matched (the search window)")
     history_rows: int = option(1024, "finished samples kept on the device for later rollouts of their prompt")
     history_per_prompt: int = option(16, "of those, at most this many per prompt (the newest)")
     share_siblings: bool = option(True, "share drafts between sibling samples and with earlier rollouts of the prompt")
-    adaptive: bool = option(True, "adapt the width to measured costs and acceptance, rather than draft the widest tree that fits")
+    adaptive: bool = option(True, "adapt the drafts verified per step to measured costs and acceptance, rather than verify as many as fit")
 
     def __post_init__(self) -> None:
         _check_choices(self, "spec ")

@@ -1,34 +1,33 @@
-"""How wide each step drafts: measured step costs against measured acceptance.
+"""How many drafts each step verifies: measured costs against measured acceptance.
 
-A step verifies `width` draft nodes per sequence (width 0: plain decoding). What that brings is
-acc(w), the drafts accepted per sequence at that width; what it costs is the step's wall time
-cost(b, w) at the batch-size bucket b. Each step takes the width with the most tokens per
-second, S (1 + acc(w)) / cost(b, w), among the widths that fit (S (w + 1) tokens at most
-`max_verify_tokens`, and as many free KV slots).
+A step verifies the batch's best `C` drafts (its draft rows; C = 0: plain decoding), chosen on
+the device by key across all sequences (kernels/draft_rows.py). The capacities a step of batch
+bucket b may take are fixed fractions of the bucket (`FRACTIONS` draft rows per sequence, the
+steps' CUDA graphs are captured for them), within `max_verify_tokens` rows in all and as many
+free KV slots. Each step takes the capacity with the most tokens per second,
+S (1 + acc(C)) / cost(b, C).
 
-- Acceptance is read off the drafter's whole trees, which come back every SHADOW_EVERY steps
-  whether the step drafts or not (drafting runs on the device and costs the host nothing):
-  once the tree's sequence has emitted the tokens after its root, acc(w) for every width is
-  how deep the tree's top-w nodes match them (spec/speculator.py). Under counter-based
-  sampling a draft is accepted exactly when it equals the token the sequence emits anyway, so
-  this is what verification would find, without verifying anything. Evaluations are averaged
-  with decaying weights.
-- Costs: steps overlap the host's work, so a step costs the larger of its device time and
-  the host's time per step. Device times come from CUDA events around each step (exact, read
-  one step late). A step's device time grows with its sequences' contexts (attention reads
-  them all) whatever its width, while what a width adds (more tokens through the same
-  weights) does not. So per bucket the budget keeps what a plain step costs the device now
-  (the median of its last few) and, per width, what a drafting step cost above the plain cost
-  of its time. The host's time per step is kept per (bucket, width): a wider step has more
-  slots to lay out, keep or free and more tokens to append, and where the host is the
-  bottleneck that, not the device, is what drafting costs. A width not measured yet at a
-  bucket is taken to add nothing, so it gets tried as soon as acceptance says it may pay.
-  While drafting, every REFRESH_EVERY-th step decodes plainly, so the plain cost follows the
-  contexts as they grow.
+- acc(C), the drafts accepted per sequence, is read off the drafter's whole trees, which come
+  back every SHADOW_EVERY steps whether the step drafts or not (drafting runs on the device and
+  costs the host nothing): once the tree's sequence has emitted the tokens after its root, the
+  speculator replays the device's choice of the best C drafts for every fraction and counts how
+  deep each sequence's chosen nodes match what it emitted (spec/speculator.py). Under
+  counter-based sampling a draft is accepted exactly when it equals the token the sequence
+  emits anyway, so this is what verification would find, without verifying anything.
+  Evaluations are averaged with decaying weights.
+- cost(b, C): steps overlap the host's work, so a step costs the larger of its device time and
+  the host's time per step, each a plain step's (the median of its last few at this bucket)
+  plus C times what a draft row adds. A row adds about the same whatever the bucket (one more
+  token through the same weights; attention reads each sequence's cache once for all its
+  rows), so what a row adds is one number for the device and one for the host, the medians of
+  what the last drafting steps added per row; until one was measured, a row is taken to cost a
+  tenth of a plain step's time per sequence. While drafting, every REFRESH_EVERY-th step
+  decodes plainly, so the plain costs follow the contexts as they grow.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -38,77 +37,101 @@ import numpy as np
 from rollout.engine.step import bucket
 
 SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance statistics
-COST_WINDOW = 5  # costs are medians of the last this many steps
+COST_WINDOW = 5  # plain costs are medians of the last this many steps
+ROW_WINDOW = 16  # and a row's, of the last this many drafting steps
 REFRESH_EVERY = 16  # while drafting, one plain step in this many keeps the plain cost current
-ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc(w)
-WIDTHS = (0, 1, 2, 4, 8, 16, 32, 63)  # the widths a step may take, up to SpecConfig.max_draft_tokens
-
+ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc
+PRIOR_ROW_SHARE = 0.1  # a draft row's cost until one is measured, as a share of a plain step's per sequence
+FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # draft rows per sequence a step may take
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    width: int  # draft nodes verified per sequence (0: plain decoding)
-    drafting: bool  # the drafter runs (width > 0, or for the statistics only)
+    draft_rows: int  # drafts verified at most (0: plain decoding)
+    drafting: bool  # the drafter runs (draft rows, or for the statistics only)
     shadow: bool  # its whole trees come back to the host
+
+
+def draft_rows(fraction: float, num_seqs: int, depth: int) -> int:
+    """The draft rows of `fraction` per sequence for `num_seqs` sequences: at least one, at most
+    every draft of every tree."""
+    return min(math.ceil(fraction * num_seqs), num_seqs * depth)
 
 
 class DraftBudget:
     def __init__(self, max_draft_tokens: int, max_verify_tokens: int, adaptive: bool = True):
-        self.widths = [w for w in WIDTHS if w <= max_draft_tokens]
+        self.depth = max_draft_tokens
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
-        self.acc = np.zeros(len(self.widths))  # accepted drafts per sequence, by width
+        self.acc = np.zeros(len(FRACTIONS))  # accepted drafts per sequence, by fraction
         self._plain: dict[int, deque] = {}  # bucket -> recent device times of plain steps
-        self._extra: dict[tuple[int, int], deque] = {}  # (bucket, width) -> recent device times above plain
-        self._host: dict[tuple[int, int], deque] = {}  # (bucket, width) -> recent host times per step
+        self._plain_host: dict[int, deque] = {}  # bucket -> recent host times of plain steps
+        self._row = deque(maxlen=ROW_WINDOW)  # device time a draft row added, recent drafting steps
+        self._row_host = deque(maxlen=ROW_WINDOW)  # host time a draft row added
+        self._levels: dict[int, list[tuple[int, int]]] = {}
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
+
+    def capacities(self, b: int) -> list[int]:
+        """The draft rows a step of bucket b may verify, 0 included (its CUDA graphs' shapes)."""
+        return [0] + [c for _, c in self._levels_of(b)]
+
+    def _levels_of(self, b: int) -> list[tuple[int, int]]:
+        """(fraction index, draft rows) for bucket b: distinct rows, each with the largest fraction
+        that gives them (that is what a step of b sequences gets per sequence)."""
+        if b not in self._levels:
+            rows: dict[int, int] = {}
+            for i, f in enumerate(FRACTIONS):
+                c = draft_rows(f, b, self.depth)
+                if c and b + c <= self.max_verify_tokens:
+                    rows[c] = i
+            self._levels[b] = sorted((i, c) for c, i in rows.items())
+        return self._levels[b]
 
     def plan(self, num_seqs: int, free_slots: int) -> StepPlan:
         self._steps += 1
         shadow = self._steps % SHADOW_EVERY == 0
-        room = min(self.max_verify_tokens, free_slots)
-        fits = [i for i, w in enumerate(self.widths) if num_seqs * (w + 1) <= room] or [0]
-        if not self.adaptive:
-            w = self.widths[fits[-1]]
-        else:
-            b = bucket(num_seqs)
-            plain = _median(self._plain.get(b))
-            w = 0
-            if plain is not None:  # (a bucket's first steps measure plain decoding)
-                cost = lambda w: max(plain + self._extra_cost(b, w), self._host_cost(b, w))  # noqa: E731
-                w = self.widths[max(fits, key=lambda i: (1 + self.acc[i]) / cost(self.widths[i]))]
-            if w:
-                self._drafting[b] = self._drafting.get(b, 0) + 1
-                if self._drafting[b] >= REFRESH_EVERY:
-                    w, self._drafting[b] = 0, 0
-        return StepPlan(w, w > 0 or shadow, shadow)
-
-    def observe_step(self, num_seqs: int, width: int, device_s: float, host_s: float) -> None:
         b = bucket(num_seqs)
-        self._host.setdefault((b, width), deque(maxlen=COST_WINDOW)).append(host_s)
-        if width == 0:
+        fits = [(i, c) for i, c in self._levels_of(b) if num_seqs + c <= free_slots]
+        c = 0
+        if fits and not self.adaptive:
+            c = fits[-1][1]
+        elif fits and (plain := _median(self._plain.get(b))) is not None:  # (a bucket's first steps measure plain decoding)
+            host = _median(self._plain_host.get(b)) or 0.0
+            prior = PRIOR_ROW_SHARE * plain / b
+            row, row_host = (prior if not d else statistics.median(d) for d in (self._row, self._row_host))
+            value = lambda acc, c: (1 + acc) / max(plain + c * row, host + c * row_host)  # noqa: E731
+            best = max(fits, key=lambda ic: value(self.acc[ic[0]], ic[1]))
+            if value(self.acc[best[0]], best[1]) > value(0.0, 0):
+                c = best[1]
+        if c and self.adaptive:
+            self._drafting[b] = self._drafting.get(b, 0) + 1
+            if self._drafting[b] >= REFRESH_EVERY:
+                c, self._drafting[b] = 0, 0
+        return StepPlan(c, c > 0 or shadow, shadow)
+
+    def observe_step(self, num_seqs: int, rows: int, device_s: float, host_s: float) -> None:
+        b = bucket(num_seqs)
+        if rows == 0:
             self._plain.setdefault(b, deque(maxlen=COST_WINDOW)).append(device_s)
-        elif (plain := _median(self._plain.get(b))) is not None:
-            self._extra.setdefault((b, width), deque(maxlen=COST_WINDOW)).append(device_s - plain)
+            self._plain_host.setdefault(b, deque(maxlen=COST_WINDOW)).append(host_s)
+            return
+        plain, host = _median(self._plain.get(b)), _median(self._plain_host.get(b))
+        if plain is not None:
+            self._row.append(max(device_s - plain, 0.0) / rows)
+            self._row_host.append(max(host_s - host, 0.0) / rows)
 
     def observe_acceptance(self, accepted: np.ndarray) -> None:
-        """accepted [S, widths]: the drafts each sequence's tree would have had accepted at each width."""
+        """accepted [S, fractions]: the drafts each sequence would have had accepted at each fraction."""
         if len(accepted):
             self.acc += ACCEPT_WEIGHT * (accepted.mean(axis=0) - self.acc)
 
-    def _extra_cost(self, b: int, width: int) -> float:
-        return max(_median(self._extra.get((b, width))) or 0.0, 0.0) if width else 0.0
-
-    def _host_cost(self, b: int, width: int) -> float:
-        """The host's time per step at this width, or at plain decoding until this width is measured."""
-        return _median(self._host.get((b, width))) or _median(self._host.get((b, 0))) or 0.0
-
     def costs(self) -> dict[str, float]:
-        """Milliseconds by bucket: plain steps, and what each width adds (for stats and benchmarks)."""
+        """Milliseconds (for stats and benchmarks): plain steps by bucket, and what a draft row adds."""
         out = {f"b{b}_plain": 1e3 * _median(v) for b, v in self._plain.items() if v}
-        out.update({f"b{b}_w{w}_host": 1e3 * _median(v) for (b, w), v in self._host.items() if v})
-        out.update({f"b{b}_w{w}_extra": 1e3 * _median(v) for (b, w), v in self._extra.items() if v})
+        out.update({f"b{b}_plain_host": 1e3 * _median(v) for b, v in self._plain_host.items() if v})
+        if self._row:
+            out["row"], out["row_host"] = 1e3 * _median(self._row), 1e3 * _median(self._row_host)
         return out
 
 

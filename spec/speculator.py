@@ -2,15 +2,15 @@
 
     spec = Speculator(config.spec, token_table)
     spec.join(seq) / spec.leave(seq, keep)       a sequence starts or stops running
-    plan = spec.plan(num_seqs, free_slots)       this step's width (0: plain decoding), drafting, shadow
-    ... the step runs (ModelRunner.launch_decode(batch, plan.width, plan.drafting, plan.shadow)) ...
-    spec.observe(seqs, root_lens, trees, width, device_s, host_s)   once collected, before its tokens are appended
+    plan = spec.plan(num_seqs, free_slots)       this step's draft rows (0: plain decoding), drafting, shadow
+    ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)) ...
+    spec.observe(seqs, root_lens, trees, draft_rows, device_s, host_s)   once collected, before its tokens are appended
     spec.stats()
 
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token
-table and the index's scan lines), so nothing here runs per token. `observe` keeps the trees
-that came back and, once their sequences have emitted the tokens after each root, scores them
-for the budget (spec/budget.py).
+table and the index's scan lines; kernels/draft_rows.py picks the batch's best drafts), so
+nothing here runs per token. `observe` keeps the trees that came back and, once their
+sequences have emitted the tokens after each root, scores them for the budget (spec/budget.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rollout.config import SpecConfig
 from rollout.engine.sequence import Sequence
 from rollout.engine.step import DraftSettings
 from rollout.engine.token_table import TokenTable
-from spec.budget import DraftBudget, StepPlan
+from spec.budget import FRACTIONS, DraftBudget, StepPlan, draft_rows
 from spec.index import NgramIndex
 
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
@@ -39,6 +39,7 @@ class _Trees:
     roots: np.ndarray  # [S]: each sequence's length when the tree was drafted (its root is the last token)
     tokens: np.ndarray  # [S, N]
     parents: np.ndarray  # [S, N]
+    keys: np.ndarray  # [S, N]
     age: int = 0
 
 
@@ -50,7 +51,7 @@ class Speculator:
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if self.enabled else None
         self._waiting: deque[_Trees] = deque()
-        self._widths: dict[int, int] = {}  # width -> steps
+        self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified
 
     def join(self, seq: Sequence) -> None:
         if self.enabled:
@@ -64,17 +65,18 @@ class Speculator:
         if not self.enabled:
             return StepPlan(0, False, False)
         plan = self.budget.plan(num_seqs, free_slots)
-        self._widths[plan.width] = self._widths.get(plan.width, 0) + 1
+        self._steps += 1
+        self._rows += plan.draft_rows
         return plan
 
-    def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, np.ndarray] | None,
-                width: int, device_s: float, host_s: float) -> None:
+    def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
+                draft_rows: int, device_s: float, host_s: float) -> None:
         """A decode or verify step was collected (before its tokens are appended: `roots` are the
         sequences' lengths then): its device time, and the host's time for it; `trees`: the
-        drafter's, if they came back."""
+        drafter's (tokens, parents, keys), if they came back."""
         if not self.enabled:
             return
-        self.budget.observe_step(len(seqs), width, device_s, host_s)
+        self.budget.observe_step(len(seqs), draft_rows, device_s, host_s)
         if trees is not None:
             self._waiting.append(_Trees(seqs, roots, *trees))
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known
@@ -83,7 +85,8 @@ class Speculator:
             t.age += 1
 
     def _score(self, t: _Trees) -> np.ndarray:
-        """[S, widths]: how many of each tree's drafts the emitted tokens confirm, using its top-w nodes."""
+        """[S, fractions]: how many of each tree's drafts the emitted tokens confirm, among the drafts
+        a step of that many draft rows would have verified (the device's choice, replayed)."""
         s, n = t.tokens.shape
         after = np.full((s, max(n - 1, 1)), -1, dtype=np.int64)  # the tokens each sequence emitted after its root
         for i, (seq, root) in enumerate(zip(t.seqs, t.roots.tolist())):
@@ -100,9 +103,11 @@ class Speculator:
             depth[:, j] = np.where(real, depth[rows, pj] + 1, 0)
             guess = after[rows, np.clip(depth[:, j] - 1, 0, None)]
             matched[:, j] = real & matched[rows, pj] & (t.tokens[:, j] == guess)
-        deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within the top j nodes
-        widths = np.minimum(self.budget.widths, n - 1)
-        return deepest[:, widths].astype(np.float64)
+        deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within a tree's first j nodes
+        out = np.zeros((s, len(FRACTIONS)))
+        for i, f in enumerate(FRACTIONS):
+            out[:, i] = deepest[rows, kept_drafts(t.keys, draft_rows(f, s, n - 1))]
+        return out
 
     def clear_history(self) -> None:
         if self.enabled:
@@ -111,13 +116,22 @@ class Speculator:
     def stats(self) -> dict:
         if not self.enabled:
             return {}
-        steps = sum(self._widths.values())
         out = {
             "rollout/spec_history_rows": self.index.history_rows_used,
             "rollout/spec_index_bytes": self.index.table.nbytes,
-            "rollout/spec_width_mean": sum(w * c for w, c in self._widths.items()) / steps if steps else 0.0,
+            "rollout/spec_draft_rows_mean": self._rows / self._steps if self._steps else 0.0,
         }
-        for w, a in zip(self.budget.widths, self.budget.acc.tolist()):
-            out[f"rollout/spec_accept_estimate_w{w}"] = a
+        for f, a in zip(FRACTIONS, self.budget.acc.tolist()):
+            out[f"rollout/spec_accept_estimate_f{f:g}"] = a
         out.update({f"rollout/spec_cost_ms_{k}": v for k, v in self.budget.costs().items()})
         return out
+
+
+def kept_drafts(keys: np.ndarray, capacity: int) -> np.ndarray:
+    """The drafts each tree keeps when a step verifies the batch's best `capacity` (keys [S, N], -1
+    for the root and padding): kernels/draft_rows.py's choice on the host, by key, then the earlier
+    node. Each tree keeps its first few drafts; returns how many [S]."""
+    s, n = keys.shape
+    flat = keys[:, 1:].reshape(-1)
+    order = np.lexsort((np.arange(len(flat)), -flat))[:capacity]
+    return np.bincount(order[flat[order] >= 0] // (n - 1), minlength=s)

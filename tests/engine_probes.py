@@ -14,11 +14,11 @@ def count_chained(engine: Engine) -> list[int]:
     chained, outstanding = [0, 0], []
     launch, collect = engine.runner.launch_decode, engine.runner.collect
 
-    def launching(batch, slots, drafting, shadow=False):
+    def launching(batch, slots, draft_rows, drafting, shadow=False):
         if outstanding:
             chained[0] += 1
-            chained[1] += outstanding[-1].width > 0
-        step = launch(batch, slots, drafting, shadow)
+            chained[1] += outstanding[-1].draft_rows > 0
+        step = launch(batch, slots, draft_rows, drafting, shadow)
         outstanding.append(step)
         return step
 
@@ -32,9 +32,10 @@ def count_chained(engine: Engine) -> list[int]:
     return chained
 
 
-def draft_every_other_step(engine: Engine, width: int = 4) -> None:
-    """Every other step drafts `width` nodes per sequence, so that decode steps follow verify steps."""
+def draft_every_other_step(engine: Engine, per_seq: int = 4) -> None:
+    """Every other step verifies `per_seq` draft rows per sequence, so that decode steps follow verify steps."""
     turn = itertools.cycle([True, False])
     engine.spec.plan = lambda num_seqs, free_slots: (
-        StepPlan(width, True, False) if next(turn) and num_seqs * (width + 1) <= free_slots else StepPlan(0, False, False)
+        StepPlan(per_seq * num_seqs, True, False) if next(turn) and num_seqs * (per_seq + 1) <= free_slots
+        else StepPlan(0, False, False)
     )

@@ -1,16 +1,20 @@
 """Speculation on the device: spec on equals spec off through preemption and weight updates, every
 token is indexed the step it is made, history is bounded and drafts for the next epoch, the budget
-chooses widths from costs and acceptance, and the acceptance it reads off returned trees is exact."""
+chooses a step's draft rows from costs and acceptance, the acceptance it reads off returned trees
+is exact, and the device keeps the drafts the host expects."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from rollout import Engine, SamplingParams, SpecConfig
 from rollout.tools.datasets import chat_prompt_ids
+from kernels.draft_rows import RowLayout, choose_drafts
+from kernels.ngram_draft import PADDING
 from spec.budget import REFRESH_EVERY, SHADOW_EVERY, DraftBudget
-from spec.speculator import Speculator, _Trees
+from spec.speculator import Speculator, _Trees, kept_drafts
 
 QUESTIONS = [
     "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
@@ -18,6 +22,7 @@ QUESTIONS = [
     "Count from one to twenty, separated by commas.",
 ]
 FIXED = SpecConfig(method="ngram", adaptive=False)
+FEW_ROWS = SpecConfig(method="ngram", adaptive=False, max_verify_tokens=8)  # 4 sequences, 4 drafts: the batch's best
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +41,12 @@ def same(a, b) -> None:
         assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0) <= 1e-5
 
 
-def test_greedy_spec_on_equals_spec_off_through_preemption(default_model_dir, default_engine, prompts):
+@pytest.mark.parametrize("spec", [FIXED, FEW_ROWS], ids=["every-draft", "best-drafts"])
+def test_greedy_spec_on_equals_spec_off_through_preemption(default_model_dir, default_engine, prompts, spec):
     params = SamplingParams(temperature=0, n=2, max_new_tokens=32, ignore_eos=True)
     small = dict(device="cpu", kv_cache_tokens=180)  # the pool runs dry: sequences are preempted and recomputed
     off = Engine(model=str(default_model_dir), spec="off", **small)
-    on = Engine(model=str(default_model_dir), spec=FIXED, **small)
+    on = Engine(model=str(default_model_dir), spec=spec, **small)
     same(outputs(off, prompts[:2], params), outputs(on, prompts[:2], params))
     assert on.scheduler.num_preempted > 0 and on.stats()["rollout/spec_accepted_tokens"] > 0
     assert on.pool.used_slots == 0
@@ -100,48 +106,79 @@ def test_history_is_bounded_and_drafts_the_next_epoch(model_dir):
     assert stats["rollout/spec_history_rows"] <= 6 and stats["rollout/spec_index_bytes"] > 0
 
 
-def test_the_budget_drafts_only_when_measured_acceptance_pays_for_measured_costs():
+def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measured_costs():
     budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512)
-    assert budget.widths == [0, 1, 2, 4, 8]
-    assert budget.plan(16, 10_000).width == 0  # a bucket's first steps measure plain decoding
+    assert budget.capacities(16) == [0, 2, 4, 8, 16, 32, 64, 128]
+    assert budget.capacities(1) == [0, 1, 2, 4, 8] and budget.capacities(256) == [0, 32, 64, 128, 256]  # <= 512 rows
+    assert budget.plan(16, 10_000).draft_rows == 0  # a bucket's first steps measure plain decoding
     for _ in range(5):
         budget.observe_step(16, 0, 0.010, 0.004)
-    assert budget.plan(16, 10_000).width == 0  # nothing known to be accepted
-    budget.observe_acceptance(np.array([[0, 1, 2, 3, 3]] * 16, dtype=float))
-    assert budget.acc.tolist() == pytest.approx([0, 0.3, 0.6, 0.9, 0.9])  # evaluations move it a share of the way
-    budget.acc[:] = [0, 1, 2, 3, 3]  # (as after many such evaluations)
-    assert budget.plan(16, 10_000).width == 4  # untried widths add nothing: the most accepted wins
-    for w, extra in ((1, 0.001), (2, 0.002), (4, 0.030), (8, 0.070)):
-        for _ in range(5):
-            budget.observe_step(16, w, 0.010 + extra, 0.004)
-    assert budget.plan(16, 10_000).width == 2  # (1 + 2) / 12 ms beats (1 + 1) / 11 ms and (1 + 3) / 40 ms
-    for _ in range(5):  # the contexts grew: plain steps cost more, drafting adds what it did
+    assert budget.plan(16, 10_000).draft_rows == 0  # nothing known to be accepted
+    acc = [0.1, 0.2, 0.4, 0.8, 1.2, 1.5, 1.6]  # accepted drafts per sequence, 1/8 ... 8 draft rows per sequence
+    budget.observe_acceptance(np.array([acc] * 16))
+    assert budget.acc.tolist() == pytest.approx([0.3 * a for a in acc])  # evaluations move it a share of the way
+    budget.acc[:] = acc  # (as after many such evaluations)
+    # no row measured yet: a tenth of a plain step per sequence, 62.5 us; (1 + 1.2) / 12 ms is the best
+    assert budget.plan(16, 10_000).draft_rows == 32
+    for _ in range(5):
+        budget.observe_step(16, 32, 0.018, 0.004)  # a row adds 0.25 ms
+    assert budget.plan(16, 10_000).draft_rows == 16  # (1 + 0.8) / 14 ms beats (1 + 1.2) / 18 ms
+    for _ in range(5):  # the contexts grew: plain steps cost more, a row adds what it did
         budget.observe_step(16, 0, 0.100, 0.004)
-    assert budget.plan(16, 10_000).width == 4  # (1 + 3) / 130 ms now beats (1 + 2) / 102 ms
+    assert budget.plan(16, 10_000).draft_rows == 64  # (1 + 1.5) / 116 ms
     for _ in range(5):  # the host lags plain steps: what the device adds is free up to its time...
         budget.observe_step(16, 0, 0.100, 0.200)
-    assert budget.plan(16, 10_000).width == 4  # (1 + 3) / 130 ms (the host's 4 ms measured at width 4)
-    for _ in range(5):  # ... but a width whose host time outgrows its gain loses
-        budget.observe_step(16, 4, 0.130, 0.300)
-    assert budget.plan(16, 10_000).width == 2  # (1 + 2) / 102 ms beats (1 + 3) / 300 ms and (1 + 0) / 200 ms
-    assert budget.plan(128, 10_000).width == 0 and budget.plan(16, 40).width == 1  # 16 x 3 nodes need 48 slots
-    widths = [budget.plan(16, 10_000).width for _ in range(4 * REFRESH_EVERY)]
-    assert widths.count(0) == 4  # while drafting, a plain step now and then keeps the plain cost current
+    assert budget.plan(16, 10_000).draft_rows == 128  # (1 + 1.6) / 200 ms
+    for _ in range(16):  # ... but not once the host's time grows with the rows: 2 ms a row
+        budget.observe_step(16, 64, 0.116, 0.328)
+    assert budget.plan(16, 10_000).draft_rows == 32  # (1 + 1.2) / 264 ms beats (1 + 1.5) / 328 ms and 1 / 200 ms
+    assert budget.plan(128, 10_000).draft_rows == 0 and budget.plan(16, 40).draft_rows == 16  # 16 + 16 slots fit
+    rows = [budget.plan(16, 10_000).draft_rows for _ in range(4 * REFRESH_EVERY)]
+    assert rows.count(0) == 4  # while drafting, a plain step now and then keeps the plain cost current
     fixed = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, adaptive=False)
-    assert fixed.plan(16, 10_000).width == 8 and fixed.plan(64, 10_000).width == 4
+    assert fixed.plan(16, 10_000).draft_rows == 128 and fixed.plan(64, 10_000).draft_rows == 256
     shadows = [fixed.plan(16, 10_000).shadow for _ in range(4 * SHADOW_EVERY)]
     assert sum(shadows) == 4
 
 
-def test_trees_are_scored_by_the_tokens_the_sequence_emitted_after_them(default_model_dir):
-    spec = Speculator(SpecConfig(method="ngram", max_draft_tokens=4), Engine(model=str(default_model_dir), spec="off",
-                                                                               device="cpu").table)
-    # root 9 -> 5 -> 6 -> 7 (nodes 1, 2, 4) and root -> 8 (node 3); the sequence went on 5 6 3
-    tokens = np.array([[9, 5, 6, 8, 7]])
-    parents = np.array([[-1, 0, 1, 0, 2]])
+def test_trees_are_scored_by_the_tokens_their_sequences_emitted_among_the_drafts_a_step_would_keep(default_engine):
+    spec = Speculator(SpecConfig(method="ngram", max_draft_tokens=4), default_engine.table)
+    # A: root 9 -> 5 -> 6 -> 7 (nodes 1, 2, 4) and root -> 8 (node 3); it went on 5 6 3
+    # B: root 3 -> 4 -> 4 (nodes 1, 2); it went on 4 4 4. B's drafts have the higher keys.
+    tokens = np.array([[9, 5, 6, 8, 7], [3, 4, 4, 0, 0]])
+    parents = np.array([[-1, 0, 1, 0, 2], [-1, 0, 1, -2, -2]])
+    keys = np.array([[-1, 400, 300, 200, 100], [-1, 900, 800, -1, -1]])
 
-    class Seq:
+    class A:
         tokens = [1, 2, 9, 5, 6, 3]
 
-    score = spec._score(_Trees([Seq()], np.array([3]), tokens, parents))
-    assert score.tolist() == [[0, 1, 2, 2]]  # widths 0, 1, 2, 4 (node 4 guessed 7, not 3)
+    class B:
+        tokens = [3, 4, 4, 4]
+
+    score = spec._score(_Trees([A(), B()], np.array([3, 1]), tokens, parents, keys))
+    # draft rows for 2 sequences at 1/8 ... 8 per sequence: 1, 1, 1, 2, 4, 8, 8 (of 8 drafts)
+    assert score.tolist() == [[0, 0, 0, 0, 2, 2, 2], [1, 1, 1, 2, 2, 2, 2]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_device_keeps_the_best_drafts_of_the_batch_as_the_host_replays_it(seed):
+    """kernels/draft_rows.py on random trees: each tree keeps its first few drafts, the batch the
+    `capacity` with the highest keys (as spec.speculator.kept_drafts replays it), and the rows lay
+    every kept node out once, sequence by sequence, root first."""
+    gen = torch.Generator().manual_seed(seed)
+    s, n = 6, 9
+    drafts = torch.randint(0, n, (s,), generator=gen)  # each tree's drafts: nodes 1..drafts[i]
+    node = torch.arange(n)
+    parents = torch.where(node < drafts[:, None] + 1, (node - 1 - torch.randint(0, 2, (s, n), generator=gen)).clamp(min=0), PADDING)
+    parents[:, 0] = -1
+    keys = torch.randint(1, 5, (s, n), generator=gen).sort(dim=1, descending=True).values  # never growing with rank
+    keys = torch.where(parents >= 0, keys, -1)
+    for capacity in (0, 1, 3, 7, s * (n - 1)):
+        chosen, counts = choose_drafts(parents, keys, capacity)
+        assert counts.tolist() == (1 + kept_drafts(keys.numpy(), capacity)).tolist()
+        assert int(counts.sum()) - s == min(capacity, int(drafts.sum()))
+        assert ((chosen[:, 1:] >= 0) == (node[1:] < counts[:, None])).all()  # the first few, a tree
+        layout = RowLayout.of(counts, n, s + capacity)
+        rows = layout.rows(torch.arange(s * n).view(s, n) + 1)  # (0: a row left over)
+        assert sorted(rows[rows > 0].tolist()) == [i * n + j + 1 for i in range(s) for j in range(int(counts[i]))]
+        assert torch.equal(layout.nodes(rows)[node < counts[:, None]], (torch.arange(s * n).view(s, n) + 1)[node < counts[:, None]])

@@ -3,12 +3,14 @@ that follows the definition line by line, on fresh random token streams."""
 
 from __future__ import annotations
 
+import math
 import random
+from fractions import Fraction
 
 import pytest
 import torch
 
-from kernels.ngram_draft import PADDING, draft_trees_ref
+from kernels.ngram_draft import KEY_SCALE, PADDING, draft_trees_ref
 
 
 def brute_force(table, lengths, prompt_lens, history_start, row, scan, window, min_match, cands, depth, width):
@@ -41,11 +43,14 @@ def brute_force(table, lengths, prompt_lens, history_start, row, scan, window, m
     tokens = [own[-1]] + [0] * width
     parents, depths = [-1] + [PADDING] * width, [0] + [1] * width
     anc = [1] + [1 | (1 << i) for i in range(1, width + 1)]
+    keys = [-1] * (width + 1)
     for p, i in node.items():
         tokens[i], depths[i] = p[-1], len(p)
         parents[i] = node[p[:-1]] if len(p) > 1 else 0
         anc[i] = 1 + sum(1 << node[p[:j]] for j in range(1, len(p) + 1))
-    return tokens, parents, depths, anc
+        share = Fraction(prefixes[p][0], len(chosen) + 1) * Fraction(best, best + 1)  # step 4
+        keys[i] = math.floor(KEY_SCALE * share)
+    return tokens, parents, depths, anc, keys
 
 
 def random_table(rng: random.Random, vocab: int, num_live: int, num_history: int, cap: int):
@@ -94,10 +99,11 @@ def test_reference_matches_the_brute_force_search(seed, window, width):
 def test_no_match_gives_a_root_and_padding_only():
     table = torch.tensor([[1, 2, 3, 4, 0, 0], [0] * 6, [7, 8, 9, 5, 0, 0]], dtype=torch.int32)
     lengths = torch.tensor([4, 0, 4], dtype=torch.int32)
-    tok, par, dep, anc = draft_trees_ref(table, lengths, torch.tensor([2, 0, 2], dtype=torch.int32), 1,
+    tok, par, dep, anc, key = draft_trees_ref(table, lengths, torch.tensor([2, 0, 2], dtype=torch.int32), 1,
                                          torch.tensor([0], dtype=torch.int32), torch.tensor([[0, 2]], dtype=torch.int32),
                                          window=3, min_match=1, cands=4, depth=4, width=3)
     assert tok.tolist() == [[4, 0, 0, 0]] and par.tolist() == [[-1, PADDING, PADDING, PADDING]]
+    assert key.tolist() == [[-1, -1, -1, -1]]
 
 
 def test_a_repeating_stream_drafts_its_continuation_and_siblings_outrank_history():
@@ -108,8 +114,10 @@ def test_a_repeating_stream_drafts_its_continuation_and_siblings_outrank_history
     table[3, :6] = torch.tensor([5, 6, 7, 1, 2, 9])
     lengths = torch.tensor([8, 7, 0, 6], dtype=torch.int32)
     prompt = torch.tensor([3, 3, 0, 3], dtype=torch.int32)
-    tok, par, dep, _ = draft_trees_ref(table, lengths, prompt, 3, torch.tensor([0], dtype=torch.int32),
+    tok, par, dep, _, key = draft_trees_ref(table, lengths, prompt, 3, torch.tensor([0], dtype=torch.int32),
                                        torch.tensor([[0, 1, 3]], dtype=torch.int32),
                                        window=2, min_match=1, cands=4, depth=3, width=4)
     # "1 2" continues with 3 (own row, sibling: twice) and 9 (history, once): 3 first
     assert tok[0, :3].tolist() == [2, 3, 9] and par[0, 1:3].tolist() == [0, 0]
+    # 3 candidates found, match length 2: "3" is 2 of them (1024 * 2/4 * 2/3), "9" one
+    assert key[0, 1:3].tolist() == [341, 170]

@@ -96,7 +96,7 @@ def test_a_sequence_cut_off_while_its_verify_step_runs_keeps_none_of_its_tree(mo
     engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
     draft_every_other_step(engine)
     reqs = [engine.add_request(p, params) for p in prompts]
-    while engine._in_flight is None or not engine._in_flight.width:
+    while engine._in_flight is None or not engine._in_flight.draft_rows:
         engine.step()
     victim = reqs[0].sequences[0]
     assert victim in engine._in_flight.batch.seqs  # its verify step runs

@@ -1,11 +1,12 @@
-"""CUDA graphs of decode and verify steps: one per (batch bucket, width, drafting, sampling mode).
+"""CUDA graphs of decode and verify steps: one per (batch bucket, draft rows, drafting, sampling mode).
 
 A decode step of a small model is mostly kernel-launch time; replaying a captured graph turns
 hundreds of launches into one. A graph holds the whole of a decode step (`ModelRunner.run_decode`): the
 drafter, the layout, the model, the draws (one graph per sampling mode: greedy, plain
 sampling, or with top-k/top-p/min-p truncation) and the accept walk. Its inputs are three
 small tensors (rows and groups, KV slots and RNG keys, sampling numbers), padded to the
-bucket with sequences of the pool's padding row, which change nothing; each launch copies the
+bucket with sequences of the pool's padding row, which change nothing (and rows past the real
+ones with the dump slot 0); each launch copies the
 host's arrays in (pinned staging, two sets used in turn: a step chained after another of the
 same shape may be staged while the earlier copy is still queued) and replays. Attention reads
 real lengths on the device, so one graph serves every context length. `capture_all` captures
@@ -24,7 +25,7 @@ from rollout.engine.step import BATCH_BUCKETS, DecodeInputs, DecodeOutputs, buck
 
 MODES = ("greedy", "sample")  # captured up front; truncation is captured when first used
 
-Shape = tuple[int, int, bool, str]  # batch bucket, width, drafting, sampling mode
+Shape = tuple[int, int, bool, str]  # batch bucket, draft rows, drafting, sampling mode
 
 
 @dataclass
@@ -38,16 +39,17 @@ class _Graph:
 
 class CudaGraphs:
     def __init__(self, run_decode: Callable[..., DecodeOutputs], attn_out: torch.Tensor, padding_row: int,
-                 max_batch: int, widths: list[int], drafting: bool):
-        """`run_decode(inputs, width, drafting, mode, attn_out=...)` is the step to capture (ModelRunner's);
-        `attn_out` [max tokens, heads, head_dim] its attention output buffer, shared by every graph."""
+                 max_batch: int, capacities: Callable[[int], list[int]], drafting: bool):
+        """`run_decode(inputs, draft_rows, drafting, mode, attn_out=...)` is the step to capture
+        (ModelRunner's); `attn_out` [max rows, heads, head_dim] its attention output buffer, shared by
+        every graph; `capacities(bucket)`: the draft rows a step of that bucket may have (0 included)."""
         self.run_decode = run_decode
         self.device = attn_out.device
         self.padding_row = padding_row
         self.batch_sizes = [b for b in BATCH_BUCKETS if b <= max_batch] or [max_batch]
-        self.widths = widths
+        self.capacities = capacities
         self.drafting = drafting
-        self.max_tokens = attn_out.shape[0]  # a verify step's tokens (sequences x nodes) at most
+        self.max_tokens = attn_out.shape[0]  # a step's rows at most
         self._attn_out = attn_out
         self._mempool = torch.cuda.graph_pool_handle()
         self._graphs: dict[Shape, _Graph] = {}
@@ -60,22 +62,22 @@ class CudaGraphs:
         self._graphs.clear()
         self._mempool = torch.cuda.graph_pool_handle()
 
-    def shape(self, num_seqs: int, width: int, drafting: bool, mode: str) -> Shape | None:
+    def shape(self, num_seqs: int, draft_rows: int, drafting: bool, mode: str) -> Shape | None:
         """The graph serving this step, or None (too large: run eagerly)."""
         b = bucket(num_seqs)
-        if b not in self.batch_sizes or b * (width + 1) > self.max_tokens:
+        if b not in self.batch_sizes or b + draft_rows > self.max_tokens:
             return None
-        return b, width, drafting, mode
+        return b, draft_rows, drafting, mode
 
     def shapes(self) -> list[Shape]:
         """Every shape the engine may ask for with the plain modes."""
         out = []
         for b in self.batch_sizes:
-            for w in self.widths:
-                if b * (w + 1) > self.max_tokens:
+            for c in self.capacities(b):
+                if b + c > self.max_tokens:
                     continue
-                variants = [True] if w else ([False, True] if self.drafting else [False])
-                out += [(b, w, d, m) for d in variants for m in MODES]
+                variants = [True] if c else ([False, True] if self.drafting else [False])
+                out += [(b, c, d, m) for d in variants for m in MODES]
         return out
 
     def capture_all(self) -> int:
@@ -88,14 +90,13 @@ class CudaGraphs:
         """Replay the graph for these host arrays (DecodeInputs.host_arrays of the real sequences);
         returns its outputs, cut to the real sequences."""
         g = self.graph(shape)
-        b, width, _, _ = shape
+        b, draft_rows, _, _ = shape
         i64, i32, f32 = arrays
         s = len(i32) // 2
-        n = width + 1
         staging = g.host[g.turn]
         g.turn ^= 1
         h64, h32, hf = (h.numpy() for h in staging)
-        _pad_into(h64, i64, s, b, n)
+        _pad_into(h64, i64, s, b, b + draft_rows)
         _pad_into_i32(h32, i32, s, b, self.padding_row)
         _pad_into_f32(hf, f32, s, b)
         for dst, src in zip((g.inputs.i64, g.inputs.i32, g.inputs.f32), staging):
@@ -109,18 +110,18 @@ class CudaGraphs:
         """The captured graph of this shape, captured now if it was not."""
         return self._graphs.get(shape) or self._capture(*shape)
 
-    def _capture(self, b: int, width: int, drafting: bool, mode: str) -> _Graph:
+    def _capture(self, b: int, draft_rows: int, drafting: bool, mode: str) -> _Graph:
         dev = self.device
-        n = width + 1
-        i64 = torch.zeros(b * n + 2 * b, dtype=torch.int64, device=dev)
+        r = b + draft_rows
+        i64 = torch.zeros(r + 2 * b, dtype=torch.int64, device=dev)
         i32 = torch.zeros(2 * b, dtype=torch.int32, device=dev)
         f32 = torch.zeros(3 * b, dtype=torch.float32, device=dev)
         i32[:b] = self.padding_row  # all padding until the first replay writes real values
         f32[b : 2 * b] = 1.0  # top_p
-        inputs = DecodeInputs(i64, i32, f32, b, n)
+        inputs = DecodeInputs(i64, i32, f32, b, r)
 
         def step() -> DecodeOutputs:
-            return self.run_decode(inputs, width, drafting, mode, attn_out=self._attn_out[: b * n])
+            return self.run_decode(inputs, draft_rows, drafting, mode, attn_out=self._attn_out[:r])
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -133,16 +134,18 @@ class CudaGraphs:
             out = step()
         host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
         g = _Graph(graph, inputs, host, out)
-        self._graphs[(b, width, drafting, mode)] = g
+        self._graphs[(b, draft_rows, drafting, mode)] = g
         return g
 
 
-def _pad_into(dst: np.ndarray, src: np.ndarray, s: int, b: int, n: int) -> None:
-    """i64 staging: slots [b, n] then keys [b] and top_k [b]; padding sequences: slot 0, key 0, no top-k."""
+def _pad_into(dst: np.ndarray, src: np.ndarray, s: int, b: int, r: int) -> None:
+    """i64 staging: slots [r] then keys [b] and top_k [b]; rows past the real ones: slot 0;
+    padding sequences: key 0, no top-k."""
+    real = len(src) - 2 * s  # the real sequences' rows
     dst[:] = 0
-    dst[: s * n] = src[: s * n]
-    dst[b * n : b * n + s] = src[s * n : s * n + s]
-    dst[b * n + b : b * n + b + s] = src[s * n + s :]
+    dst[:real] = src[:real]
+    dst[r : r + s] = src[real : real + s]
+    dst[r + b : r + b + s] = src[real + s :]
 
 
 def _pad_into_i32(dst: np.ndarray, src: np.ndarray, s: int, b: int, padding_row: int) -> None:

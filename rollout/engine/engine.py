@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 `generate()` is the synchronous front door; the server drives `add_request`/`step`/`abort`
-itself. Each step: the scheduler picks the batch, speculation picks its width (spec/), the
+itself. Each step: the scheduler picks the batch, speculation picks its draft rows (spec/), the
 runner drafts, computes and verifies on the device, and the engine appends what was
 emitted, applying stop conditions token by token so that speculation never changes the output.
 """
@@ -142,11 +142,11 @@ class Engine:
             from rollout.engine.cuda_graphs import CudaGraphs
 
             max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
-            widths = self.spec.budget.widths if cfg.spec.enabled else [0]
+            capacities = self.spec.budget.capacities if cfg.spec.enabled else (lambda b: [0])
             mc = self.model_config
             attn_out = torch.zeros(max_tokens, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
             self.runner.graphs = CudaGraphs(self.runner.run_decode, attn_out, self.table.padding_row,
-                                            cfg.max_running_seqs, widths, cfg.spec.enabled)
+                                            cfg.max_running_seqs, capacities, cfg.spec.enabled)
             t0 = time.perf_counter()
             count = self.runner.graphs.capture_all()
             log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
@@ -317,9 +317,9 @@ class Engine:
             step = self.runner.launch_prefill(batch, *self.scheduler.place_prefill(batch))
         else:
             plan = self.spec.plan(len(batch.seqs), self.scheduler.free_slots)
-            self._draft_steps += plan.width > 0
-            slots = self.scheduler.step_slots(len(batch.seqs), plan.width + 1)
-            step = self.runner.launch_decode(batch, slots, plan.drafting, plan.shadow)
+            self._draft_steps += plan.draft_rows > 0
+            slots = self.scheduler.step_slots(len(batch.seqs) + plan.draft_rows)
+            step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)
         step.began = began
         return step
 
@@ -330,7 +330,7 @@ class Engine:
         roots = np.fromiter((len(q.tokens) for q in seqs), np.int64, len(seqs)) if step.shadow else None
         emitted = self.runner.collect(step)
         if step.accepted is not None:
-            self.scheduler.settle_step(step.batch, step.rows, step.slots, step.accepted)
+            self.scheduler.settle_step(step.batch, step.rows, step.slots, step.first_row, step.accepted)
         if step.batch.is_prefill:
             for item in step.batch.items:  # (a decode item may be waiting too: preempted while this step ran)
                 if item.samples and not item.decode and item.seq.status is Status.WAITING:
@@ -345,10 +345,10 @@ class Engine:
         self._last_done = done
         prefill = step.batch.is_prefill
         device_s, host_s = (0.0 if prefill else step.result.device_seconds()), cost - step.result.waited
-        self.step_log.append(StepRecord(len(seqs), step.width, prefill, cost * 1e3, device_s * 1e3, host_s * 1e3))
+        self.step_log.append(StepRecord(len(seqs), step.draft_rows, prefill, cost * 1e3, device_s * 1e3, host_s * 1e3))
         self._steps += 1
         if not prefill:
-            self.spec.observe(seqs, roots, step.trees, step.width, device_s, host_s)
+            self.spec.observe(seqs, roots, step.trees, step.draft_rows, device_s, host_s)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between

@@ -6,19 +6,21 @@ runs eagerly: the host knows every token, position and KV slot, lays them out, a
 the prompt and the drawn tokens in the token table (rollout/engine/token_table.py).
 
 A decode or verify step is one device function (`run_decode`), captured as a CUDA graph
-per (batch bucket, width, drafting, sampling mode) on the GPU. The host gives it only the
-sequences' rows, KV slots from the scheduler (width + 1 per sequence) and sampling parameters; everything
-else comes from the device: each sequence's last token and length from the token table, its
-draft tree from the drafter (kernels/ngram_draft.py, when drafting), and after the forward
-pass and the draws, the accept walk (kernels/tree_accept.py) writes the emitted tokens back
-and moves the accepted KV slots. So a step can be launched before the one before it has been
-collected (the overlap schedule), whether either drafts or not. Width 0 is plain decoding:
-the tree is the root alone. The host learns each step's tokens one step late (`collect`), and
-the scheduler mirrors the slot table then (Scheduler.settle_step).
+per (batch bucket, draft rows, drafting, sampling mode) on the GPU. The host gives it only the
+sequences' rows, KV slots from the scheduler (one per row: a root per sequence, and the step's
+draft rows) and sampling parameters; everything else comes from the device: each sequence's
+last token and length from the token table, its draft tree from the drafter
+(kernels/ngram_draft.py, when drafting), which of the batch's drafts get the step's draft rows
+(kernels/draft_rows.py), and after the forward pass and the draws, the accept walk
+(kernels/tree_accept.py) writes the emitted tokens back and moves the accepted KV slots. So a
+step can be launched before the one before it has been collected (the overlap schedule),
+whether either drafts or not. No draft rows is plain decoding: a row per sequence, its root.
+The host learns each step's tokens one step late (`collect`), and the scheduler mirrors the
+slot table then (Scheduler.settle_step).
 
 A step whose logits are edited (penalties, logit bias) or which reports top logprobs runs
 eagerly; with drafts, its trees are read back before sampling, so the edits can count the
-drafts above each node (rollout/engine/logits_processing.py).
+drafts above each row's node (rollout/engine/logits_processing.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.draft_rows import RowLayout, choose_drafts
 from kernels.ngram_draft import draft_trees
 from kernels.tree_accept import accept_trees
 from rollout.engine.kv_pool import KVPool
@@ -51,12 +54,11 @@ from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
 
 
-def sampling_tensors(i64: torch.Tensor, f32: torch.Tensor, positions: torch.Tensor, per_row: int, mode: str) -> SamplingTensors:
-    """SamplingTensors for `per_row` draws of each row: i64 [2, S] (key, top_k), f32 [3, S], positions [S * per_row]."""
-    rep = (lambda t: t) if per_row == 1 else (lambda t: t.repeat_interleave(per_row))  # noqa: E731
+def sampling_tensors(i64: torch.Tensor, f32: torch.Tensor, positions: torch.Tensor, mode: str) -> SamplingTensors:
+    """SamplingTensors of one draw per row: i64 [2, R] (key, top_k), f32 [3, R], positions [R]."""
     return SamplingTensors(
-        temperature=rep(f32[0]), top_p=rep(f32[1]), min_p=rep(f32[2]), keys=rep(i64[0]), positions=positions,
-        top_k=rep(i64[1]), all_greedy=mode == "greedy", any_truncation=mode == "truncate",
+        temperature=f32[0], top_p=f32[1], min_p=f32[2], keys=i64[0], positions=positions, top_k=i64[1],
+        all_greedy=mode == "greedy", any_truncation=mode == "truncate",
     )
 
 
@@ -83,34 +85,35 @@ class ModelRunner:
 
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
-    def launch_decode(self, batch: Batch, slots: np.ndarray, drafting: bool, shadow: bool = False) -> StepInFlight:
-        """Queue a decode or verify step of every sequence in `batch` on the device, its nodes' KV in
-        `slots` [S, width + 1] (the scheduler's); it may follow a step not yet collected. `drafting`:
-        the drafter runs (width > 0 needs it; at width 0 it only looks, for the statistics); `shadow`:
-        its whole trees come back to the host."""
+    def launch_decode(self, batch: Batch, slots: np.ndarray, draft_rows: int, drafting: bool,
+                      shadow: bool = False) -> StepInFlight:
+        """Queue a decode or verify step of every sequence in `batch` on the device: its roots and
+        at most `draft_rows` drafts, with the KV slots of those rows in `slots` [S + draft_rows]
+        (the scheduler's); it may follow a step not yet collected. `drafting`: the drafter runs
+        (draft_rows > 0 needs it; with none it only looks, for the statistics); `shadow`: its
+        whole trees come back to the host."""
         seqs = batch.seqs
-        s, n = slots.shape
-        width = n - 1
+        s = len(seqs)
         b = self._batch_rows(batch)
         mode, top = b.sampling.mode, b.top
         clock = DeviceClock(self.device)
         plain = not b.editing and not top
-        shape = self.graphs.shape(s, width, drafting, mode) if self.graphs is not None and plain else None
+        shape = self.graphs.shape(s, draft_rows, drafting, mode) if self.graphs is not None and plain else None
         if shape is not None:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, b))
         else:
-            inputs = DecodeInputs(*(to_device(a, self.device) for a in DecodeInputs.host_arrays(slots, b)), s, n)
-            edit = (lambda trees: self._edits(seqs, trees, width)) if b.editing else None
+            inputs = DecodeInputs(*(to_device(a, self.device) for a in DecodeInputs.host_arrays(slots, b)), s, len(slots))
+            edit = (lambda layout: self._edits(seqs, layout)) if b.editing else None
             # the host's tokens trail the device by the step in flight, if any: at most the widest step
             widest = (self.draft.depth if self.draft else 0) + 1
-            max_kv = min(max(len(q.tokens) for q in seqs) + widest + n, self.pool.max_context)
-            out = self.run_decode(inputs, width, drafting, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
+            max_kv = min(max(len(q.tokens) for q in seqs) + 2 * widest, self.pool.max_context)
+            out = self.run_decode(inputs, draft_rows, drafting, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
         tensors = [out.ints, out.logprobs]
         if shadow and out.trees is not None:
             tensors += list(out.trees)
         if top:
             tensors += list(out.top)
-        return StepInFlight(batch, width, HostCopy(tensors, clock), slots=slots, rows=b.rows,
+        return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows,
                             shadow=shadow and out.trees is not None, top=bool(top))
 
     def _batch_rows(self, batch: Batch) -> BatchRows:
@@ -119,71 +122,83 @@ class ModelRunner:
             self._rows = BatchRows.of(batch)
         return self._rows
 
-    def run_decode(self, x: DecodeInputs, width: int, drafting: bool, mode: str, edit=None, top_logprobs: int = 0,
-                   attn_out: torch.Tensor | None = None, max_kv_len: int | None = None) -> DecodeOutputs:
-        """The step on the device (what a CUDA graph captures): draft, lay out, forward, draw, accept.
-        `max_kv_len`: a bound of the sequences' lengths for attention's plan (None: the pool's context,
-        as a graph, which serves any length, needs)."""
-        table, s, n = self.table, x.rows.shape[0], width + 1
+    def run_decode(self, x: DecodeInputs, draft_rows: int, drafting: bool, mode: str, edit=None,
+                   top_logprobs: int = 0, attn_out: torch.Tensor | None = None,
+                   max_kv_len: int | None = None) -> DecodeOutputs:
+        """The step on the device (what a CUDA graph captures): draft, choose the batch's best
+        `draft_rows` drafts (kernels/draft_rows.py), lay them out, forward, draw, accept.
+        `max_kv_len`: a bound of the sequences' lengths for attention's plan (None: the pool's
+        context, as a graph, which serves any length, needs)."""
+        table, s = self.table, x.rows.shape[0]
         rows = x.rows.long()
         length = table.lengths[rows].long()
         kv = (length - 1).clamp(min=0)
+        out_pos = length - table.prompt_lens[rows].long()  # the root's draw: its output position
         trees = None
         if drafting:
             d = self.draft
-            tok, par, dep, anc = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
-                                             x.rows, d.scan[x.groups.long()], d.window, d.min_match, d.cands, d.depth,
-                                             d.depth)
-            trees = (tok, par)
-            tok, par, dep, anc = (t[:, :n].contiguous() for t in (tok, par, dep, anc))  # the step's top-ranked nodes
-        else:
-            tok = table.tokens[rows, kv].long()[:, None]
+            tok, par, dep, anc, key = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
+                                                  x.rows, d.scan[x.groups.long()], d.window, d.min_match, d.cands,
+                                                  d.depth, d.depth)
+            trees = (tok, par, key)
+        if draft_rows:
+            par, counts = choose_drafts(par, key, draft_rows)
+            n = tok.shape[1]
+            layout = RowLayout.of(counts, n, s + draft_rows)
+            seq_of_row = (layout.node_of_row // n).clamp(max=s - 1)
+            ids, positions, tree = layout.rows(tok), layout.rows(kv[:, None] + dep), layout.rows(anc)
+            slots = layout.nodes(x.slots)  # [S, N]
+            st = sampling_tensors(x.sampling[:, seq_of_row], x.params[:, seq_of_row],
+                                  out_pos[seq_of_row] + layout.rows(dep), mode)
+            qo_indptr, q_len = layout.qo_indptr, n
+        else:  # the roots alone, a row each
+            layout, counts = None, torch.ones(s, dtype=torch.long, device=self.device)
+            ids = table.tokens[rows, kv].long()
+            tok, positions, slots, tree = ids[:, None], kv, x.slots[:, None], None
             par = torch.full((s, 1), -1, dtype=torch.long, device=self.device)
             dep = torch.zeros(s, 1, dtype=torch.long, device=self.device)
             anc = torch.ones(s, 1, dtype=torch.long, device=self.device)
-        node = torch.arange(n, device=self.device)
-        self.pool.slot_table[rows[:, None], kv[:, None] + node] = x.slots.to(torch.int32)  # nodes in a row, for now
-        positions = (kv[:, None] + dep).view(-1)
+            st = sampling_tensors(x.sampling, x.params, out_pos, mode)
+            qo_indptr, q_len = torch.arange(s + 1, dtype=torch.int32, device=self.device), 1
+        node = torch.arange(tok.shape[1], device=self.device)
+        self.pool.slot_table[rows[:, None], kv[:, None] + node] = slots.to(torch.int32)  # nodes in a row, for now
         meta = AttentionMetadata(
-            seq_rows=x.rows, kv_lens=(kv + n).to(torch.int32),
-            qo_indptr=(torch.arange(s + 1, device=self.device) * n).to(torch.int32),
-            slot_table=self.pool.slot_table, out_slots=x.slots.view(-1),
-            tree_mask=anc.reshape(-1) if width else None, max_q_len=n, max_kv_len=max_kv_len or self.pool.max_context,
+            seq_rows=x.rows, kv_lens=(kv + counts).to(torch.int32), qo_indptr=qo_indptr,
+            slot_table=self.pool.slot_table, out_slots=x.slots, tree_mask=tree, max_q_len=q_len,
+            max_kv_len=max_kv_len or self.pool.max_context,
         )
-        logits = self.forward(tok.reshape(-1), positions, meta, None, attn_out)
-        out_pos = ((length - table.prompt_lens[rows].long())[:, None] + dep).view(-1)
-        st = sampling_tensors(x.sampling, x.params, out_pos, n, mode)
+        logits = self.forward(ids, positions, meta, None, attn_out)
         if edit is not None:
-            edit(None if trees is None else (tok, par)).apply(logits)
-        drawn, lps = sample(logits, st)
+            edit(None if layout is None else (tok, par, layout.node_of_row)).apply(logits)
+        drawn, lps = sample(logits, st)  # [R]
+        if layout is not None:
+            drawn, lps = layout.nodes(drawn), layout.nodes(lps)
         out_tok, out_lp, accepted, bits = accept_trees(
-            par, anc, dep, tok, drawn.view(s, n), lps.view(s, n), x.rows, x.slots, self.pool.slot_table,
+            par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
-        drafts = (par >= 0).sum(dim=1)
-        ints = torch.cat([out_tok, accepted[:, None], bits[:, None], drafts[:, None]], dim=1)
+        ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None]], dim=1)
         top = None
         if top_logprobs:
             values, ids = processed_logprobs(logits, st).topk(top_logprobs, dim=-1)
             top = (ids, values)
         return DecodeOutputs(ints, out_lp, trees, top)
 
-    def _edits(self, seqs: list[Sequence], trees, width: int) -> LogitEdits:
-        """Logit edits of every node; with trees, read back first (this step is eager), each node's
-        counts include the drafts above it."""
-        paths: list[list[int]]
-        if trees is None:
-            paths = [[] for _ in seqs]
-        else:
-            tok, par = (t.cpu().tolist() for t in trees)
-            paths = []
-            for t_row, p_row in zip(tok, par):
-                node_paths: list[list[int]] = [[]]
-                for i in range(1, width + 1):
-                    node_paths.append(node_paths[p_row[i]] + [t_row[i]] if p_row[i] >= 0 else [])
-                paths += node_paths
-        per_node = [q for q in seqs for _ in range(width + 1)]
-        return logit_edits(per_node, paths).to(self.device)  # (some request edits: this step was chosen for it)
+    def _edits(self, seqs: list[Sequence], layout) -> LogitEdits:
+        """Logit edits of every row; with drafts (`layout`: tokens, parents, node of each row), read
+        back first (this step is eager), each row's counts include the drafts above its node."""
+        if layout is None:
+            return logit_edits(seqs, [[] for _ in seqs]).to(self.device)  # (some request edits: this step was chosen for it)
+        tok, par, node_of_row = (t.cpu().tolist() for t in layout)
+        paths: list[list[int]] = []  # per node, flat
+        for t_row, p_row in zip(tok, par):
+            node_paths: list[list[int]] = [[]]
+            for t, p in zip(t_row[1:], p_row[1:]):
+                node_paths.append(node_paths[p] + [t] if p >= 0 else [])
+            paths += node_paths
+        n = len(tok[0])
+        at = [min(k, len(paths) - 1) for k in node_of_row]  # (a row left over takes the last node's: it is dropped)
+        return logit_edits([seqs[k // n] for k in at], [paths[k] for k in at]).to(self.device)
 
     # ---------------- prefill steps ----------------
     @torch.inference_mode()
@@ -222,7 +237,7 @@ class ModelRunner:
         sampling = SamplingRows.of(draw_seqs)
         out_pos = np.array([q.num_output for q in draw_seqs], dtype=np.int64)
         st = sampling_tensors(to_device(sampling.i64, self.device), to_device(sampling.f32, self.device),
-                              to_device(out_pos, self.device), 1, sampling.mode)
+                              to_device(out_pos, self.device), sampling.mode)
         logits = logits[to_device(draw_rows, self.device)]
         edits = logit_edits(draw_seqs, [[]] * len(draw_seqs))
         if edits is not None:
@@ -250,7 +265,7 @@ class ModelRunner:
         if step.batch.is_prefill:
             return self._emit_prefill(step, host)
         if step.shadow:
-            step.trees = (host[2], host[3])
+            step.trees = (host[2], host[3], host[4])
         return self._emit_decode(step, host)
 
     def _emit_prefill(self, step: StepInFlight, host: list[np.ndarray]) -> Emitted:
@@ -267,12 +282,14 @@ class ModelRunner:
                        top=[top_of([d]) for d in range(len(seqs))] if step.top else None)
 
     def _emit_decode(self, step: StepInFlight, host: list[np.ndarray]) -> Emitted:
-        """Tokens by depth, and the nodes accepted (`step.accepted`, for Scheduler.settle_step). A
-        sequence preempted since the launch keeps its tokens: they are right, only recomputed."""
+        """Tokens by depth, and the nodes accepted (`step.accepted`, `step.first_row`: for
+        Scheduler.settle_step). A sequence preempted since the launch keeps its tokens: they are
+        right, only recomputed."""
         ints, lps = host[0], host[1]
-        s, n = step.slots.shape
-        bits = ints[:, n + 1]
+        s, n = lps.shape
+        bits, counts = ints[:, n + 1], ints[:, n + 2]
         step.accepted = ((bits[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]: node order is depth order
+        step.first_row = np.cumsum(counts) - counts
         if n == 1:  # plain decoding: one token each
             tokens, logprobs = ints[:, :1].tolist(), lps.tolist()
         else:
@@ -280,10 +297,10 @@ class ModelRunner:
             tokens = [row[:k] for row, k in zip(ints[:, :n].tolist(), lengths)]
             logprobs = [row[:k] for row, k in zip(lps.tolist(), lengths)]
         top = None
-        if step.top:
-            top_of = _top_rows(host[-2:])
-            top = [top_of([i * n + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
-        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, ints[:, n + 2].tolist(), "ngram", top)
+        if step.top:  # by row: a sequence's accepted nodes are rows from its first on
+            top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
+            top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
+        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), "ngram", top)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -193,27 +193,31 @@ class Scheduler:
         self.pool.commit_rows(np.concatenate([r for r, _, _ in edits]), np.concatenate([c for _, c, _ in edits]))
         return slots, positions, starts
 
-    def step_slots(self, num_seqs: int, nodes: int) -> np.ndarray:
-        """Fresh KV slots [num_seqs, nodes] for a decode or verify step; `settle_step` keeps the accepted ones."""
-        return self.pool.alloc(num_seqs * nodes).astype(np.int64).reshape(num_seqs, nodes)
+    def step_slots(self, num_rows: int) -> np.ndarray:
+        """Fresh KV slots for a decode or verify step's rows; `settle_step` keeps the accepted ones."""
+        return self.pool.alloc(num_rows).astype(np.int64)
 
-    def settle_step(self, batch: Batch, rows: np.ndarray, slots: np.ndarray, accepted: np.ndarray) -> None:
-        """After a decode or verify step: a sequence that still holds its row keeps its accepted nodes'
-        slots (`accepted` [S, N], depth order; the device moved them into its row already, the host's
-        copy of the slot table follows) and its cached length grows by them; every other slot is
-        freed. A sequence preempted or finished since the launch keeps none."""
+    def settle_step(self, batch: Batch, rows: np.ndarray, slots: np.ndarray, first_row: np.ndarray,
+                    accepted: np.ndarray) -> None:
+        """After a decode or verify step: a sequence that still holds its KV row keeps its accepted
+        nodes' slots (`accepted` [S, N], depth order; node j of sequence i had step row
+        first_row[i] + j, whose slot is slots[that row]; the device moved them into its KV row
+        already, the host's copy of the slot table follows) and its cached length grows by them;
+        every other slot is freed. A sequence preempted or finished since the launch keeps none."""
         seqs = batch.seqs
-        s, n = slots.shape
+        s, n = accepted.shape
         keep = accepted
         if batch.epoch != self.epoch:  # (the same running set: every sequence still holds its row)
             holds = np.fromiter((q.row == r and not q.finished for q, r in zip(seqs, rows.tolist())), bool, s)
             keep = accepted & holds[:, None]
-        kept = keep.sum(axis=1)
+        step_rows = np.minimum(first_row[:, None] + np.arange(n), len(slots) - 1)[keep]  # (a node without a row: not kept)
         cached = np.fromiter((q.num_cached for q in seqs), np.int64, s)
         cols = cached[:, None] + np.cumsum(keep, axis=1) - 1
-        self.pool.rows_host[np.broadcast_to(rows[:, None], (s, n))[keep], cols[keep]] = slots[keep]
-        self.pool.release(slots[~keep])
-        for q, k in zip(seqs, kept.tolist()):
+        self.pool.rows_host[np.broadcast_to(rows[:, None], (s, n))[keep], cols[keep]] = slots[step_rows]
+        unused = np.ones(len(slots), dtype=bool)
+        unused[step_rows] = False
+        self.pool.release(slots[unused])
+        for q, k in zip(seqs, keep.sum(axis=1).tolist()):
             q.num_cached += k
 
     def _release(self, seq: Sequence) -> None:

@@ -62,7 +62,7 @@ class StepRecord(NamedTuple):
     """One step as it ran, for profiles (Engine.step_log)."""
 
     num_seqs: int
-    width: int  # draft nodes verified per sequence (0: plain decoding)
+    draft_rows: int  # drafts verified in the batch at most (its capacity; 0: plain decoding)
     prefill: bool
     wall_ms: float  # the wall time the step added (overlapping steps: since the one before completed)
     device_ms: float  # decode and verify steps: the device's time (CUDA events; prefill: 0)
@@ -90,7 +90,7 @@ class DraftSettings:
     window: int
     min_match: int
     cands: int
-    depth: int  # deepest draft, and the widest tree: `width` nodes of a step are its top-ranked
+    depth: int  # deepest draft, and a tree's drafts at most (its top-ranked)
     scan: torch.Tensor  # [groups, M] int32: the rows each group of sequences searches (spec/index.py)
 
 
@@ -142,13 +142,14 @@ class BatchRows:
 
 class DecodeInputs:
     """A decode or verify step's inputs on the device, packed in three tensors (one copy each):
-    i64 [S * N + 2 * S]: KV slots [S, N], RNG keys, top_k; i32 [2 * S]: rows, groups; f32 [3 * S]."""
+    i64 [R + 2 * S]: the KV slot of each of the step's R rows (S + its draft rows), RNG keys,
+    top_k; i32 [2 * S]: rows, groups; f32 [3 * S]."""
 
-    def __init__(self, i64: torch.Tensor, i32: torch.Tensor, f32: torch.Tensor, num_seqs: int, nodes: int):
-        s, n = num_seqs, nodes
+    def __init__(self, i64: torch.Tensor, i32: torch.Tensor, f32: torch.Tensor, num_seqs: int, num_rows: int):
+        s, r = num_seqs, num_rows
         self.i64, self.i32, self.f32 = i64, i32, f32
-        self.slots = i64[: s * n].view(s, n)
-        self.sampling = i64[s * n :].view(2, s)
+        self.slots = i64[:r]
+        self.sampling = i64[r:].view(2, s)
         self.rows, self.groups = i32[:s], i32[s:]
         self.params = f32.view(3, s)
 
@@ -161,10 +162,10 @@ class DecodeInputs:
 class DecodeOutputs:
     """What a decode or verify step leaves on the device for the host."""
 
-    ints: torch.Tensor  # [S, N + 3] int64: emitted tokens by depth, accepted length, accepted-node bits, drafts verified
+    ints: torch.Tensor  # [S, N + 3] int64: emitted tokens by depth, accepted length, accepted-node bits, rows
     logprobs: torch.Tensor  # [S, N] float32: the emitted tokens' logprobs
-    trees: tuple[torch.Tensor, torch.Tensor] | None  # the drafter's whole trees (tokens, parents) [S, depth + 1]
-    top: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [S * N, k], logprobs [S * N, k] (eager steps)
+    trees: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # the drafter's whole trees (tokens, parents, keys) [S, depth + 1]
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [R, k], logprobs [R, k] by row (eager steps)
 
 
 class DeviceClock:
@@ -215,14 +216,15 @@ class StepInFlight:
     """A launched step: what `collect` needs once the device is done."""
 
     batch: Batch
-    width: int  # draft nodes per sequence (decode and verify steps)
+    draft_rows: int  # decode and verify steps: drafts verified at most (0: plain decoding)
     result: HostCopy
-    slots: np.ndarray | None = None  # [S, N] decode/verify: each node's KV slot
+    slots: np.ndarray | None = None  # [S + draft_rows] decode/verify: each row's KV slot
     rows: np.ndarray | None = None  # [S] decode/verify: each sequence's row at launch
     shadow: bool = False  # the drafter's whole trees come back too
     top: bool = False
-    trees: tuple[np.ndarray, np.ndarray] | None = None  # those trees (tokens, parents [S, depth + 1]), once collected
+    trees: tuple[np.ndarray, ...] | None = None  # those trees (tokens, parents, keys [S, depth + 1]), once collected
     accepted: np.ndarray | None = None  # [S, N] decode/verify: the nodes whose KV is kept, once collected
+    first_row: np.ndarray | None = None  # [S] decode/verify: each sequence's first row (its root's), once collected
     began: float = 0.0  # when the engine's step() that launched it began
 
     @property

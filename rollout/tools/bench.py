@@ -319,28 +319,36 @@ def cmd_bench(args: argparse.Namespace) -> None:
     tokenizer = None
     runs: list[Row] = []
     timelines: list[Timeline] = []
+    modes = args.spec_modes.split(",")
+    engines = {}
+    for i, spec in enumerate(modes):  # one engine per mode, kept across rounds: GPU memory split between them
+        args.spec = spec
+        config = EngineConfig.from_args(args)
+        config.kv_cache_memory_fraction /= len(modes) - i  # (a share of what the engines before left free)
+        engines[spec] = Engine(config=config)
+    freeze_heap()  # as the server's engine process does
     for _ in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
-        for spec in args.spec_modes.split(","):
+        for spec in modes:
             args.spec = spec
-            engine = Engine(config=EngineConfig.from_args(args))
-            freeze_heap()  # as the server's engine process does
+            engine = engines[spec]
             tokenizer = engine.tokenizer
             for args.temperature in temperatures:
                 for b in batch_sizes:
                     prompts, n = workload_prompts(args, tokenizer, b)
                     # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it
-                    # is also the previous epoch whose samples the drafter remembers
+                    # is also the previous epoch whose samples the drafter remembers (and the only one)
+                    engine.clear_speculation_history()
                     run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
                     row, timeline = run_rollout(engine, args, prompts, n, spec, b, seed=args.seed)
                     runs.append(row)
                     timelines.append(timeline)
                     print(markdown(runs[-1:]).splitlines()[-1], flush=True)
                     spec_stats = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in engine.stats().items()
-                                  if k.startswith(("rollout/spec_accept_estimate", "rollout/spec_cost", "rollout/spec_width"))}
+                                  if k.startswith(("rollout/spec_accept_estimate", "rollout/spec_cost", "rollout/spec_draft_rows"))}
                     if spec_stats:
                         print(f"  budget: {spec_stats}", flush=True)
-            del engine
-            thaw_heap()  # the engine holds reference cycles: free its KV pool before the next one
+    del engine, engines
+    thaw_heap()  # the engines hold reference cycles: free their KV pools before HF's model loads
     rows += median_rows(runs)
     if args.baseline_hf:
         from transformers import AutoModelForCausalLM
