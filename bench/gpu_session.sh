@@ -34,11 +34,11 @@ engine)
   timeout 360 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py 2>&1 | tee "$OUT/engine.log" | tail -25
   for w in 8 4; do python3 bench/step_profile.py draft --seqs 512 --width $w; done 2>&1 | tee "$OUT/draft-cost.log"
   ;;
-check)  # after a change to the drafting path: its kernel tests, the engine's GPU tests, a step's cost by draft rows
+check)  # after a change to the drafting path: its kernel tests, the engine's GPU tests (TESTS: a -k filter), a step's cost by draft rows
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
   timeout 120 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_tree_accept.py 2>&1 \
     | tee "$OUT/kernels.log" | tail -3
-  timeout 330 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py 2>&1 | tee "$OUT/engine.log" | tail -12
+  timeout 330 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py -k "${TESTS:-.}" 2>&1 | tee "$OUT/engine.log" | tail -12
   timeout 100 python3 bench/step_profile.py verify --seqs 128 --context 2000 2>&1 | grep -v -i warn | tee "$OUT/verify.log"
   ;;
 decode)  # decode speed, spec off, against HF transformers generate in the same run

@@ -26,7 +26,7 @@
 - verify: what a step's draft rows cost the device, apart from acceptance: `--seqs` sequences
   with `--context` tokens of KV each, the captured decode/verify graph of each number of draft
   rows replayed (what the engine runs; default: the budget's choices for that batch), then the
-  eager step's kernels by device time at the fewest and the most.
+  eager step's kernels by device time with none, the fewest and the most.
 
 Each prints a Markdown table.
 """
@@ -245,7 +245,7 @@ def verify(args: argparse.Namespace) -> None:
         ms = triton.testing.do_bench(replay, return_mode="median")
         base = base or ms
         print(f"| {c} | {ms:.3f} | {ms / base:.2f}x |")
-    for c in (counts[0], counts[-1]):
+    for c in sorted({counts[0], counts[min(1, len(counts) - 1)], counts[-1]}):  # none, the fewest, the most
         x = inputs(c)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):

@@ -17,12 +17,14 @@ S (1 + acc(C)) / cost(b, C).
   Evaluations are averaged with decaying weights.
 - cost(b, C): steps overlap the host's work, so a step costs the larger of its device time and
   the host's time per step, each a plain step's (the median of its last few at this bucket)
-  plus C times what a draft row adds. A row adds about the same whatever the bucket (one more
-  token through the same weights; attention reads each sequence's cache once for all its
-  rows), so what a row adds is one number for the device and one for the host, the medians of
-  what the last drafting steps added per row; until one was measured, a row is taken to cost a
-  tenth of a plain step's time per sequence. While drafting, every REFRESH_EVERY-th step
-  decodes plainly, so the plain costs follow the contexts as they grow.
+  plus what drafting adds, a + r C: a fixed part (drafting, choosing the drafts, laying out
+  their rows: 0.3 ms of a 3.4-ms step at 128 sequences on an H100) and a part per row, about
+  the same whatever the bucket (one more token through the same weights; attention reads each
+  sequence's cache once for all its rows). a and r, one pair for the device and one for the
+  host, are fitted to the last drafting steps (a line through the median added at each
+  number of rows seen; with one number seen, r alone); until a drafting step was measured, a
+  row is taken to cost a tenth of a plain step's time per sequence. While drafting, every
+  REFRESH_EVERY-th step decodes plainly, so the plain costs follow the contexts as they grow.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from rollout.engine.step import bucket
 
 SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance statistics
 COST_WINDOW = 5  # plain costs are medians of the last this many steps
-ROW_WINDOW = 16  # and a row's, of the last this many drafting steps
+DRAFT_WINDOW = 32  # what drafting adds is fitted to the last this many drafting steps
 REFRESH_EVERY = 16  # while drafting, one plain step in this many keeps the plain cost current
 ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc
 PRIOR_ROW_SHARE = 0.1  # a draft row's cost until one is measured, as a share of a plain step's per sequence
@@ -66,8 +68,8 @@ class DraftBudget:
         self.acc = np.zeros(len(FRACTIONS))  # accepted drafts per sequence, by fraction
         self._plain: dict[int, deque] = {}  # bucket -> recent device times of plain steps
         self._plain_host: dict[int, deque] = {}  # bucket -> recent host times of plain steps
-        self._row = deque(maxlen=ROW_WINDOW)  # device time a draft row added, recent drafting steps
-        self._row_host = deque(maxlen=ROW_WINDOW)  # host time a draft row added
+        self._added = deque(maxlen=DRAFT_WINDOW)  # (draft rows, device time added) of recent drafting steps
+        self._added_host = deque(maxlen=DRAFT_WINDOW)  # (draft rows, host time added)
         self._levels: dict[int, list[tuple[int, int]]] = {}
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
@@ -99,8 +101,8 @@ class DraftBudget:
         elif fits and (plain := _median(self._plain.get(b))) is not None:  # (a bucket's first steps measure plain decoding)
             host = _median(self._plain_host.get(b)) or 0.0
             prior = PRIOR_ROW_SHARE * plain / b
-            row, row_host = (prior if not d else statistics.median(d) for d in (self._row, self._row_host))
-            value = lambda acc, c: (1 + acc) / max(plain + c * row, host + c * row_host)  # noqa: E731
+            (a, r), (a_host, r_host) = (_fit(d, prior) for d in (self._added, self._added_host))
+            value = lambda acc, c: (1 + acc) / (max(plain + a + r * c, host + a_host + r_host * c) if c else max(plain, host))  # noqa: E731
             best = max(fits, key=lambda ic: value(self.acc[ic[0]], ic[1]))
             if value(self.acc[best[0]], best[1]) > value(0.0, 0):
                 c = best[1]
@@ -118,8 +120,8 @@ class DraftBudget:
             return
         plain, host = _median(self._plain.get(b)), _median(self._plain_host.get(b))
         if plain is not None:
-            self._row.append(max(device_s - plain, 0.0) / rows)
-            self._row_host.append(max(host_s - host, 0.0) / rows)
+            self._added.append((rows, device_s - plain))
+            self._added_host.append((rows, host_s - host))
 
     def observe_acceptance(self, accepted: np.ndarray) -> None:
         """accepted [S, fractions]: the drafts each sequence would have had accepted at each fraction."""
@@ -127,13 +129,36 @@ class DraftBudget:
             self.acc += ACCEPT_WEIGHT * (accepted.mean(axis=0) - self.acc)
 
     def costs(self) -> dict[str, float]:
-        """Milliseconds (for stats and benchmarks): plain steps by bucket, and what a draft row adds."""
+        """Milliseconds (for stats and benchmarks): plain steps by bucket, and what drafting adds."""
         out = {f"b{b}_plain": 1e3 * _median(v) for b, v in self._plain.items() if v}
         out.update({f"b{b}_plain_host": 1e3 * _median(v) for b, v in self._plain_host.items() if v})
-        if self._row:
-            out["row"], out["row_host"] = 1e3 * _median(self._row), 1e3 * _median(self._row_host)
+        if self._added:
+            for name, d in (("", self._added), ("_host", self._added_host)):
+                a, r = _fit(d, 0.0)
+                out[f"draft_fixed{name}"], out[f"draft_row{name}"] = 1e3 * a, 1e3 * r
         return out
 
 
 def _median(values) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _fit(added, prior: float) -> tuple[float, float]:
+    """(a, r) >= 0 such that a drafting step of C rows adds a + r C, from (rows, added) samples: a
+    line through the median added at each number of rows (medians: one slow step moves nothing);
+    with a single number of rows, a = 0; with no samples, (0, prior)."""
+    by_rows: dict[int, list[float]] = {}
+    for c, t in added:
+        by_rows.setdefault(c, []).append(t)
+    if not by_rows:
+        return 0.0, prior
+    c = np.array(list(by_rows), dtype=np.float64)
+    t = np.array([statistics.median(v) for v in by_rows.values()])
+    if len(c) == 1:
+        return 0.0, max(float(t[0] / c[0]), 0.0)
+    r, a = np.polyfit(c, t, 1)
+    if a < 0:  # through the origin
+        return 0.0, max(float(c @ t / (c @ c)), 0.0)
+    if r < 0:
+        return max(float(np.median(t)), 0.0), 0.0
+    return float(a), float(r)

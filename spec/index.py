@@ -5,7 +5,8 @@ request for that prompt): each searches the rows of all of them, its own include
 group's history, the rows of samples that finished (RL rolls a prompt out again every epoch,
 so the last epoch's samples draft for this one; none of it depends on the weights, so it
 stays valid across weight updates). A group's rows are one line of a device table, which the
-drafter reads by group id; it changes only when a member joins or leaves.
+drafter reads by group id; it changes only when a member joins or leaves, and the lines that
+changed go to the device together, once per step (`flush`).
 
 History is bounded: a fixed number of rows of the token table (`SpecConfig.history_rows`), at
 most `history_per_prompt` per prompt, the group's oldest sample going first; when no row is
@@ -18,9 +19,11 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rollout.engine.sequence import Sequence
+from rollout.engine.step import to_device
 from rollout.engine.token_table import TokenTable
 
 
@@ -38,6 +41,8 @@ class NgramIndex:
         self.history_per_prompt = history_per_prompt
         self.share = share  # off: each sample searches only its own row
         self.scan = torch.full((table.padding_row + 1, scan_width), -1, dtype=torch.int32, device=table.device)
+        self._lines = np.full(tuple(self.scan.shape), -1, dtype=np.int32)  # the host's copy
+        self._changed: set[int] = set()  # lines not on the device yet
         self._groups: OrderedDict[Hashable, _Group] = OrderedDict()  # least recently used first
         self._free_gids = list(range(table.padding_row, -1, -1))
         self._free_history = list(range(table.num_rows - 1, table.history_start - 1, -1))
@@ -113,8 +118,17 @@ class NgramIndex:
         return row
 
     def _publish(self, group: _Group) -> None:
-        """The group's line of the scan table: live rows, then history, newest first."""
+        """The group's line of the scan table: live rows, then history, newest first (on the device
+        at the next `flush`)."""
         rows = (group.live + list(reversed(group.history)))[: self.scan_width]
-        line = torch.full((self.scan_width,), -1, dtype=torch.int32)
-        line[: len(rows)] = torch.tensor(rows, dtype=torch.int32)
-        self.scan[group.gid] = line.to(self.scan.device, non_blocking=True)
+        line = self._lines[group.gid]
+        line[:] = -1
+        line[: len(rows)] = rows
+        self._changed.add(group.gid)
+
+    def flush(self) -> None:
+        """The changed lines of the scan table to the device, in one copy."""
+        if self._changed:
+            lines = np.fromiter(self._changed, np.int64, len(self._changed))
+            self._changed.clear()
+            self.scan[to_device(lines, self.scan.device)] = to_device(self._lines[lines], self.scan.device)

@@ -2,6 +2,7 @@
 
     spec = Speculator(config.spec, token_table)
     spec.join(seq) / spec.leave(seq, keep)       a sequence starts or stops running
+    spec.before_step()                           before any step launches: what changed goes to the device
     plan = spec.plan(num_seqs, free_slots)       this step's draft rows (0: plain decoding), drafting, shadow
     ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)) ...
     spec.observe(seqs, root_lens, trees, draft_rows, device_s, host_s)   once collected, before its tokens are appended
@@ -29,6 +30,7 @@ from spec.index import NgramIndex
 
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
 CANDIDATES = 8  # continuations a tree is built from (the most recent of the longest matches)
+SCORED = 128  # trees scored per evaluation at most, spread over the batch (each costs the host a list slice)
 
 
 @dataclass(eq=False)
@@ -61,6 +63,13 @@ class Speculator:
         if self.enabled:
             self.index.leave(seq, keep)
 
+    def before_step(self) -> None:
+        """Joins and leaves since the last step reach the device: the scan lines that changed, and
+        the finished samples' rows kept as history (before a new sequence may take their rows)."""
+        if self.enabled:
+            self.index.flush()
+            self.index.table.flush()
+
     def plan(self, num_seqs: int, free_slots: int) -> StepPlan:
         if not self.enabled:
             return StepPlan(0, False, False)
@@ -85,29 +94,31 @@ class Speculator:
             t.age += 1
 
     def _score(self, t: _Trees) -> np.ndarray:
-        """[S, fractions]: how many of each tree's drafts the emitted tokens confirm, among the drafts
-        a step of that many draft rows would have verified (the device's choice, replayed)."""
+        """[P, fractions]: how many of each tree's drafts the emitted tokens confirm, among the drafts
+        a step of that many draft rows would have verified (the device's choice, replayed), for P
+        of the trees spread over the batch (at most SCORED)."""
         s, n = t.tokens.shape
-        after = np.full((s, max(n - 1, 1)), -1, dtype=np.int64)  # the tokens each sequence emitted after its root
-        for i, (seq, root) in enumerate(zip(t.seqs, t.roots.tolist())):
-            got = seq.tokens[root : root + n - 1]
+        pick = np.arange(s) if s <= SCORED else np.linspace(0, s - 1, SCORED).round().astype(np.int64)
+        p = len(pick)
+        after = np.full((p, max(n - 1, 1)), -1, dtype=np.int64)  # the tokens each sequence emitted after its root
+        for i, k in enumerate(pick.tolist()):
+            got = t.seqs[k].tokens[int(t.roots[k]) : int(t.roots[k]) + n - 1]
             after[i, : len(got)] = got
-        depth = np.zeros((s, n), dtype=np.int64)
-        matched = np.zeros((s, n), dtype=bool)
+        tokens, parents = t.tokens[pick], t.parents[pick]
+        depth = np.zeros((p, n), dtype=np.int64)
+        matched = np.zeros((p, n), dtype=bool)
         matched[:, 0] = True
-        rows = np.arange(s)
+        rows = np.arange(p)
         for j in range(1, n):  # parents precede their children
-            p = t.parents[:, j]
-            real = p >= 0
-            pj = np.where(real, p, 0)
+            parent = parents[:, j]
+            real = parent >= 0
+            pj = np.where(real, parent, 0)
             depth[:, j] = np.where(real, depth[rows, pj] + 1, 0)
             guess = after[rows, np.clip(depth[:, j] - 1, 0, None)]
-            matched[:, j] = real & matched[rows, pj] & (t.tokens[:, j] == guess)
+            matched[:, j] = real & matched[rows, pj] & (tokens[:, j] == guess)
         deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within a tree's first j nodes
-        out = np.zeros((s, len(FRACTIONS)))
-        for i, f in enumerate(FRACTIONS):
-            out[:, i] = deepest[rows, kept_drafts(t.keys, draft_rows(f, s, n - 1))]
-        return out
+        kept = kept_drafts(t.keys, [draft_rows(f, s, n - 1) for f in FRACTIONS])[:, pick]  # (the whole batch's choice)
+        return deepest[rows, kept].T
 
     def clear_history(self) -> None:
         if self.enabled:
@@ -127,11 +138,13 @@ class Speculator:
         return out
 
 
-def kept_drafts(keys: np.ndarray, capacity: int) -> np.ndarray:
+def kept_drafts(keys: np.ndarray, capacities: list[int]) -> np.ndarray:
     """The drafts each tree keeps when a step verifies the batch's best `capacity` (keys [S, N], -1
-    for the root and padding): kernels/draft_rows.py's choice on the host, by key, then the earlier
-    node. Each tree keeps its first few drafts; returns how many [S]."""
+    for the root and padding), for each capacity: kernels/draft_rows.py's choice on the host, by
+    key, then the earlier node. Each tree keeps its first few drafts; returns how many
+    [capacities, S]."""
     s, n = keys.shape
     flat = keys[:, 1:].reshape(-1)
-    order = np.lexsort((np.arange(len(flat)), -flat))[:capacity]
-    return np.bincount(order[flat[order] >= 0] // (n - 1), minlength=s)
+    order = np.lexsort((np.arange(len(flat)), -flat))
+    tree = np.where(flat[order] >= 0, order // (n - 1), s)  # (s: not a draft)
+    return np.stack([np.bincount(tree[:c], minlength=s + 1)[:s] for c in capacities])

@@ -313,6 +313,7 @@ class Engine:
         return self._collect(updated)
 
     def _launch(self, batch: Batch, began: float) -> StepInFlight:
+        self.spec.before_step()
         if batch.is_prefill:
             step = self.runner.launch_prefill(batch, *self.scheduler.place_prefill(batch))
         else:

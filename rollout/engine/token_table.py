@@ -9,7 +9,10 @@ is always its token count less one (its last token is the next step's input).
 
 The host writes what only it knows: prompt chunks and first tokens at prefill
 (`record_prefill`), a fork's copy of its prompt, and history rows (`keep`). Its own copy of
-the tokens (Sequence.tokens) trails the device by the steps still in flight.
+the tokens (Sequence.tokens) trails the device by the steps still in flight. Samples finish
+by the hundred in one step of a large batch, so `keep` only queues its row copy; `flush`
+(before the next step launches, and before any other write or read here) makes them all at
+once, before the live rows they read from can be reused.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class TokenTable:
         self.tokens = torch.zeros(self.num_rows, capacity, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
         self.prompt_lens = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
+        self._kept: dict[int, tuple[int, int, int]] = {}  # history row -> (live row, length, prompt length), queued
 
     @property
     def nbytes(self) -> int:
@@ -37,6 +41,7 @@ class TokenTable:
 
     def write(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
         """tokens[rows[i], cols[i]] = values[i] (host-known tokens: prompt chunks)."""
+        self.flush()
         if len(rows):
             self.tokens[to_device(rows, self.device), to_device(cols, self.device)] = to_device(values.astype(np.int32), self.device)
 
@@ -53,20 +58,34 @@ class TokenTable:
 
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
         """Rows `dsts` take the first `length` tokens of row `src` (a fork's prompt)."""
+        self.flush()
         if dsts and length:
             self.tokens[to_device(np.array(dsts, dtype=np.int64), self.device), :length] = self.tokens[src, :length]
 
     def keep(self, src: int, dst: int, length: int, prompt_len: int) -> None:
-        """History row `dst` takes the first `length` tokens of live row `src` (a finished sample)."""
-        self.tokens[dst, :length] = self.tokens[src, :length]
-        _set(self.lengths, dst, length)
-        _set(self.prompt_lens, dst, prompt_len)
+        """History row `dst` takes the first `length` tokens of live row `src` (a finished sample), at
+        the next `flush` (a later keep into the same row replaces it)."""
+        self._kept[dst] = (src, length, prompt_len)
+
+    def flush(self) -> None:
+        """Make the queued keeps: whole rows in one copy (their lengths bound what is read)."""
+        if not self._kept:
+            return
+        dst = np.fromiter(self._kept, np.int64, len(self._kept))
+        src, length, prompt_len = (np.array(c, dtype=np.int64) for c in zip(*self._kept.values()))
+        self._kept.clear()
+        d = to_device(dst, self.device)
+        self.tokens[d] = self.tokens[to_device(src, self.device)]
+        self.lengths[d] = to_device(length.astype(np.int32), self.device)
+        self.prompt_lens[d] = to_device(prompt_len.astype(np.int32), self.device)
 
     def forget(self, row: int) -> None:
+        self.flush()
         _set(self.lengths, row, 0)
 
     def read(self, row: int) -> list[int]:
         """A row's tokens (a host sync: for tests and checks)."""
+        self.flush()
         return self.tokens[row, : int(self.lengths[row])].tolist()
 
 
