@@ -70,6 +70,7 @@ class DraftBudget:
         self._plain_host: dict[int, deque] = {}  # bucket -> recent host times of plain steps
         self._added = deque(maxlen=DRAFT_WINDOW)  # (draft rows, device time added) of recent drafting steps
         self._added_host = deque(maxlen=DRAFT_WINDOW)  # (draft rows, host time added)
+        self._fits: tuple | None = None  # _fit of both, until the next drafting step is measured
         self._levels: dict[int, list[tuple[int, int]]] = {}
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
@@ -101,7 +102,11 @@ class DraftBudget:
         elif fits and (plain := _median(self._plain.get(b))) is not None:  # (a bucket's first steps measure plain decoding)
             host = _median(self._plain_host.get(b)) or 0.0
             prior = PRIOR_ROW_SHARE * plain / b
-            (a, r), (a_host, r_host) = (_fit(d, prior) for d in (self._added, self._added_host))
+            if not self._added:
+                self._fits = ((0.0, prior), (0.0, prior))
+            elif self._fits is None:
+                self._fits = (_fit(self._added), _fit(self._added_host))
+            (a, r), (a_host, r_host) = self._fits
             value = lambda acc, c: (1 + acc) / (max(plain + a + r * c, host + a_host + r_host * c) if c else max(plain, host))  # noqa: E731
             best = max(fits, key=lambda ic: value(self.acc[ic[0]], ic[1]))
             if value(self.acc[best[0]], best[1]) > value(0.0, 0):
@@ -122,6 +127,7 @@ class DraftBudget:
         if plain is not None:
             self._added.append((rows, device_s - plain))
             self._added_host.append((rows, host_s - host))
+            self._fits = None
 
     def observe_acceptance(self, accepted: np.ndarray) -> None:
         """accepted [S, fractions]: the drafts each sequence would have had accepted at each fraction."""
@@ -134,7 +140,7 @@ class DraftBudget:
         out.update({f"b{b}_plain_host": 1e3 * _median(v) for b, v in self._plain_host.items() if v})
         if self._added:
             for name, d in (("", self._added), ("_host", self._added_host)):
-                a, r = _fit(d, 0.0)
+                a, r = _fit(d)
                 out[f"draft_fixed{name}"], out[f"draft_row{name}"] = 1e3 * a, 1e3 * r
         return out
 
@@ -143,15 +149,13 @@ def _median(values) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _fit(added, prior: float) -> tuple[float, float]:
-    """(a, r) >= 0 such that a drafting step of C rows adds a + r C, from (rows, added) samples: a
-    line through the median added at each number of rows (medians: one slow step moves nothing);
-    with a single number of rows, a = 0; with no samples, (0, prior)."""
+def _fit(added) -> tuple[float, float]:
+    """(a, r) >= 0 such that a drafting step of C rows adds a + r C, from (rows, added) samples, at
+    least one: a line through the median added at each number of rows (medians: one slow step
+    moves nothing); with a single number of rows, a = 0."""
     by_rows: dict[int, list[float]] = {}
     for c, t in added:
         by_rows.setdefault(c, []).append(t)
-    if not by_rows:
-        return 0.0, prior
     c = np.array(list(by_rows), dtype=np.float64)
     t = np.array([statistics.median(v) for v in by_rows.values()])
     if len(c) == 1:

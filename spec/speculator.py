@@ -40,7 +40,8 @@ class _Trees:
     seqs: list[Sequence]
     roots: np.ndarray  # [S]: each sequence's length when the tree was drafted (its root is the last token)
     tokens: np.ndarray  # [S, N]
-    parents: np.ndarray  # [S, N]
+    depths: np.ndarray  # [S, N]
+    ancestors: np.ndarray  # [S, N] bit j: node j is the node or above it
     keys: np.ndarray  # [S, N]
     age: int = 0
 
@@ -82,7 +83,7 @@ class Speculator:
                 draft_rows: int, device_s: float, host_s: float) -> None:
         """A decode or verify step was collected (before its tokens are appended: `roots` are the
         sequences' lengths then): its device time, and the host's time for it; `trees`: the
-        drafter's (tokens, parents, keys), if they came back."""
+        drafter's (tokens, depths, ancestors, keys), if they came back."""
         if not self.enabled:
             return
         self.budget.observe_step(len(seqs), draft_rows, device_s, host_s)
@@ -104,19 +105,14 @@ class Speculator:
         for i, k in enumerate(pick.tolist()):
             got = t.seqs[k].tokens[int(t.roots[k]) : int(t.roots[k]) + n - 1]
             after[i, : len(got)] = got
-        tokens, parents = t.tokens[pick], t.parents[pick]
-        depth = np.zeros((p, n), dtype=np.int64)
-        matched = np.zeros((p, n), dtype=bool)
-        matched[:, 0] = True
-        rows = np.arange(p)
-        for j in range(1, n):  # parents precede their children
-            parent = parents[:, j]
-            real = parent >= 0
-            pj = np.where(real, parent, 0)
-            depth[:, j] = np.where(real, depth[rows, pj] + 1, 0)
-            guess = after[rows, np.clip(depth[:, j] - 1, 0, None)]
-            matched[:, j] = real & matched[rows, pj] & (tokens[:, j] == guess)
+        node = np.arange(n)
+        depth = t.depths[pick]
+        guess = np.take_along_axis(after, np.clip(depth - 1, 0, None), axis=1)
+        hit = (node == 0) | ((t.keys[pick] >= 0) & (t.tokens[pick] == guess))  # a draft's own token (padding has none)
+        bits = (hit.astype(np.int64) << node).sum(axis=1)  # distinct bits: the sum is their OR
+        matched = (t.ancestors[pick] & ~bits[:, None]) == 0  # it and every node above it
         deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within a tree's first j nodes
+        rows = np.arange(p)
         kept = kept_drafts(t.keys, [draft_rows(f, s, n - 1) for f in FRACTIONS])[:, pick]  # (the whole batch's choice)
         return deepest[rows, kept].T
 
@@ -145,6 +141,6 @@ def kept_drafts(keys: np.ndarray, capacities: list[int]) -> np.ndarray:
     [capacities, S]."""
     s, n = keys.shape
     flat = keys[:, 1:].reshape(-1)
-    order = np.lexsort((np.arange(len(flat)), -flat))
+    order = np.argsort(-flat, kind="stable")
     tree = np.where(flat[order] >= 0, order // (n - 1), s)  # (s: not a draft)
     return np.stack([np.bincount(tree[:c], minlength=s + 1)[:s] for c in capacities])

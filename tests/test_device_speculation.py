@@ -5,6 +5,8 @@ is exact, and the device keeps the drafts the host expects."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -155,20 +157,17 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
 def test_trees_are_scored_by_the_tokens_their_sequences_emitted_among_the_drafts_a_step_would_keep(default_engine):
     spec = Speculator(SpecConfig(method="ngram", max_draft_tokens=4), default_engine.table)
     # A: root 9 -> 5 -> 6 -> 7 (nodes 1, 2, 4) and root -> 8 (node 3); it went on 5 6 3
-    # B: root 3 -> 4 -> 4 (nodes 1, 2); it went on 4 4 4. B's drafts have the higher keys.
-    tokens = np.array([[9, 5, 6, 8, 7], [3, 4, 4, 0, 0]])
-    parents = np.array([[-1, 0, 1, 0, 2], [-1, 0, 1, -2, -2]])
-    keys = np.array([[-1, 400, 300, 200, 100], [-1, 900, 800, -1, -1]])
-
-    class A:
-        tokens = [1, 2, 9, 5, 6, 3]
-
-    class B:
-        tokens = [3, 4, 4, 4]
-
-    score = spec._score(_Trees([A(), B()], np.array([3, 1]), tokens, parents, keys))
-    # draft rows for 2 sequences at 1/8 ... 8 per sequence: 1, 1, 1, 2, 4, 8, 8 (of 8 drafts)
-    assert score.tolist() == [[0, 0, 0, 0, 2, 2, 2], [1, 1, 1, 2, 2, 2, 2]]
+    # B: root 3 -> 4 -> 4 (nodes 1, 2); it went on 4 0 4; its drafts have the highest keys
+    # C: nothing drafted (padding: token 0 at depth 1); it went on 0 0 0, which matches no padding
+    tokens = np.array([[9, 5, 6, 8, 7], [3, 4, 4, 0, 0], [5, 0, 0, 0, 0]])
+    depths = np.array([[0, 1, 2, 1, 3], [0, 1, 2, 1, 1], [0, 1, 1, 1, 1]])
+    ancestors = np.array([[1, 0b11, 0b111, 0b1001, 0b10111], [1, 0b11, 0b111, 0b1001, 0b10001],
+                          [1, 0b11, 0b101, 0b1001, 0b10001]])
+    keys = np.array([[-1, 400, 300, 200, 100], [-1, 900, 800, -1, -1], [-1, -1, -1, -1, -1]])
+    seqs = [SimpleNamespace(tokens=t) for t in ([1, 2, 9, 5, 6, 3], [3, 4, 0, 4], [5, 0, 0, 0])]
+    score = spec._score(_Trees(seqs, np.array([3, 1, 1]), tokens, depths, ancestors, keys))
+    # draft rows for 3 sequences at 1/8 ... 8 per sequence: 1, 1, 2, 3, 6, 12, 12 (of 12 drafts), B's first
+    assert score.tolist() == [[0, 0, 0, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1], [0] * 7]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -140,7 +140,7 @@ class ModelRunner:
             tok, par, dep, anc, key = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
                                                   x.rows, d.scan[x.groups.long()], d.window, d.min_match, d.cands,
                                                   d.depth, d.depth)
-            trees = (tok, par, key)
+            trees = (tok, dep, anc, key)
         if draft_rows:
             par, counts = choose_drafts(par, key, draft_rows)
             n = tok.shape[1]
@@ -265,7 +265,7 @@ class ModelRunner:
         if step.batch.is_prefill:
             return self._emit_prefill(step, host)
         if step.shadow:
-            step.trees = (host[2], host[3], host[4])
+            step.trees = tuple(host[2:6])
         return self._emit_decode(step, host)
 
     def _emit_prefill(self, step: StepInFlight, host: list[np.ndarray]) -> Emitted:

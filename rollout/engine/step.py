@@ -164,7 +164,7 @@ class DecodeOutputs:
 
     ints: torch.Tensor  # [S, N + 3] int64: emitted tokens by depth, accepted length, accepted-node bits, rows
     logprobs: torch.Tensor  # [S, N] float32: the emitted tokens' logprobs
-    trees: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # the drafter's whole trees (tokens, parents, keys) [S, depth + 1]
+    trees: tuple[torch.Tensor, ...] | None  # the drafter's whole trees (tokens, depths, ancestors, keys) [S, depth + 1]
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [R, k], logprobs [R, k] by row (eager steps)
 
 
@@ -222,7 +222,7 @@ class StepInFlight:
     rows: np.ndarray | None = None  # [S] decode/verify: each sequence's row at launch
     shadow: bool = False  # the drafter's whole trees come back too
     top: bool = False
-    trees: tuple[np.ndarray, ...] | None = None  # those trees (tokens, parents, keys [S, depth + 1]), once collected
+    trees: tuple[np.ndarray, ...] | None = None  # those trees (tokens, depths, ancestors, keys [S, depth + 1]), once collected
     accepted: np.ndarray | None = None  # [S, N] decode/verify: the nodes whose KV is kept, once collected
     first_row: np.ndarray | None = None  # [S] decode/verify: each sequence's first row (its root's), once collected
     began: float = 0.0  # when the engine's step() that launched it began
