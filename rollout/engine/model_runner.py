@@ -180,8 +180,8 @@ class ModelRunner:
         ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None]], dim=1)
         top = None
         if top_logprobs:
-            values, ids = processed_logprobs(logits, st).topk(top_logprobs, dim=-1)
-            top = (ids, values)
+            values, top_ids = processed_logprobs(logits, st).topk(top_logprobs, dim=-1)
+            top = (top_ids, values)
         return DecodeOutputs(ints, out_lp, trees, top)
 
     def _edits(self, seqs: list[Sequence], layout) -> LogitEdits:
