@@ -126,45 +126,10 @@ def sampling(args: argparse.Namespace) -> None:
             print(f"| {rows} | {mode} | {fused:.1f} | {ref:.1f} | {ref / fused:.1f}x |")
 
 
-def steps(args: argparse.Namespace) -> None:
-    import statistics
-    from types import SimpleNamespace
-
-    from rollout import Engine, SamplingParams
-    from rollout.engine.engine import freeze_heap, thaw_heap
-    from rollout.engine.step import bucket
-    from rollout.tools.bench import workload_prompts
-
-    for spec in ("off", "ngram"):
-        engine = Engine(model="default", spec=spec, device=args.device, max_running_seqs=args.prompts * args.n)
-        freeze_heap()
-        opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
-        prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
-        params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=args.output_len, seed=0)
-        engine.generate(prompts, params)  # warm-up: graphs, kernels, the budget's costs
-        engine.clear_speculation_history()
-        engine.reset_stats()
-        engine.generate(prompts, params)
-        groups: dict[tuple[int, int], list] = {}
-        for r in engine.step_log:
-            if not r.prefill:
-                groups.setdefault((bucket(r.num_seqs), r.draft_rows), []).append(r)
-        total = sum(r.wall_ms for r in engine.step_log)
-        print(f"\n{spec}: {engine.stats()['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
-              f"{total / 1e3:.2f} s of steps")
-        print("| bucket | draft rows | steps | share of time | wall ms | device ms | host ms |\n|---|---|---|---|---|---|---|")
-        for (b, w), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-            med = lambda f, rs=rs: statistics.median(f(r) for r in rs)  # noqa: E731
-            share = sum(r.wall_ms for r in rs) / total
-            print(f"| {b} | {w} | {len(rs)} | {share:.1%} | {med(lambda r: r.wall_ms):.2f} | "
-                  f"{med(lambda r: r.device_ms):.2f} | {med(lambda r: r.host_ms):.2f} |")
-        del engine
-        thaw_heap()  # its memory must come back before the next engine takes its share
-
-
-def host(args: argparse.Namespace) -> None:
-    import cProfile
-    import pstats
+def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
+    """For spec off, then n-gram: an engine on the rl workload's prompts (args.prompts x args.n),
+    warmed up by one rollout (graphs, kernels, the budget's costs), its stats reset; then
+    `run(mode, engine, prompts, params)`. Each engine's memory is back before the next is built."""
     from types import SimpleNamespace
 
     from rollout import Engine, SamplingParams
@@ -173,15 +138,49 @@ def host(args: argparse.Namespace) -> None:
     from rollout.tools.bench import workload_prompts
 
     for mode in ("off", "ngram"):
-        spec = SpecConfig(method=mode, adaptive=not args.fixed)
-        engine = Engine(model="default", spec=spec, device=args.device, max_running_seqs=args.prompts * args.n)
+        engine = Engine(model="default", spec=SpecConfig(method=mode, adaptive=adaptive), device=args.device,
+                        max_running_seqs=args.prompts * args.n)
         freeze_heap()
         opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
         prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
         params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=args.output_len, seed=0)
-        engine.generate(prompts, params)  # warm-up
+        engine.generate(prompts, params)
         engine.clear_speculation_history()
         engine.reset_stats()
+        run(mode, engine, prompts, params)
+        del engine
+        thaw_heap()
+
+
+def steps(args: argparse.Namespace) -> None:
+    import statistics
+
+    from rollout.engine.step import bucket
+
+    def run(mode, engine, prompts, params) -> None:
+        engine.generate(prompts, params)
+        groups: dict[tuple[int, int], list] = {}
+        for r in engine.step_log:
+            if not r.prefill:
+                groups.setdefault((bucket(r.num_seqs), r.draft_rows), []).append(r)
+        total = sum(r.wall_ms for r in engine.step_log)
+        print(f"\n{mode}: {engine.stats()['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
+              f"{total / 1e3:.2f} s of steps")
+        print("| bucket | draft rows | steps | share of time | wall ms | device ms | host ms |\n|---|---|---|---|---|---|---|")
+        for (b, w), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+            med = lambda f, rs=rs: statistics.median(f(r) for r in rs)  # noqa: E731
+            share = sum(r.wall_ms for r in rs) / total
+            print(f"| {b} | {w} | {len(rs)} | {share:.1%} | {med(lambda r: r.wall_ms):.2f} | "
+                  f"{med(lambda r: r.device_ms):.2f} | {med(lambda r: r.host_ms):.2f} |")
+
+    _each_mode(args, run)
+
+
+def host(args: argparse.Namespace) -> None:
+    import cProfile
+    import pstats
+
+    def run(mode, engine, prompts, params) -> None:
         profile = cProfile.Profile()
         reqs = [engine.add_request(p, params) for p in prompts]
         profile.enable()
@@ -192,15 +191,14 @@ def host(args: argparse.Namespace) -> None:
         wall = sum(r.wall_ms for r in engine.step_log)
         print(f"\n{mode}: {engine.output_tokens} tokens, {len(engine.step_log)} steps ({len(decode)} decode), "
               f"{wall:.0f} ms of steps, host {sum(r.host_ms for r in decode) / len(decode):.2f} ms per decode step")
-        stats = pstats.Stats(profile)
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.top]
+        rows = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][2])[: args.top]
         print("| function | calls per step | own us per step | with callees us per step |\n|---|---|---|---|")
         for (file, line, name), (_, calls, own, total, _) in rows:
             where = f"{file.split('/')[-1]}:{line}" if line else "~"
             print(f"| {where} {name} | {calls / len(decode):.1f} | {own / len(decode) * 1e6:.1f} | "
                   f"{total / len(decode) * 1e6:.1f} |")
-        del engine
-        thaw_heap()
+
+    _each_mode(args, run, adaptive=not args.fixed)
 
 
 def verify(args: argparse.Namespace) -> None:
@@ -273,19 +271,15 @@ def main() -> None:
     m.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels/pdl.py)")
     sub.add_parser("sampling", help="the fused sampling kernels against the torch reference")
     t = sub.add_parser("steps", help="where a rollout's steps spend their time, spec off against n-gram")
-    t.add_argument("--prompts", type=int, default=64)
-    t.add_argument("--n", type=int, default=8)
-    t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--output-len", type=int, default=2048)
-    t.add_argument("--device", default="cuda")
     h = sub.add_parser("host", help="the host's time per decode step by function (cProfile), spec off against n-gram")
-    h.add_argument("--prompts", type=int, default=64)
-    h.add_argument("--n", type=int, default=8)
-    h.add_argument("--temperature", type=float, default=1.0)
-    h.add_argument("--output-len", type=int, default=256)
+    for p, output_len in ((t, 2048), (h, 256)):  # the rl workload of _each_mode
+        p.add_argument("--prompts", type=int, default=64)
+        p.add_argument("--n", type=int, default=8)
+        p.add_argument("--temperature", type=float, default=1.0)
+        p.add_argument("--output-len", type=int, default=output_len)
+        p.add_argument("--device", default="cuda")
     h.add_argument("--fixed", action="store_true", help="n-gram: every step verifies as many drafts as fit (the budget off)")
     h.add_argument("--top", type=int, default=25)
-    h.add_argument("--device", default="cuda")
     v = sub.add_parser("verify", help="a decode/verify step's device time by draft rows, and its kernels")
     v.add_argument("--seqs", type=int, default=128)
     v.add_argument("--context", type=int, default=2000)

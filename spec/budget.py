@@ -54,7 +54,7 @@ class StepPlan:
     shadow: bool  # its whole trees come back to the host
 
 
-def draft_rows(fraction: float, num_seqs: int, depth: int) -> int:
+def rows_at(fraction: float, num_seqs: int, depth: int) -> int:
     """The draft rows of `fraction` per sequence for `num_seqs` sequences: at least one, at most
     every draft of every tree."""
     return min(math.ceil(fraction * num_seqs), num_seqs * depth)
@@ -70,7 +70,7 @@ class DraftBudget:
         self._plain_host: dict[int, deque] = {}  # bucket -> recent host times of plain steps
         self._added = deque(maxlen=DRAFT_WINDOW)  # (draft rows, device time added) of recent drafting steps
         self._added_host = deque(maxlen=DRAFT_WINDOW)  # (draft rows, host time added)
-        self._fits: tuple | None = None  # _fit of both, until the next drafting step is measured
+        self._fits: tuple | None = None  # _fit of both, until the next drafting step is measured (_added_cost)
         self._levels: dict[int, list[tuple[int, int]]] = {}
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
@@ -85,7 +85,7 @@ class DraftBudget:
         if b not in self._levels:
             rows: dict[int, int] = {}
             for i, f in enumerate(FRACTIONS):
-                c = draft_rows(f, b, self.depth)
+                c = rows_at(f, b, self.depth)
                 if c and b + c <= self.max_verify_tokens:
                     rows[c] = i
             self._levels[b] = sorted((i, c) for c, i in rows.items())
@@ -101,12 +101,7 @@ class DraftBudget:
             c = fits[-1][1]
         elif fits and (plain := _median(self._plain.get(b))) is not None:  # (a bucket's first steps measure plain decoding)
             host = _median(self._plain_host.get(b)) or 0.0
-            prior = PRIOR_ROW_SHARE * plain / b
-            if not self._added:
-                self._fits = ((0.0, prior), (0.0, prior))
-            elif self._fits is None:
-                self._fits = (_fit(self._added), _fit(self._added_host))
-            (a, r), (a_host, r_host) = self._fits
+            (a, r), (a_host, r_host) = self._added_cost() or ((0.0, PRIOR_ROW_SHARE * plain / b),) * 2
             value = lambda acc, c: (1 + acc) / (max(plain + a + r * c, host + a_host + r_host * c) if c else max(plain, host))  # noqa: E731
             best = max(fits, key=lambda ic: value(self.acc[ic[0]], ic[1]))
             if value(self.acc[best[0]], best[1]) > value(0.0, 0):
@@ -129,6 +124,13 @@ class DraftBudget:
             self._added_host.append((rows, host_s - host))
             self._fits = None
 
+    def _added_cost(self) -> tuple[tuple[float, float], tuple[float, float]] | None:
+        """What drafting adds, (a, r) for the device and for the host (`_fit`), or None before a
+        drafting step was measured; refitted only after one was."""
+        if self._added and self._fits is None:
+            self._fits = (_fit(self._added), _fit(self._added_host))
+        return self._fits
+
     def observe_acceptance(self, accepted: np.ndarray) -> None:
         """accepted [S, fractions]: the drafts each sequence would have had accepted at each fraction."""
         if len(accepted):
@@ -138,9 +140,8 @@ class DraftBudget:
         """Milliseconds (for stats and benchmarks): plain steps by bucket, and what drafting adds."""
         out = {f"b{b}_plain": 1e3 * _median(v) for b, v in self._plain.items() if v}
         out.update({f"b{b}_plain_host": 1e3 * _median(v) for b, v in self._plain_host.items() if v})
-        if self._added:
-            for name, d in (("", self._added), ("_host", self._added_host)):
-                a, r = _fit(d)
+        if (added := self._added_cost()) is not None:
+            for name, (a, r) in zip(("", "_host"), added):
                 out[f"draft_fixed{name}"], out[f"draft_row{name}"] = 1e3 * a, 1e3 * r
         return out
 

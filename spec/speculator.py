@@ -25,7 +25,7 @@ from rollout.config import SpecConfig
 from rollout.engine.sequence import Sequence
 from rollout.engine.step import DraftSettings
 from rollout.engine.token_table import TokenTable
-from spec.budget import FRACTIONS, DraftBudget, StepPlan, draft_rows
+from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
 from spec.index import NgramIndex
 
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
@@ -113,7 +113,7 @@ class Speculator:
         matched = (t.ancestors[pick] & ~bits[:, None]) == 0  # it and every node above it
         deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within a tree's first j nodes
         rows = np.arange(p)
-        kept = kept_drafts(t.keys, [draft_rows(f, s, n - 1) for f in FRACTIONS])[:, pick]  # (the whole batch's choice)
+        kept = kept_drafts(t.keys, [rows_at(f, s, n - 1) for f in FRACTIONS])[:, pick]  # (the whole batch's choice)
         return deepest[rows, kept].T
 
     def clear_history(self) -> None:

@@ -50,6 +50,7 @@ class TokenTable:
                        draw_cols: np.ndarray | None = None) -> None:
         """After an eager step: the lengths and prompt lengths of `rows`, and the drawn tokens (on the
         device) at (draw_rows, draw_cols)."""
+        self.flush()
         r = to_device(rows, self.device)
         if drawn is not None and len(draw_rows):
             self.tokens[to_device(draw_rows, self.device), to_device(draw_cols, self.device)] = drawn.to(torch.int32)
@@ -81,15 +82,11 @@ class TokenTable:
 
     def forget(self, row: int) -> None:
         self.flush()
-        _set(self.lengths, row, 0)
+        # a fill, queued like a kernel (`lengths[row] = 0` would copy a host scalar and wait for the device)
+        self.lengths[row : row + 1].fill_(0)
 
     def read(self, row: int) -> list[int]:
         """A row's tokens (a host sync: for tests and checks)."""
         self.flush()
         return self.tokens[row, : int(self.lengths[row])].tolist()
 
-
-def _set(t: torch.Tensor, i: int, value: int) -> None:
-    """t[i] = value, queued on the device like a kernel. (`t[i] = value` copies a host scalar to
-    the device and waits for everything queued before it: a pipeline drain per finished sample.)"""
-    t[i : i + 1].fill_(value)

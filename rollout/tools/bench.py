@@ -121,7 +121,8 @@ def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]],
 
 
 def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch_size: int,
-                seed: int) -> tuple[Row, Timeline]:
+                seed: int, keep_history: bool = False) -> tuple[Row, Timeline]:
+    """One rollout of `prompts`, timed; `keep_history`: the drafter keeps earlier rollouts' samples."""
     from rollout.config import SamplingParams
 
     params = [
@@ -132,7 +133,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         for i in range(len(prompts))
     ]
     engine.reset_stats()
-    if not args.keep_history:
+    if not keep_history:
         engine.clear_speculation_history()  # no drafting from the warm-up or from other batch sizes
     timeline = Timeline(spec, [], [], [])
     with GcTimer() as gc_time:
@@ -337,9 +338,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     prompts, n = workload_prompts(args, tokenizer, b)
                     # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it
                     # is also the previous epoch whose samples the drafter remembers (and the only one)
-                    engine.clear_speculation_history()
                     run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
-                    row, timeline = run_rollout(engine, args, prompts, n, spec, b, seed=args.seed)
+                    row, timeline = run_rollout(engine, args, prompts, n, spec, b, seed=args.seed,
+                                                keep_history=args.keep_history)
                     runs.append(row)
                     timelines.append(timeline)
                     print(markdown(runs[-1:]).splitlines()[-1], flush=True)
