@@ -26,8 +26,8 @@ RL="--workload rl --spec-modes off,ngram --batch-sizes 512 --n 8 --max-running-s
 case "$stage" in
 kernels)
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
-  timeout 420 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_tree_accept.py \
-    tests/test_fused_kernels.py tests/test_triton_attention.py tests/test_sampling_kernel.py 2>&1 | tee "$OUT/kernels.log" | tail -15
+  timeout 420 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_draft_rows_kernel.py \
+    tests/test_tree_accept.py tests/test_fused_kernels.py tests/test_triton_attention.py tests/test_sampling_kernel.py 2>&1 | tee "$OUT/kernels.log" | tail -15
   ;;
 engine)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
@@ -36,10 +36,13 @@ engine)
   ;;
 check)  # after a change to the drafting path: its kernel tests, the engine's GPU tests (TESTS: a -k filter), a step's cost by draft rows
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
-  timeout 120 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_tree_accept.py 2>&1 \
-    | tee "$OUT/kernels.log" | tail -3
+  timeout 120 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_draft_rows_kernel.py \
+    tests/test_tree_accept.py 2>&1 | tee "$OUT/kernels.log" | tail -3
   timeout 330 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py -k "${TESTS:-.}" 2>&1 | tee "$OUT/engine.log" | tail -12
-  timeout 100 python3 bench/step_profile.py verify --seqs 128 --context 2000 2>&1 | grep -v -i warn | tee "$OUT/verify.log"
+  for v in ab/*/ ""; do  # each version `bench/ab_versions.sh prepare` left in ab/, then this checkout
+    echo "== ${v:-head}"
+    PYTHONPATH=/tmp/site:$PWD/$v timeout 100 python3 bench/step_profile.py verify --seqs 128 --context 2000 2>&1 | grep -v -i warn
+  done | tee "$OUT/verify.log"
   ;;
 decode)  # decode speed, spec off, against HF transformers generate in the same run
   bench --workload decode --spec-modes off --batch-sizes 1,8,64 --prompt-len 64 --output-len 256 --baseline-hf \

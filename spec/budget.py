@@ -17,13 +17,16 @@ S (1 + acc(C)) / cost(b, C).
   Evaluations are averaged with decaying weights.
 - cost(b, C): steps overlap the host's work, so a step costs the larger of its device time and
   the host's time per step, each a plain step's (the median of its last few at this bucket)
-  plus what drafting adds, a + r C: a fixed part (drafting, choosing the drafts, laying out
-  their rows: 0.3 ms of a 3.4-ms step at 128 sequences on an H100) and a part per row, about
-  the same whatever the bucket (one more token through the same weights; attention reads each
-  sequence's cache once for all its rows). a and r, one pair for the device and one for the
-  host, are fitted to the last drafting steps (a line through the median added at each
-  number of rows seen; with one number seen, r alone); until a drafting step was measured, a
-  row is taken to cost a tenth of a plain step's time per sequence. While drafting, every
+  plus what drafting adds. What it adds at (b, C) is the median of its own last few steps
+  there, once it has MEASURED_AFTER. Before that, a line a + r C: a fixed part (drafting,
+  laying out the rows: 0.15 ms of a 3.4-ms step at 128 sequences on an H100) and a part per
+  row, one pair for the device and one for the host, fitted to the last drafting steps of any
+  bucket (a line through the median added at each number of rows seen; with one number seen,
+  r alone); until a drafting step was measured, a row is taken to cost a tenth of a plain
+  step's time per sequence. The line is only a first guess: what a row adds depends on the
+  bucket (the host's work per sequence, attention over longer contexts in the tail), and a
+  guess too low is corrected after MEASURED_AFTER steps at (b, C), while one too high only
+  keeps the budget from a choice that would not have paid by much. While drafting, every
   REFRESH_EVERY-th step decodes plainly, so the plain costs follow the contexts as they grow.
 """
 
@@ -42,6 +45,7 @@ SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance st
 COST_WINDOW = 5  # plain costs are medians of the last this many steps
 DRAFT_WINDOW = 32  # what drafting adds is fitted to the last this many drafting steps
 REFRESH_EVERY = 16  # while drafting, one plain step in this many keeps the plain cost current
+MEASURED_AFTER = 3  # steps at a (bucket, draft rows) after which their own costs replace the fitted line
 ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc
 PRIOR_ROW_SHARE = 0.1  # a draft row's cost until one is measured, as a share of a plain step's per sequence
 FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # draft rows per sequence a step may take
@@ -71,6 +75,7 @@ class DraftBudget:
         self._added = deque(maxlen=DRAFT_WINDOW)  # (draft rows, device time added) of recent drafting steps
         self._added_host = deque(maxlen=DRAFT_WINDOW)  # (draft rows, host time added)
         self._fits: tuple | None = None  # _fit of both, until the next drafting step is measured (_added_cost)
+        self._added_at: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> recent (device, host) time added
         self._levels: dict[int, list[tuple[int, int]]] = {}
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
@@ -101,10 +106,19 @@ class DraftBudget:
             c = fits[-1][1]
         elif fits and (plain := _median(self._plain.get(b))) is not None:  # (a bucket's first steps measure plain decoding)
             host = _median(self._plain_host.get(b)) or 0.0
-            (a, r), (a_host, r_host) = self._added_cost() or ((0.0, PRIOR_ROW_SHARE * plain / b),) * 2
-            value = lambda acc, c: (1 + acc) / (max(plain + a + r * c, host + a_host + r_host * c) if c else max(plain, host))  # noqa: E731
-            best = max(fits, key=lambda ic: value(self.acc[ic[0]], ic[1]))
-            if value(self.acc[best[0]], best[1]) > value(0.0, 0):
+            line = self._added_cost() or ((0.0, PRIOR_ROW_SHARE * plain / b),) * 2
+
+            def value(i: int, c: int) -> float:  # tokens per second, per sequence
+                seen = self._added_at.get((b, c), ())
+                if len(seen) >= MEASURED_AFTER:
+                    added, added_host = (statistics.median(t) for t in zip(*seen))
+                else:
+                    (a, r), (a_host, r_host) = line
+                    added, added_host = a + r * c, a_host + r_host * c
+                return (1 + self.acc[i]) / max(plain + added, host + added_host)
+
+            best = max(fits, key=lambda ic: value(*ic))
+            if value(*best) > 1 / max(plain, host):
                 c = best[1]
         if c and self.adaptive:
             self._drafting[b] = self._drafting.get(b, 0) + 1
@@ -122,6 +136,7 @@ class DraftBudget:
         if plain is not None:
             self._added.append((rows, device_s - plain))
             self._added_host.append((rows, host_s - host))
+            self._added_at.setdefault((b, rows), deque(maxlen=COST_WINDOW)).append((device_s - plain, host_s - host))
             self._fits = None
 
     def _added_cost(self) -> tuple[tuple[float, float], tuple[float, float]] | None:

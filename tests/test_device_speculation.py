@@ -13,9 +13,9 @@ import torch
 
 from rollout import Engine, SamplingParams, SpecConfig
 from rollout.tools.datasets import chat_prompt_ids
-from kernels.draft_rows import RowLayout, choose_drafts
+from kernels.draft_rows import lay_out_drafts_ref
 from kernels.ngram_draft import PADDING
-from spec.budget import REFRESH_EVERY, SHADOW_EVERY, DraftBudget
+from spec.budget import MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, DraftBudget
 from spec.speculator import Speculator, _Trees, kept_drafts
 
 QUESTIONS = [
@@ -148,6 +148,19 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
     assert overhead.plan(64, 10_000).draft_rows == 0  # (1 + 0.4) / 14.4 ms, the best, loses to 1 / 10 ms
     overhead.acc[:] = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
     assert overhead.plan(64, 10_000).draft_rows == 64  # (1 + 0.5) / 14.4 ms wins
+    # what a row adds is fitted across buckets, but a bucket's own steps overrule the line
+    tail = DraftBudget(max_draft_tokens=8, max_verify_tokens=4096)
+    for b in (16, 128):
+        for _ in range(5):
+            tail.observe_step(b, 0, 0.010, 0.002)
+    for _ in range(4):
+        tail.observe_step(16, 16, 0.011, 0.002)  # 16 rows add 1 ms at 16 sequences
+    tail.acc[:] = [0.15, 0.18, 0.3, 0.4, 0.5, 0.6, 0.7]
+    assert tail.plan(128, 10_000).draft_rows == 16  # the line: (1 + 0.15) / 11 ms beats 1 / 10 ms
+    for _ in range(MEASURED_AFTER):
+        assert tail.plan(128, 10_000).draft_rows == 16
+        tail.observe_step(128, 16, 0.013, 0.002)  # ... but there they add 3 ms
+    assert tail.plan(128, 10_000).draft_rows == 0 and tail.plan(16, 10_000).draft_rows == 16
     fixed = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, adaptive=False)
     assert fixed.plan(16, 10_000).draft_rows == 128 and fixed.plan(64, 10_000).draft_rows == 256
     shadows = [fixed.plan(16, 10_000).shadow for _ in range(4 * SHADOW_EVERY)]
@@ -175,20 +188,48 @@ def test_the_device_keeps_the_best_drafts_of_the_batch_as_the_host_replays_it(se
     """kernels/draft_rows.py on random trees: each tree keeps its first few drafts, the batch the
     `capacity` with the highest keys (as spec.speculator.kept_drafts replays it), and the rows lay
     every kept node out once, sequence by sequence, root first."""
-    gen = torch.Generator().manual_seed(seed)
     s, n = 6, 9
-    drafts = torch.randint(0, n, (s,), generator=gen)  # each tree's drafts: nodes 1..drafts[i]
+    trees = random_trees(torch.Generator().manual_seed(seed), s, n)
+    tokens, parents, depths, ancestors, keys, kv, out_pos = trees
+    node = torch.arange(n)
+    drafts = (parents[:, 1:] >= 0).sum(dim=1)
+    for capacity in (0, 1, 3, 7, s * (n - 1)):
+        slots = torch.arange(s + capacity) + 100
+        got = lay_out_drafts_ref(*trees, slots, capacity)
+        counts = got.counts
+        assert counts.tolist() == (1 + kept_drafts(keys.numpy(), [capacity])[0]).tolist()
+        assert int(counts.sum()) - s == min(capacity, int(drafts.sum()))
+        assert ((got.parents[:, 1:] >= 0) == (node[1:] < counts[:, None])).all()  # the first few, a tree
+        has_row = node < counts[:, None]
+        flat = torch.arange(s * n).view(s, n)
+        rows = got.node_of_row[got.node_of_row < s * n]
+        assert sorted(rows.tolist()) == flat[has_row].tolist()  # every kept node once
+        assert torch.equal(got.node_of_row[got.row_of_node[has_row]], flat[has_row])
+        assert torch.equal(got.tokens[got.row_of_node[has_row]], tokens[has_row])
+        assert torch.equal(got.positions[got.row_of_node[has_row]], (kv[:, None] + depths)[has_row])
+        assert torch.equal(got.seq[got.row_of_node[has_row]], (flat // n)[has_row])
+        assert torch.equal(got.slots[has_row], slots[got.row_of_node[has_row]])
+        assert got.qo_indptr.tolist() == [0] + torch.cumsum(counts, 0).tolist()
+
+
+def random_trees(gen: torch.Generator, s: int, n: int) -> tuple[torch.Tensor, ...]:
+    """Trees as the drafter returns them (tokens, parents, depths, ancestors, keys [S, N]; each
+    tree's drafts are nodes 1..d, keys never growing with rank), and each root's kv and output
+    positions [S]."""
+    drafts = torch.randint(0, n, (s,), generator=gen)
     node = torch.arange(n)
     parents = torch.where(node < drafts[:, None] + 1, (node - 1 - torch.randint(0, 2, (s, n), generator=gen)).clamp(min=0), PADDING)
     parents[:, 0] = -1
-    keys = torch.randint(1, 5, (s, n), generator=gen).sort(dim=1, descending=True).values  # never growing with rank
+    depths = torch.zeros(s, n, dtype=torch.long)
+    ancestors = torch.zeros(s, n, dtype=torch.long)
+    ancestors[:, 0] = 1
+    for j in range(1, n):
+        p = parents[:, j].clamp(min=0)
+        real = parents[:, j] >= 0
+        depths[:, j] = torch.where(real, depths[torch.arange(s), p] + 1, 0)
+        ancestors[:, j] = torch.where(real, ancestors[torch.arange(s), p] | (1 << j), 0)
+    keys = torch.randint(0, 5, (s, n), generator=gen).sort(dim=1, descending=True).values  # ties across trees
     keys = torch.where(parents >= 0, keys, -1)
-    for capacity in (0, 1, 3, 7, s * (n - 1)):
-        chosen, counts = choose_drafts(parents, keys, capacity)
-        assert counts.tolist() == (1 + kept_drafts(keys.numpy(), [capacity])[0]).tolist()
-        assert int(counts.sum()) - s == min(capacity, int(drafts.sum()))
-        assert ((chosen[:, 1:] >= 0) == (node[1:] < counts[:, None])).all()  # the first few, a tree
-        layout = RowLayout.of(counts, n, s + capacity)
-        rows = layout.rows(torch.arange(s * n).view(s, n) + 1)  # (0: a row left over)
-        assert sorted(rows[rows > 0].tolist()) == [i * n + j + 1 for i in range(s) for j in range(int(counts[i]))]
-        assert torch.equal(layout.nodes(rows)[node < counts[:, None]], (torch.arange(s * n).view(s, n) + 1)[node < counts[:, None]])
+    tokens = torch.randint(0, 1000, (s, n), generator=gen)
+    kv = torch.randint(0, 500, (s,), generator=gen)
+    return tokens, parents, depths, ancestors, keys, kv, kv + torch.randint(-50, 0, (s,), generator=gen)

@@ -405,6 +405,7 @@ class Engine:
         version, source, top = self.weight_version, e.source, e.top
         totals = self._spec_totals
         appended_all = plain_steps = 0
+        drafts = accepted = drafting = drafting_appended = 0  # over the sequences with drafts (totals: one record)
         for i, (seq, tokens, logprobs, drafted, counted) in enumerate(
                 zip(e.seqs, e.tokens, e.logprobs, e.drafted, e.counted)):
             if seq.finish_reason is not None:  # (Sequence.finished, without the call)
@@ -424,7 +425,10 @@ class Engine:
             appended_all += k
             if drafted:
                 seq.spec.record(source, drafted, len(tokens) - 1, k)
-                totals.record(source, drafted, len(tokens) - 1, k)
+                drafts += drafted
+                accepted += len(tokens) - 1
+                drafting += 1
+                drafting_appended += k
             elif counted:  # a step without drafts: what SpecCounters.record does for it, without two calls
                 spec = seq.spec
                 spec.verify_steps += 1
@@ -435,6 +439,8 @@ class Engine:
                 self._finish(seq, reason)
         self._output_tokens += appended_all
         totals.verify_steps += plain_steps
+        if drafting:
+            totals.record(source, drafts, accepted, drafting_appended, steps=drafting)
 
     def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:
         """Append token by token while no stop condition holds: (tokens appended, why it stopped or None)."""

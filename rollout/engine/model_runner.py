@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.draft_rows import RowLayout, choose_drafts
+from kernels.draft_rows import lay_out_drafts
 from kernels.ngram_draft import draft_trees
 from kernels.tree_accept import accept_trees
 from rollout.engine.kv_pool import KVPool
@@ -142,15 +142,11 @@ class ModelRunner:
                                                   d.depth, d.depth)
             trees = (tok, dep, anc, key)
         if draft_rows:
-            par, counts = choose_drafts(par, key, draft_rows)
-            n = tok.shape[1]
-            layout = RowLayout.of(counts, n, s + draft_rows)
-            seq_of_row = (layout.node_of_row // n).clamp(max=s - 1)
-            ids, positions, tree = layout.rows(tok), layout.rows(kv[:, None] + dep), layout.rows(anc)
-            slots = layout.nodes(x.slots)  # [S, N]
-            st = sampling_tensors(x.sampling[:, seq_of_row], x.params[:, seq_of_row],
-                                  out_pos[seq_of_row] + layout.rows(dep), mode)
-            qo_indptr, q_len = layout.qo_indptr, n
+            layout = lay_out_drafts(tok, par, dep, anc, key, kv, out_pos, x.slots, draft_rows)
+            par, counts, slots = layout.parents, layout.counts, layout.slots
+            ids, positions, tree = layout.tokens, layout.positions, layout.tree
+            st = sampling_tensors(x.sampling[:, layout.seq], x.params[:, layout.seq], layout.draw_positions, mode)
+            qo_indptr, q_len = layout.qo_indptr, tok.shape[1]
         else:  # the roots alone, a row each
             layout, counts = None, torch.ones(s, dtype=torch.long, device=self.device)
             ids = table.tokens[rows, kv].long()

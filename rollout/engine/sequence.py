@@ -27,10 +27,11 @@ class SpecCounters:
     emitted_tokens: int = 0  # tokens produced by verify steps, bonus included
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def record(self, source: str, drafted: int, accepted: int, emitted: int) -> None:
+    def record(self, source: str, drafted: int, accepted: int, emitted: int, steps: int = 1) -> None:
+        """A verify step's drafts (or `steps` of them, summed)."""
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        self.verify_steps += 1
+        self.verify_steps += steps
         self.emitted_tokens += emitted
         if drafted:
             src = self.by_source.setdefault(source, {"draft_tokens": 0, "accepted_tokens": 0})
