@@ -10,7 +10,8 @@
 #   call 2: carry .devcache/smol.part.ab .whl
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (carry .whl; while the machine is warm)
-#   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs)
+#   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
+#   too much beside a model part: carry it in a later call)
 set -uo pipefail
 stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | quick}
 OUT=${OUT:-/tmp/out}
@@ -80,8 +81,9 @@ weights)  # a push's time by method, trainer and server on one GPU
   ;;
 recipe)  # the GRPO recipe re-sampling its prompts: rollout seconds per step, n-gram against off
   for spec in off ngram; do
+    echo "== $spec"
     python3 recipes/grpo.py --steps 12 --prompts 32 --n 8 --max-new-tokens 512 --dataset-size 64 --spec $spec \
-      --out "$OUT/recipe-$spec" 2>&1 | grep -E "step|rollout" | tail -14
+      --out "$OUT/recipe-$spec" 2>&1 | grep -E "^\|" | tail -14  # its table of steps
   done | tee "$OUT/recipe.log"
   ;;
 profile)  # where a verify step's device time and a decode step's host time go (bench/step_profile.py verify, host)
