@@ -333,12 +333,8 @@ class TritonAttention:
         rows = max(max_q_len, 1) * group  # query rows of one (sequence, kv head)
         block_d = triton.next_power_of_2(head_dim)
         if max_q_len <= DECODE_MAX_Q_LEN:
-            # decode / verify: blocks of one token's heads (at least tl.dot's 16 rows). In a verify
-            # step most sequences have one row, their root (the draft rows go to the batch's best
-            # drafts), so blocks sized for the tree's bound would multiply the tile work of every
-            # sequence; a sequence with more rows takes more blocks, which read its K/V tiles
-            # side by side through L2, and the extra blocks of a shorter one return at once.
-            block_m = min(max(triton.next_power_of_2(group), 16), 128)
+            # decode / verify: as few row blocks as fit, so each K/V tile is read once per kv head
+            block_m = min(max(triton.next_power_of_2(rows), 16), 128)
         else:
             block_m = 128 if block_d <= 128 else 64
         block_n = 64 if block_d <= 128 else 32
