@@ -40,7 +40,8 @@ check)  # after a change to the drafting path: its kernel tests, the engine's GP
   timeout 120 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_draft_rows_kernel.py \
     tests/test_tree_accept.py 2>&1 | tee "$OUT/kernels.log" | tail -3
   timeout 330 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py -k "${TESTS:-.}" 2>&1 | tee "$OUT/engine.log" | tail -12
-  for v in ab/*/ ""; do  # each version `bench/ab_versions.sh prepare` left in ab/, then this checkout
+  versions=$(ls -d ab/*/ 2>/dev/null)  # each version `bench/ab_versions.sh prepare` left in ab/, if any
+  for v in $versions ""; do  # ... then this checkout
     echo "== ${v:-head}"
     PYTHONPATH=/tmp/site:$PWD/$v timeout 100 python3 bench/step_profile.py verify --seqs 128 --context 2000 2>&1 | grep -v -i warn
   done | tee "$OUT/verify.log"

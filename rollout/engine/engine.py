@@ -404,8 +404,8 @@ class Engine:
         sequence that cannot stop in this step takes its tokens in three list extends.)"""
         version, source, top = self.weight_version, e.source, e.top
         totals = self._spec_totals
-        appended_all = plain_steps = 0
-        drafts = accepted = drafting = drafting_appended = 0  # over the sequences with drafts (totals: one record)
+        # the step's totals, recorded once after the loop (a call per sequence costs ~1 us at 512 of them)
+        appended_all = plain = plain_appended = drafts = accepted = drafting = drafting_appended = 0
         for i, (seq, tokens, logprobs, drafted, counted) in enumerate(
                 zip(e.seqs, e.tokens, e.logprobs, e.drafted, e.counted)):
             if seq.finish_reason is not None:  # (Sequence.finished, without the call)
@@ -429,16 +429,17 @@ class Engine:
                 accepted += len(tokens) - 1
                 drafting += 1
                 drafting_appended += k
-            elif counted:  # a step without drafts: what SpecCounters.record does for it, without two calls
+            elif counted:  # a step without drafts: what SpecCounters.record does for it, inline
                 spec = seq.spec
                 spec.verify_steps += 1
                 spec.emitted_tokens += k
-                plain_steps += 1
-                totals.emitted_tokens += k
+                plain += 1
+                plain_appended += k
             if reason is not None:
                 self._finish(seq, reason)
         self._output_tokens += appended_all
-        totals.verify_steps += plain_steps
+        totals.verify_steps += plain
+        totals.emitted_tokens += plain_appended
         if drafting:
             totals.record(source, drafts, accepted, drafting_appended, steps=drafting)
 
