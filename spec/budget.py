@@ -15,19 +15,23 @@ S (1 + acc(C)) / cost(b, C).
   counter-based sampling a draft is accepted exactly when it equals the token the sequence
   emits anyway, so this is what verification would find, without verifying anything.
   Evaluations are averaged with decaying weights.
-- cost(b, C): steps overlap the host's work, so a step costs the larger of its device time and
-  the host's time per step, each a plain step's (the median of its last few at this bucket)
-  plus what drafting adds. What it adds at (b, C) is the median of its own last few steps
-  there, once it has MEASURED_AFTER. Before that, a line a + r C: a fixed part (drafting,
-  laying out the rows: 0.15 ms of a 3.4-ms step at 128 sequences on an H100) and a part per
-  row, one pair for the device and one for the host, fitted to the last drafting steps of any
-  bucket (a line through the median added at each number of rows seen; with one number seen,
-  r alone); until a drafting step was measured, a row is taken to cost a tenth of a plain
-  step's time per sequence. The line is only a first guess: what a row adds depends on the
-  bucket (the host's work per sequence, attention over longer contexts in the tail), and a
-  guess too low is corrected after MEASURED_AFTER steps at (b, C), while one too high only
-  keeps the budget from a choice that would not have paid by much. While drafting, every
-  REFRESH_EVERY-th step decodes plainly, so the plain costs follow the contexts as they grow.
+- cost(b, C) is a step's period: the wall time from one step's completion to the next's.
+  Steps overlap the host's work, so the period is whichever of the device and the host is
+  slower, as measured, with nothing modelled (a model of the two apart priced drafting as free
+  on the host where the host had been slow for other reasons: bench/results/spec-8a4b12b/
+  rl-budget.log). Other work lands on some periods (admissions and the joins after a prefill,
+  the collector, the caller between steps) and only ever adds, so a plain step costs the least
+  of its bucket's last COST_WINDOW periods; while drafting, every REFRESH_EVERY-th step decodes
+  plainly, so that least follows the contexts as they grow. What drafting adds at (b, C) is
+  the median, over its last few steps there, of each step's period less the plain cost then,
+  once it has MEASURED_AFTER of them. Before that, a line a + r C through what the last
+  drafting steps of any bucket added: a fixed part (drafting, laying out the rows: 0.15 ms of a
+  3.4-ms step at 128 sequences on an H100) and a part per row (with one number of rows seen, r
+  alone); until a drafting step was measured, a row is taken to cost a tenth of a plain step's
+  time per sequence. The line is only a first guess: what a row adds depends on the bucket (the
+  host's work per sequence, attention over longer contexts in the tail), and a guess too low
+  is corrected after MEASURED_AFTER steps at (b, C), while one too high only keeps the budget
+  from a choice that would not have paid by much.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ import numpy as np
 from rollout.engine.step import bucket
 
 SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance statistics
-COST_WINDOW = 5  # plain costs are medians of the last this many steps
-DRAFT_WINDOW = 32  # what drafting adds is fitted to the last this many drafting steps
+COST_WINDOW = 5  # periods kept per bucket (plain) and per (bucket, draft rows)
+LINE_WINDOW = 32  # the line is fitted to the last this many drafting steps, of any bucket
 REFRESH_EVERY = 16  # while drafting, one plain step in this many keeps the plain cost current
 MEASURED_AFTER = 3  # steps at a (bucket, draft rows) after which their own costs replace the fitted line
 ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc
@@ -70,12 +74,12 @@ class DraftBudget:
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
         self.acc = np.zeros(len(FRACTIONS))  # accepted drafts per sequence, by fraction
-        self._plain: dict[int, deque] = {}  # bucket -> recent device times of plain steps
-        self._plain_host: dict[int, deque] = {}  # bucket -> recent host times of plain steps
-        self._added = deque(maxlen=DRAFT_WINDOW)  # (draft rows, device time added) of recent drafting steps
-        self._added_host = deque(maxlen=DRAFT_WINDOW)  # (draft rows, host time added)
-        self._fits: tuple | None = None  # _fit of both, until the next drafting step is measured (_added_cost)
-        self._added_at: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> recent (device, host) time added
+        self._plain: dict[int, deque] = {}  # bucket -> periods of its last plain steps
+        self._added: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> what its last steps added
+        # (draft rows, added) of the last drafting steps: the line's points (fitting it to every
+        # (bucket, rows) kept above would cost the host a millisecond a step late in a run)
+        self._recent = deque(maxlen=LINE_WINDOW)
+        self._line: tuple[float, float] | None = None  # _fit of _recent, until the next drafting step is measured
         self._levels: dict[int, list[tuple[int, int]]] = {}
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
         self._steps = 0
@@ -104,21 +108,16 @@ class DraftBudget:
         c = 0
         if fits and not self.adaptive:
             c = fits[-1][1]
-        elif fits and (plain := _median(self._plain.get(b))) is not None:  # (a bucket's first steps measure plain decoding)
-            host = _median(self._plain_host.get(b)) or 0.0
-            line = self._added_cost() or ((0.0, PRIOR_ROW_SHARE * plain / b),) * 2
+        elif fits and (plain := self._plain_cost(b)) is not None:  # (a bucket's first steps measure plain decoding)
+            a, r = self._fitted_line() or (0.0, PRIOR_ROW_SHARE * plain / b)
 
             def value(i: int, c: int) -> float:  # tokens per second, per sequence
-                seen = self._added_at.get((b, c), ())
-                if len(seen) >= MEASURED_AFTER:
-                    added, added_host = (statistics.median(t) for t in zip(*seen))
-                else:
-                    (a, r), (a_host, r_host) = line
-                    added, added_host = a + r * c, a_host + r_host * c
-                return (1 + self.acc[i]) / max(plain + added, host + added_host)
+                seen = self._added.get((b, c), ())
+                added = statistics.median(seen) if len(seen) >= MEASURED_AFTER else a + r * c
+                return (1 + self.acc[i]) / (plain + added)
 
             best = max(fits, key=lambda ic: value(*ic))
-            if value(*best) > 1 / max(plain, host):
+            if value(*best) > 1 / plain:
                 c = best[1]
         if c and self.adaptive:
             self._drafting[b] = self._drafting.get(b, 0) + 1
@@ -126,25 +125,27 @@ class DraftBudget:
                 c, self._drafting[b] = 0, 0
         return StepPlan(c, c > 0 or shadow, shadow)
 
-    def observe_step(self, num_seqs: int, rows: int, device_s: float, host_s: float) -> None:
+    def observe_step(self, num_seqs: int, rows: int, seconds: float) -> None:
+        """A decode or verify step of `num_seqs` sequences and `rows` draft rows took `seconds`
+        (its period)."""
         b = bucket(num_seqs)
         if rows == 0:
-            self._plain.setdefault(b, deque(maxlen=COST_WINDOW)).append(device_s)
-            self._plain_host.setdefault(b, deque(maxlen=COST_WINDOW)).append(host_s)
-            return
-        plain, host = _median(self._plain.get(b)), _median(self._plain_host.get(b))
-        if plain is not None:
-            self._added.append((rows, device_s - plain))
-            self._added_host.append((rows, host_s - host))
-            self._added_at.setdefault((b, rows), deque(maxlen=COST_WINDOW)).append((device_s - plain, host_s - host))
-            self._fits = None
+            self._plain.setdefault(b, deque(maxlen=COST_WINDOW)).append(seconds)
+        elif (plain := self._plain_cost(b)) is not None:
+            self._added.setdefault((b, rows), deque(maxlen=COST_WINDOW)).append(seconds - plain)
+            self._recent.append((rows, seconds - plain))
+            self._line = None
 
-    def _added_cost(self) -> tuple[tuple[float, float], tuple[float, float]] | None:
-        """What drafting adds, (a, r) for the device and for the host (`_fit`), or None before a
-        drafting step was measured; refitted only after one was."""
-        if self._added and self._fits is None:
-            self._fits = (_fit(self._added), _fit(self._added_host))
-        return self._fits
+    def _plain_cost(self, b: int) -> float | None:
+        periods = self._plain.get(b)
+        return min(periods) if periods else None
+
+    def _fitted_line(self) -> tuple[float, float] | None:
+        """What drafting adds, (a, r) of `_fit`, or None before a drafting step was measured;
+        refitted only after one was."""
+        if self._recent and self._line is None:
+            self._line = _fit(self._recent)
+        return self._line
 
     def observe_acceptance(self, accepted: np.ndarray) -> None:
         """accepted [S, fractions]: the drafts each sequence would have had accepted at each fraction."""
@@ -153,20 +154,14 @@ class DraftBudget:
 
     def costs(self) -> dict[str, float]:
         """Milliseconds (for stats and benchmarks): plain steps by bucket, and what drafting adds."""
-        out = {f"b{b}_plain": 1e3 * _median(v) for b, v in self._plain.items() if v}
-        out.update({f"b{b}_plain_host": 1e3 * _median(v) for b, v in self._plain_host.items() if v})
-        if (added := self._added_cost()) is not None:
-            for name, (a, r) in zip(("", "_host"), added):
-                out[f"draft_fixed{name}"], out[f"draft_row{name}"] = 1e3 * a, 1e3 * r
+        out = {f"b{b}_plain": 1e3 * min(v) for b, v in self._plain.items() if v}
+        if (line := self._fitted_line()) is not None:
+            out["draft_fixed"], out["draft_row"] = 1e3 * line[0], 1e3 * line[1]
         return out
 
 
-def _median(values) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _fit(added) -> tuple[float, float]:
-    """(a, r) >= 0 such that a drafting step of C rows adds a + r C, from (rows, added) samples, at
+def _fit(added: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, r) >= 0 such that a drafting step of C rows adds a + r C, from (rows, added) points, at
     least one: a line through the median added at each number of rows (medians: one slow step
     moves nothing); with a single number of rows, a = 0."""
     by_rows: dict[int, list[float]] = {}

@@ -5,7 +5,7 @@
     spec.before_step()                           before any step launches: what changed goes to the device
     plan = spec.plan(num_seqs, free_slots)       this step's draft rows (0: plain decoding), drafting, shadow
     ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)) ...
-    spec.observe(seqs, root_lens, trees, draft_rows, device_s, host_s)   once collected, before its tokens are appended
+    spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected, before its tokens are appended
     spec.stats()
 
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token
@@ -80,13 +80,13 @@ class Speculator:
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
-                draft_rows: int, device_s: float, host_s: float) -> None:
+                draft_rows: int, seconds: float) -> None:
         """A decode or verify step was collected (before its tokens are appended: `roots` are the
-        sequences' lengths then): its device time, and the host's time for it; `trees`: the
-        drafter's (tokens, depths, ancestors, keys), if they came back."""
+        sequences' lengths then), `seconds` after the step before it; `trees`: the drafter's
+        (tokens, depths, ancestors, keys), if they came back."""
         if not self.enabled:
             return
-        self.budget.observe_step(len(seqs), draft_rows, device_s, host_s)
+        self.budget.observe_step(len(seqs), draft_rows, seconds)
         if trees is not None:
             self._waiting.append(_Trees(seqs, roots, *trees))
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known

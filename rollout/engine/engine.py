@@ -349,7 +349,7 @@ class Engine:
         self.step_log.append(StepRecord(len(seqs), step.draft_rows, prefill, cost * 1e3, device_s * 1e3, host_s * 1e3))
         self._steps += 1
         if not prefill:
-            self.spec.observe(seqs, roots, step.trees, step.draft_rows, device_s, host_s)
+            self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between
