@@ -14,7 +14,12 @@ S (1 + acc(C)) / cost(b, C).
   deep each sequence's chosen nodes match what it emitted (spec/speculator.py). Under
   counter-based sampling a draft is accepted exactly when it equals the token the sequence
   emits anyway, so this is what verification would find, without verifying anything.
-  Evaluations are averaged with decaying weights.
+  Evaluations are averaged with decaying weights, per bucket: a fraction means different
+  drafts at different batch sizes (1/8 of a draft per sequence at 512 sequences, a whole one
+  for each of 2), and one estimate for all had the tail's acceptance of 0.48 drafts per
+  sequence priced into 64 rows at 512 sequences, which can confirm 0.125 at most. A bucket
+  not yet evaluated borrows the nearest one's estimate, capped at the drafts each fraction
+  gives a sequence there.
 - cost(b, C) is a step's period: the wall time from one step's completion to the next's.
   Steps overlap the host's work, so the period is whichever of the device and the host is
   slower, as measured, with nothing modelled (a model of the two apart priced drafting as free
@@ -73,7 +78,8 @@ class DraftBudget:
         self.depth = max_draft_tokens
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
-        self.acc = np.zeros(len(FRACTIONS))  # accepted drafts per sequence, by fraction
+        self.acc: dict[int, np.ndarray] = {}  # bucket -> accepted drafts per sequence, by fraction
+        self.last_evaluated: int | None = None  # the bucket of the last evaluation (for stats)
         self._plain: dict[int, deque] = {}  # bucket -> periods of its last plain steps
         self._added: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> what its last steps added
         # (draft rows, added) of the last drafting steps: the line's points (fitting it to every
@@ -110,11 +116,12 @@ class DraftBudget:
             c = fits[-1][1]
         elif fits and (plain := self._plain_cost(b)) is not None:  # (a bucket's first steps measure plain decoding)
             a, r = self._fitted_line() or (0.0, PRIOR_ROW_SHARE * plain / b)
+            acc = self.accepted_at(b)
 
             def value(i: int, c: int) -> float:  # tokens per second, per sequence
                 seen = self._added.get((b, c), ())
                 added = statistics.median(seen) if len(seen) >= MEASURED_AFTER else a + r * c
-                return (1 + self.acc[i]) / (plain + added)
+                return (1 + acc[i]) / (plain + added)
 
             best = max(fits, key=lambda ic: value(*ic))
             if value(*best) > 1 / plain:
@@ -147,10 +154,25 @@ class DraftBudget:
             self._line = _fit(self._recent)
         return self._line
 
-    def observe_acceptance(self, accepted: np.ndarray) -> None:
-        """accepted [S, fractions]: the drafts each sequence would have had accepted at each fraction."""
+    def accepted_at(self, b: int) -> np.ndarray:
+        """acc by fraction at bucket b: its own evaluations', else the nearest evaluated bucket's,
+        at most the drafts each fraction gives a sequence at b (zeros before any evaluation)."""
+        if b in self.acc:
+            return self.acc[b]
+        if not self.acc:
+            return np.zeros(len(FRACTIONS))
+        near = min(self.acc, key=lambda k: abs(math.log(k / b)))
+        share = np.array([rows_at(f, b, self.depth) / b for f in FRACTIONS])
+        return np.minimum(self.acc[near], share)
+
+    def observe_acceptance(self, num_seqs: int, accepted: np.ndarray) -> None:
+        """accepted [P, fractions]: the drafts sequences of a step of `num_seqs` would have had
+        accepted at each fraction."""
         if len(accepted):
-            self.acc += ACCEPT_WEIGHT * (accepted.mean(axis=0) - self.acc)
+            b = bucket(num_seqs)
+            acc = self.acc[b] = self.accepted_at(b).copy()
+            acc += ACCEPT_WEIGHT * (accepted.mean(axis=0) - acc)
+            self.last_evaluated = b
 
     def costs(self) -> dict[str, float]:
         """Milliseconds (for stats and benchmarks): plain steps by bucket, and what drafting adds."""

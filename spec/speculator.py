@@ -90,7 +90,8 @@ class Speculator:
         if trees is not None:
             self._waiting.append(_Trees(seqs, roots, *trees))
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known
-            self.budget.observe_acceptance(self._score(self._waiting.popleft()))
+            trees = self._waiting.popleft()
+            self.budget.observe_acceptance(len(trees.seqs), self._score(trees))
         for t in self._waiting:
             t.age += 1
 
@@ -128,8 +129,10 @@ class Speculator:
             "rollout/spec_index_bytes": self.index.table.nbytes,
             "rollout/spec_draft_rows_mean": self._rows / self._steps if self._steps else 0.0,
         }
-        for f, a in zip(FRACTIONS, self.budget.acc.tolist()):
-            out[f"rollout/spec_accept_estimate_f{f:g}"] = a
+        if (b := self.budget.last_evaluated) is not None:  # the bucket evaluated last
+            out["rollout/spec_accept_estimate_bucket"] = b
+            for f, a in zip(FRACTIONS, self.budget.acc[b].tolist()):
+                out[f"rollout/spec_accept_estimate_f{f:g}"] = a
         out.update({f"rollout/spec_cost_ms_{k}": v for k, v in self.budget.costs().items()})
         return out
 

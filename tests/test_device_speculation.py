@@ -15,7 +15,7 @@ from rollout import Engine, SamplingParams, SpecConfig
 from rollout.tools.datasets import chat_prompt_ids
 from kernels.draft_rows import lay_out_drafts_ref
 from kernels.ngram_draft import PADDING
-from spec.budget import MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, DraftBudget
+from spec.budget import FRACTIONS, MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, DraftBudget
 from spec.speculator import Speculator, _Trees, kept_drafts
 
 QUESTIONS = [
@@ -117,9 +117,9 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
         budget.observe_step(16, 0, 0.010)
     assert budget.plan(16, 10_000).draft_rows == 0  # nothing known to be accepted
     acc = [0.1, 0.2, 0.4, 0.8, 1.2, 1.5, 1.6]  # accepted drafts per sequence, 1/8 ... 8 draft rows per sequence
-    budget.observe_acceptance(np.array([acc] * 16))
-    assert budget.acc.tolist() == pytest.approx([0.3 * a for a in acc])  # evaluations move it a share of the way
-    budget.acc[:] = acc  # (as after many such evaluations)
+    budget.observe_acceptance(16, np.array([acc] * 16))
+    assert budget.acc[16].tolist() == pytest.approx([0.3 * a for a in acc])  # evaluations move it a share of the way
+    budget.acc[16][:] = acc  # (as after many such evaluations)
     # no row measured yet: a tenth of a plain step per sequence, 62.5 us; (1 + 1.2) / 12 ms is the best
     assert budget.plan(16, 10_000).draft_rows == 32
     for _ in range(5):
@@ -146,9 +146,9 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
         overhead.observe_step(64, 0, 0.010)
     for rows, seconds in ((8, 0.013), (64, 0.0144), (8, 0.013), (64, 0.0144)):
         overhead.observe_step(64, rows, seconds)
-    overhead.acc[:] = [0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7]
+    overhead.acc[64] = np.array([0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7])
     assert overhead.plan(64, 10_000).draft_rows == 0  # (1 + 0.4) / 14.4 ms, the best, loses to 1 / 10 ms
-    overhead.acc[:] = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    overhead.acc[64] = np.array([0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
     assert overhead.plan(64, 10_000).draft_rows == 64  # (1 + 0.5) / 14.4 ms wins
     # what a row adds is fitted across buckets, but a bucket's own steps overrule the line
     tail = DraftBudget(max_draft_tokens=8, max_verify_tokens=4096)
@@ -157,7 +157,7 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
             tail.observe_step(b, 0, 0.010)
     for _ in range(4):
         tail.observe_step(16, 16, 0.011)  # 16 rows add 1 ms at 16 sequences
-    tail.acc[:] = [0.15, 0.18, 0.3, 0.4, 0.5, 0.6, 0.7]
+    tail.acc = {b: np.array([0.15, 0.18, 0.3, 0.4, 0.5, 0.6, 0.7]) for b in (16, 128)}
     assert tail.plan(128, 10_000).draft_rows == 16  # the line: (1 + 0.15) / 11 ms beats 1 / 10 ms
     for _ in range(MEASURED_AFTER):
         assert tail.plan(128, 10_000).draft_rows == 16
@@ -170,8 +170,29 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
         host_bound.observe_step(512, 0, seconds)
     for _ in range(MEASURED_AFTER):
         host_bound.observe_step(512, 512, 0.004)
-    host_bound.acc[:] = [0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.0]
+    host_bound.acc[512] = np.array([0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.0])
     assert host_bound.plan(512, 10_000).draft_rows == 0  # (1 + 0.5) / 4 ms loses to 1 / 2 ms
+
+
+def test_acceptance_is_estimated_per_batch_bucket_and_borrowed_within_what_a_fraction_can_confirm():
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512 + 64)  # 64 draft rows at 512 sequences
+    assert budget.accepted_at(512).tolist() == [0.0] * len(FRACTIONS)  # nothing evaluated yet
+    # the tail: 2 sequences, each of which gets a whole draft even at 1/8 per sequence, half accepted
+    tail = [0.5, 0.5, 0.5, 0.5, 1.0, 2.0, 3.0]
+    for _ in range(30):
+        budget.observe_acceptance(2, np.array([tail] * 2))
+    assert budget.accepted_at(2).tolist() == pytest.approx(tail, abs=1e-3)
+    # 512 sequences borrow it, at most the drafts a fraction gives each of them: 64 rows confirm
+    # 0.125 drafts per sequence at most
+    assert budget.accepted_at(512).tolist() == pytest.approx([0.125, 0.25, 0.5, 0.5, 1.0, 2.0, 3.0], abs=1e-3)
+    for _ in range(5):
+        budget.observe_step(512, 0, 0.002)
+    for _ in range(MEASURED_AFTER):
+        budget.observe_step(512, 64, 0.0024)  # drafting's fixed part: a fifth of the step
+    assert budget.plan(512, 10_000).draft_rows == 0  # (1 + 0.5) / 2.4 ms would win, (1 + 0.125) / 2.4 ms loses
+    budget.observe_acceptance(512, np.array([[0.05, 0.1, 0.2, 0.3, 0.4, 0.45, 0.5]] * 128))
+    assert budget.accepted_at(512)[0] == pytest.approx(0.125 + 0.3 * (0.05 - 0.125))  # from the borrowed estimate
+    assert budget.accepted_at(2).tolist() == pytest.approx(tail, abs=1e-3)  # its own, untouched
     fixed = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, adaptive=False)
     assert fixed.plan(16, 10_000).draft_rows == 128 and fixed.plan(64, 10_000).draft_rows == 256
     shadows = [fixed.plan(16, 10_000).shadow for _ in range(4 * SHADOW_EVERY)]
