@@ -6,6 +6,7 @@
     python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
     python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--fixed]
     python bench/step_profile.py verify [--seqs 128] [--context 2000] [--draft-rows 0,16,...]
+    python bench/step_profile.py budget [--seqs 512]
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
@@ -27,6 +28,11 @@
   with `--context` tokens of KV each, the captured decode/verify graph of each number of draft
   rows replayed (what the engine runs; default: the budget's choices for that batch), then the
   eager step's kernels by device time with none, the fewest and the most.
+- budget: the speculation object's own host work per step, on any machine (no model): the
+  budget's plan, with and without a drafting step measured since the last (which refits its
+  line), recording a step's period, and scoring one step's returned trees, at `--seqs`
+  sequences, with the budget in the state a long rollout leaves it (every bucket and capacity
+  measured, acceptance known per bucket).
 
 Each prints a Markdown table.
 """
@@ -258,6 +264,51 @@ def verify(args: argparse.Namespace) -> None:
             print(f"| {e.key[:70]} | {e.device_time_total / 5:.1f} | {e.device_time_total / 5 / total:.1%} |")
 
 
+def budget(args: argparse.Namespace) -> None:
+    import timeit
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rollout.engine.step import bucket
+    from spec.budget import FRACTIONS, DraftBudget
+    from spec.speculator import Speculator, _Trees
+
+    depth, s = 8, args.seqs
+    rng = np.random.default_rng(0)
+    b = DraftBudget(max_draft_tokens=depth, max_verify_tokens=2048)
+    for k in sorted({bucket(n) for n in range(1, s + 1)}):
+        for _ in range(5):
+            b.observe_step(k, 0, 1e-3 * (1 + rng.random()))
+        for c in b.capacities(k)[1:]:
+            for _ in range(5):
+                b.observe_step(k, c, 1e-3 * (1.2 + rng.random()))
+        b.acc[k] = np.sort(rng.random(len(FRACTIONS)))
+    c = b.capacities(bucket(s))[1]
+
+    def plan_after_drafting() -> None:
+        b.observe_step(s, c, 1.5e-3)
+        b.plan(s, 100_000)
+
+    n = 2_000
+    plan_us = timeit.timeit(lambda: b.plan(s, 100_000), number=n) / n * 1e6
+    observe_us = timeit.timeit(lambda: b.observe_step(s, 0, 1e-3), number=n) / n * 1e6
+    refit_us = timeit.timeit(plan_after_drafting, number=n) / n * 1e6 - observe_us
+    n_nodes = depth + 1
+    seqs = [SimpleNamespace(tokens=rng.integers(0, 1000, 400).tolist()) for _ in range(s)]
+    depths = np.tile(np.arange(n_nodes), (s, 1))
+    keys = np.where(depths > 0, rng.integers(0, 1000, (s, n_nodes)), -1)
+    trees = _Trees(seqs, np.full(s, 300), rng.integers(0, 1000, (s, n_nodes)), depths,
+                   np.cumsum(1 << np.arange(n_nodes))[None, :].repeat(s, 0), keys)
+    score_us = timeit.timeit(lambda: Speculator._score(SimpleNamespace(), trees), number=200) / 200 * 1e6
+    print(f"{s} sequences (bucket {bucket(s)}), the speculation object's host work, us per call")
+    print("| work | us | when |\n|---|---|---|")
+    print(f"| plan | {plan_us:.1f} | every decode step |")
+    print(f"| plan, line refitted | {refit_us:.1f} | a step after a drafting step |")
+    print(f"| observe_step | {observe_us:.1f} | every decode step |")
+    print(f"| score one step's trees | {score_us:.1f} | one step in {8} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="profile", required=True)
@@ -280,13 +331,15 @@ def main() -> None:
         p.add_argument("--device", default="cuda")
     h.add_argument("--fixed", action="store_true", help="n-gram: every step verifies as many drafts as fit (the budget off)")
     h.add_argument("--top", type=int, default=25)
+    u = sub.add_parser("budget", help="the speculation object's host work per step (no model, any machine)")
+    u.add_argument("--seqs", type=int, default=512)
     v = sub.add_parser("verify", help="a decode/verify step's device time by draft rows, and its kernels")
     v.add_argument("--seqs", type=int, default=128)
     v.add_argument("--context", type=int, default=2000)
     v.add_argument("--draft-rows", default=None, help="comma-separated (default: the budget's for --seqs)")
     v.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
-    {"draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "verify": verify}[args.profile](args)
+    {"draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "verify": verify, "budget": budget}[args.profile](args)
 
 
 if __name__ == "__main__":
