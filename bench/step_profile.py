@@ -271,8 +271,8 @@ def budget(args: argparse.Namespace) -> None:
     import numpy as np
 
     from rollout.engine.step import bucket
-    from spec.budget import FRACTIONS, DraftBudget
-    from spec.speculator import Speculator, _Trees
+    from spec.budget import FRACTIONS, SHADOW_EVERY, DraftBudget
+    from spec.speculator import _Trees, score_trees
 
     depth, s = 8, args.seqs
     rng = np.random.default_rng(0)
@@ -300,13 +300,13 @@ def budget(args: argparse.Namespace) -> None:
     keys = np.where(depths > 0, rng.integers(0, 1000, (s, n_nodes)), -1)
     trees = _Trees(seqs, np.full(s, 300), rng.integers(0, 1000, (s, n_nodes)), depths,
                    np.cumsum(1 << np.arange(n_nodes))[None, :].repeat(s, 0), keys)
-    score_us = timeit.timeit(lambda: Speculator._score(SimpleNamespace(), trees), number=200) / 200 * 1e6
+    score_us = timeit.timeit(lambda: score_trees(trees), number=200) / 200 * 1e6
     print(f"{s} sequences (bucket {bucket(s)}), the speculation object's host work, us per call")
     print("| work | us | when |\n|---|---|---|")
     print(f"| plan | {plan_us:.1f} | every decode step |")
     print(f"| plan, line refitted | {refit_us:.1f} | a step after a drafting step |")
     print(f"| observe_step | {observe_us:.1f} | every decode step |")
-    print(f"| score one step's trees | {score_us:.1f} | one step in {8} |")
+    print(f"| score one step's trees | {score_us:.1f} | one step in {SHADOW_EVERY} |")
 
 
 def main() -> None:

@@ -11,7 +11,8 @@
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token
 table and the index's scan lines; kernels/draft_rows.py picks the batch's best drafts), so
 nothing here runs per token. `observe` keeps the trees that came back and, once their
-sequences have emitted the tokens after each root, scores them for the budget (spec/budget.py).
+sequences have emitted the tokens after each root, scores them for the budget (`score_trees`,
+spec/budget.py).
 """
 
 from __future__ import annotations
@@ -91,31 +92,9 @@ class Speculator:
             self._waiting.append(_Trees(seqs, roots, *trees))
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known
             trees = self._waiting.popleft()
-            self.budget.observe_acceptance(len(trees.seqs), self._score(trees))
+            self.budget.observe_acceptance(len(trees.seqs), score_trees(trees))
         for t in self._waiting:
             t.age += 1
-
-    def _score(self, t: _Trees) -> np.ndarray:
-        """[P, fractions]: how many of each tree's drafts the emitted tokens confirm, among the drafts
-        a step of that many draft rows would have verified (the device's choice, replayed), for P
-        of the trees spread over the batch (at most SCORED)."""
-        s, n = t.tokens.shape
-        pick = np.arange(s) if s <= SCORED else np.linspace(0, s - 1, SCORED).round().astype(np.int64)
-        p = len(pick)
-        after = np.full((p, max(n - 1, 1)), -1, dtype=np.int64)  # the tokens each sequence emitted after its root
-        for i, k in enumerate(pick.tolist()):
-            got = t.seqs[k].tokens[int(t.roots[k]) : int(t.roots[k]) + n - 1]
-            after[i, : len(got)] = got
-        node = np.arange(n)
-        depth = t.depths[pick]
-        guess = np.take_along_axis(after, np.clip(depth - 1, 0, None), axis=1)
-        hit = (node == 0) | ((t.keys[pick] >= 0) & (t.tokens[pick] == guess))  # a draft's own token (padding has none)
-        bits = (hit.astype(np.int64) << node).sum(axis=1)  # distinct bits: the sum is their OR
-        matched = (t.ancestors[pick] & ~bits[:, None]) == 0  # it and every node above it
-        deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within a tree's first j nodes
-        rows = np.arange(p)
-        kept = kept_drafts(t.keys, [rows_at(f, s, n - 1) for f in FRACTIONS])[:, pick]  # (the whole batch's choice)
-        return deepest[rows, kept].T
 
     def clear_history(self) -> None:
         if self.enabled:
@@ -135,6 +114,29 @@ class Speculator:
                 out[f"rollout/spec_accept_estimate_f{f:g}"] = a
         out.update({f"rollout/spec_cost_ms_{k}": v for k, v in self.budget.costs().items()})
         return out
+
+
+def score_trees(t: _Trees) -> np.ndarray:
+    """[P, fractions]: how many of each tree's drafts the emitted tokens confirm, among the drafts
+    a step of that many draft rows would have verified (the device's choice, replayed), for P
+    of the trees spread over the batch (at most SCORED)."""
+    s, n = t.tokens.shape
+    pick = np.arange(s) if s <= SCORED else np.linspace(0, s - 1, SCORED).round().astype(np.int64)
+    p = len(pick)
+    after = np.full((p, max(n - 1, 1)), -1, dtype=np.int64)  # the tokens each sequence emitted after its root
+    for i, k in enumerate(pick.tolist()):
+        got = t.seqs[k].tokens[int(t.roots[k]) : int(t.roots[k]) + n - 1]
+        after[i, : len(got)] = got
+    node = np.arange(n)
+    depth = t.depths[pick]
+    guess = np.take_along_axis(after, np.clip(depth - 1, 0, None), axis=1)
+    hit = (node == 0) | ((t.keys[pick] >= 0) & (t.tokens[pick] == guess))  # a draft's own token (padding has none)
+    bits = (hit.astype(np.int64) << node).sum(axis=1)  # distinct bits: the sum is their OR
+    matched = (t.ancestors[pick] & ~bits[:, None]) == 0  # it and every node above it
+    deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within a tree's first j nodes
+    rows = np.arange(p)
+    kept = kept_drafts(t.keys, [rows_at(f, s, n - 1) for f in FRACTIONS])[:, pick]  # (the whole batch's choice)
+    return deepest[rows, kept].T
 
 
 def kept_drafts(keys: np.ndarray, capacities: list[int]) -> np.ndarray:

@@ -16,7 +16,7 @@ from rollout.tools.datasets import chat_prompt_ids
 from kernels.draft_rows import lay_out_drafts_ref
 from kernels.ngram_draft import PADDING
 from spec.budget import FRACTIONS, MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, DraftBudget
-from spec.speculator import Speculator, _Trees, kept_drafts
+from spec.speculator import _Trees, kept_drafts, score_trees
 
 QUESTIONS = [
     "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
@@ -199,8 +199,7 @@ def test_acceptance_is_estimated_per_batch_bucket_and_borrowed_within_what_a_fra
     assert sum(shadows) == 4
 
 
-def test_trees_are_scored_by_the_tokens_their_sequences_emitted_among_the_drafts_a_step_would_keep(default_engine):
-    spec = Speculator(SpecConfig(method="ngram", max_draft_tokens=4), default_engine.table)
+def test_trees_are_scored_by_the_tokens_their_sequences_emitted_among_the_drafts_a_step_would_keep():
     # A: root 9 -> 5 -> 6 -> 7 (nodes 1, 2, 4) and root -> 8 (node 3); it went on 5 6 3
     # B: root 3 -> 4 -> 4 (nodes 1, 2); it went on 4 0 4; its drafts have the highest keys
     # C: nothing drafted (padding: token 0 at depth 1); it went on 0 0 0, which matches no padding
@@ -210,7 +209,7 @@ def test_trees_are_scored_by_the_tokens_their_sequences_emitted_among_the_drafts
                           [1, 0b11, 0b101, 0b1001, 0b10001]])
     keys = np.array([[-1, 400, 300, 200, 100], [-1, 900, 800, -1, -1], [-1, -1, -1, -1, -1]])
     seqs = [SimpleNamespace(tokens=t) for t in ([1, 2, 9, 5, 6, 3], [3, 4, 0, 4], [5, 0, 0, 0])]
-    score = spec._score(_Trees(seqs, np.array([3, 1, 1]), tokens, depths, ancestors, keys))
+    score = score_trees(_Trees(seqs, np.array([3, 1, 1]), tokens, depths, ancestors, keys))
     # draft rows for 3 sequences at 1/8 ... 8 per sequence: 1, 1, 2, 3, 6, 12, 12 (of 12 drafts), B's first
     assert score.tolist() == [[0, 0, 0, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1], [0] * 7]
 
