@@ -82,8 +82,9 @@ class DraftBudget:
         self.last_evaluated: int | None = None  # the bucket of the last evaluation (for stats)
         self._plain: dict[int, deque] = {}  # bucket -> periods of its last plain steps
         self._added: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> what its last steps added
-        # (draft rows, added) of the last drafting steps: the line's points (fitting it to every
-        # (bucket, rows) kept above would cost the host a millisecond a step late in a run)
+        # (draft rows, added) of the last drafting steps: the line's points (it is refitted after
+        # every drafting step; over every (bucket, rows) kept above, late in a run, that would
+        # walk hundreds of samples a step)
         self._recent = deque(maxlen=LINE_WINDOW)
         self._line: tuple[float, float] | None = None  # _fit of _recent, until the next drafting step is measured
         self._levels: dict[int, list[tuple[int, int]]] = {}
@@ -170,8 +171,9 @@ class DraftBudget:
         accepted at each fraction."""
         if len(accepted):
             b = bucket(num_seqs)
-            acc = self.acc[b] = self.accepted_at(b).copy()
-            acc += ACCEPT_WEIGHT * (accepted.mean(axis=0) - acc)
+            if b not in self.acc:
+                self.acc[b] = self.accepted_at(b).copy()  # (from the borrowed estimate)
+            self.acc[b] += ACCEPT_WEIGHT * (accepted.mean(axis=0) - self.acc[b])
             self.last_evaluated = b
 
     def costs(self) -> dict[str, float]:

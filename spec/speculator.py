@@ -5,7 +5,7 @@
     spec.before_step()                           before any step launches: what changed goes to the device
     plan = spec.plan(num_seqs, free_slots)       this step's draft rows (0: plain decoding), drafting, shadow
     ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)) ...
-    spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected, before its tokens are appended
+    spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
     spec.stats()
 
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token
@@ -82,9 +82,9 @@ class Speculator:
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
                 draft_rows: int, seconds: float) -> None:
-        """A decode or verify step was collected (before its tokens are appended: `roots` are the
-        sequences' lengths then), `seconds` after the step before it; `trees`: the drafter's
-        (tokens, depths, ancestors, keys), if they came back."""
+        """A decode or verify step was collected and its tokens appended, `seconds` after the step
+        before it; `trees`: the drafter's (tokens, depths, ancestors, keys), if they came back, and
+        `roots` the sequences' lengths before the step's tokens were appended."""
         if not self.enabled:
             return
         self.budget.observe_step(len(seqs), draft_rows, seconds)
