@@ -10,11 +10,12 @@ One step = `plan(meta)` once on the host, then `forward(...)` once per layer, wh
                         the splits' partial outputs (flash-decoding).
 
 GQA: the rows of a block are (new token, head of the group) pairs, token-major
-(row r = token r // GROUP, head kv_head * GROUP + r % GROUP), so every K/V tile is loaded once
-per kv head and serves all query heads of the group and all new tokens of the sequence in one
-tl.dot. The same kernel serves decode / tree verify (few rows, keys split across programs so
-batch 1 with a long context still fills the GPU) and prefill / extend (many row blocks, usually
-one split), with different block sizes chosen in plan().
+(row r = token r // GROUP, head kv_head * GROUP + r % GROUP), so a K/V tile loaded for a kv
+head serves all query heads of the group and the block's new tokens in one tl.dot. The same
+kernel serves decode / tree verify (blocks of 16 rows, so a root alone costs one small block
+however wide the step's trees; keys split across programs so batch 1 with a long context still
+fills the GPU) and prefill / extend (many row blocks, usually one split), with different block
+sizes chosen in plan().
 
 Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) and accumulates in fp32.
 """
@@ -333,8 +334,11 @@ class TritonAttention:
         rows = max(max_q_len, 1) * group  # query rows of one (sequence, kv head)
         block_d = triton.next_power_of_2(head_dim)
         if max_q_len <= DECODE_MAX_Q_LEN:
-            # decode / verify: as few row blocks as fit, so each K/V tile is read once per kv head
-            block_m = min(max(triton.next_power_of_2(rows), 16), 128)
+            # decode / verify: blocks of 16 rows (tl.dot's least). Most sequences of a verify step
+            # have their root alone (GROUP rows), and a block sized for the widest tree made each
+            # of them pay for its rows: 27% more attention for 12% more rows at 512 sequences
+            # (bench/RESULTS.md). A tree's further blocks re-read its K/V, from L2 (axis 0).
+            block_m = 16
         else:
             block_m = 128 if block_d <= 128 else 64
         block_n = 64 if block_d <= 128 else 32

@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernels/triton_attention.py defines its kernels
 pytest.importorskip("triton")
+import triton_kernels  # noqa: E402,F401  (the interpreter's patches)
 
 from kernels.attention import AttentionMetadata  # noqa: E402
 from kernels.torch_attention import TorchAttention  # noqa: E402
