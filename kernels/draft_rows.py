@@ -12,9 +12,10 @@ What a draft costs is then one row, whichever sequence it belongs to, rather tha
 every sequence at every width; a sequence with nothing to draft costs only its root. Shapes
 are fixed by (S, N, capacity), so all of it runs inside a CUDA graph.
 
-`lay_out_drafts` is one Triton kernel on CUDA (one program: a histogram of the keys finds the
-lowest key kept, then a pass over the sequences lays their rows out) and `lay_out_drafts_ref`
-elsewhere, the definition the kernel is held to. In torch ops the same work was a top-k and
+`lay_out_drafts` is two Triton kernels on CUDA (a histogram of the keys, then a block of
+sequences per program: the histogram gives the lowest key kept, and each program lays its
+sequences' rows out after counting the earlier blocks' rows) and `lay_out_drafts_ref`
+elsewhere, the definition the kernels are held to. In torch ops the same work was a top-k and
 ~80 us more of small index kernels at 128 sequences on an H100, a fixed cost of every drafting
 step whatever its number of rows (bench/RESULTS.md).
 """
@@ -102,8 +103,8 @@ def lay_out_drafts_ref(tokens, parents, depths, ancestors, keys, kv, out_pos, sl
     )
 
 
-# ---------------- the kernel ----------------
-BLOCK_S = 64  # sequences per pass of the kernel's loops
+# ---------------- the kernels ----------------
+BLOCK_S = 64  # sequences per program
 BINS = 2 * KEY_SCALE  # histogram bins: bin key + 1 for a draft (keys are below KEY_SCALE), bin 0 for any other node
 
 
@@ -116,11 +117,16 @@ def _lay_out_triton(tokens, parents, depths, ancestors, keys, kv, out_pos, slots
     out = DraftRows(parents=i64(s, n), counts=i64(s), qo_indptr=torch.empty(s + 1, dtype=torch.int32, device=dev),
                     node_of_row=i64(r), row_of_node=i64(s, n), tokens=i64(r), positions=i64(r),
                     draw_positions=i64(r), tree=i64(r), seq=i64(r), slots=i64(s, n))
-    _lay_out_kernel[(1,)](
-        tokens, parents, depths, ancestors, keys, kv, out_pos, slots,
+    grid = (triton.cdiv(s, BLOCK_S),)
+    block_n = triton.next_power_of_2(n)
+    hist = torch.zeros(BINS, dtype=torch.int32, device=dev)
+    _key_histogram_kernel[grid](parents, keys, hist, s, n, BLOCK_S=BLOCK_S, BLOCK_N=block_n, PADDING=PADDING,
+                                num_warps=4, **pdl.launch_args())
+    _lay_out_kernel[grid](
+        tokens, parents, depths, ancestors, keys, kv, out_pos, slots, hist,
         out.parents, out.counts, out.qo_indptr, out.node_of_row, out.row_of_node, out.tokens, out.positions,
         out.draw_positions, out.tree, out.seq, out.slots, s, n, capacity,
-        BLOCK_S=BLOCK_S, BLOCK_N=triton.next_power_of_2(n), BLOCK_R=BLOCK_S * triton.next_power_of_2(n), BINS=BINS,
+        BLOCK_S=BLOCK_S, BLOCK_N=block_n, BLOCK_R=BLOCK_S * block_n, BINS=BINS,
         PADDING=PADDING, num_warps=4, **pdl.launch_args(),
     )
     return out
@@ -129,72 +135,94 @@ def _lay_out_triton(tokens, parents, depths, ancestors, keys, kv, out_pos, slots
 if triton is not None:
 
     @triton.jit
+    def _key_histogram_kernel(parents_ptr, keys_ptr, hist_ptr, S, N, BLOCK_S: tl.constexpr,
+                              BLOCK_N: tl.constexpr, PADDING: tl.constexpr, PDL: tl.constexpr):
+        """How many drafts have each key (bin key + 1), a block of sequences per program."""
+        pdl.wait_for_previous(PDL)
+        seq = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]
+        j = tl.arange(0, BLOCK_N)[None, :]
+        ok = (seq < S) & (j < N)
+        par = tl.load(parents_ptr + seq * N + j, mask=ok, other=PADDING)
+        key = tl.load(keys_ptr + seq * N + j, mask=ok, other=-1)
+        tl.atomic_add(hist_ptr + (key + 1).to(tl.int32), 1, mask=par >= 0, sem="relaxed")
+
+    @triton.jit
+    def _kept(par, key, lowest, take, ties_before):
+        """Which of a block's nodes are kept drafts: keys above the lowest kept one, and the first
+        `take` drafts at it in node order (`ties_before` of them in earlier blocks); and the ties."""
+        bins = tl.where(par >= 0, key + 1, 0).to(tl.int32)
+        tie = ((par >= 0) & (bins == lowest)).to(tl.int32)
+        tie_rows = tl.sum(tie, 1)
+        rank = (ties_before + tl.cumsum(tie_rows, 0) - tie_rows)[:, None] + tl.cumsum(tie, 1) - tie
+        kept = (par >= 0) & ((bins > lowest) | ((tie > 0) & (rank < take)))
+        return kept, tl.sum(tie_rows, 0)
+
+    @triton.jit
     def _lay_out_kernel(
-        tokens_ptr, parents_ptr, depths_ptr, ancestors_ptr, keys_ptr, kv_ptr, out_pos_ptr, slots_ptr,
+        tokens_ptr, parents_ptr, depths_ptr, ancestors_ptr, keys_ptr, kv_ptr, out_pos_ptr, slots_ptr, hist_ptr,
         out_par_ptr, counts_ptr, qo_ptr, node_of_row_ptr, row_of_node_ptr, row_tok_ptr, row_pos_ptr,
         row_draw_ptr, row_tree_ptr, row_seq_ptr, node_slots_ptr, S, N, C,
         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BINS: tl.constexpr,
         PADDING: tl.constexpr, PDL: tl.constexpr,
     ):
+        """A block of sequences per program: their kept nodes and rows. Where its rows start
+        depends on every earlier block's kept drafts, which each program counts again (a few
+        loads per earlier block) rather than waiting for the others."""
         pdl.wait_for_previous(PDL)
         R = S + C
         j = tl.arange(0, BLOCK_N)[None, :]
-        # 1. how many drafts have each key
-        hist = tl.zeros([BINS], tl.int32)
-        for s0 in range(0, S, BLOCK_S):
-            seq = s0 + tl.arange(0, BLOCK_S)[:, None]
-            ok = (seq < S) & (j < N)
-            par = tl.load(parents_ptr + seq * N + j, mask=ok, other=PADDING)
-            key = tl.load(keys_ptr + seq * N + j, mask=ok, other=-1)
-            bins = tl.where(par >= 0, key + 1, 0).to(tl.int32)
-            hist += tl.histogram(tl.reshape(bins, [BLOCK_S * BLOCK_N]), BINS)
-        # 2. the lowest kept bin, and how many of its drafts are kept (the earliest)
+        # the lowest kept bin, and how many of its drafts are kept (the earliest)
         b = tl.arange(0, BINS)
+        hist = tl.load(hist_ptr + b)
         at_or_above = tl.cumsum(hist, 0, reverse=True)
         lowest = tl.max(tl.where((b >= 1) & (at_or_above >= C), b, 1), 0)
         take = C - tl.sum(tl.where(b > lowest, hist, 0), 0)
-        # 3. each sequence's kept nodes (a prefix of its tree) and their rows
+        # the ties and rows of the blocks before this one
         ties_before = tl.sum(tl.zeros([1], tl.int32), 0)
         first_free = tl.sum(tl.zeros([1], tl.int32), 0)
-        for s0 in range(0, S, BLOCK_S):
-            seq1 = s0 + tl.arange(0, BLOCK_S)
-            seq = seq1[:, None]
-            ok = (seq < S) & (j < N)
-            node = seq * N + j
-            par = tl.load(parents_ptr + node, mask=ok, other=PADDING)
-            key = tl.load(keys_ptr + node, mask=ok, other=-1)
-            bins = tl.where(par >= 0, key + 1, 0).to(tl.int32)
-            tie = ((par >= 0) & (bins == lowest)).to(tl.int32)
-            tie_rows = tl.sum(tie, 1)
-            rank = (ties_before + tl.cumsum(tie_rows, 0) - tie_rows)[:, None] + tl.cumsum(tie, 1) - tie
-            kept = (par >= 0) & ((bins > lowest) | ((tie > 0) & (rank < take)))
-            ties_before += tl.sum(tie_rows, 0)
-            count = tl.where(seq1 < S, 1 + tl.sum(kept.to(tl.int32), 1), 0)
-            first = first_free + tl.cumsum(count, 0) - count
-            first_free += tl.sum(count, 0)
-            tl.store(counts_ptr + seq1, count.to(tl.int64), mask=seq1 < S)
-            tl.store(qo_ptr + seq1, first, mask=seq1 < S)
-            has_row = ok & (j < count[:, None])
-            row = first[:, None] + j
-            tl.store(row_of_node_ptr + node, tl.where(has_row, row, R).to(tl.int64), mask=ok)
-            tl.store(out_par_ptr + node, tl.where(has_row, par, PADDING), mask=ok)
-            depth = tl.load(depths_ptr + node, mask=has_row, other=0)
-            tl.store(node_of_row_ptr + row, node.to(tl.int64), mask=has_row)
-            tl.store(row_tok_ptr + row, tl.load(tokens_ptr + node, mask=has_row, other=0), mask=has_row)
-            tl.store(row_pos_ptr + row, tl.load(kv_ptr + seq, mask=seq < S, other=0) + depth, mask=has_row)
-            tl.store(row_draw_ptr + row, tl.load(out_pos_ptr + seq, mask=seq < S, other=0) + depth, mask=has_row)
-            tl.store(row_tree_ptr + row, tl.load(ancestors_ptr + node, mask=has_row, other=0), mask=has_row)
-            tl.store(row_seq_ptr + row, tl.broadcast_to(seq.to(tl.int64), [BLOCK_S, BLOCK_N]), mask=has_row)
-            tl.store(node_slots_ptr + node, tl.load(slots_ptr + row, mask=has_row, other=0), mask=ok)
-        tl.store(qo_ptr + S, first_free)
-        # 4. rows left over: no sequence's
-        for r0 in range(0, R, BLOCK_R):
-            row = r0 + tl.arange(0, BLOCK_R)
-            left = (row >= first_free) & (row < R)
-            zero = tl.zeros([BLOCK_R], tl.int64)
-            tl.store(node_of_row_ptr + row, zero + S * N, mask=left)
-            tl.store(row_tok_ptr + row, zero, mask=left)
-            tl.store(row_pos_ptr + row, zero, mask=left)
-            tl.store(row_draw_ptr + row, zero, mask=left)
-            tl.store(row_tree_ptr + row, zero, mask=left)
-            tl.store(row_seq_ptr + row, zero + S - 1, mask=left)
+        s_block = tl.program_id(0) * BLOCK_S
+        for s0 in range(0, s_block, BLOCK_S):
+            seq = s0 + tl.arange(0, BLOCK_S)[:, None]
+            ok = j < N
+            par = tl.load(parents_ptr + seq * N + j, mask=ok, other=PADDING)
+            key = tl.load(keys_ptr + seq * N + j, mask=ok, other=-1)
+            kept, ties = _kept(par, key, lowest, take, ties_before)
+            ties_before += ties
+            first_free += BLOCK_S + tl.sum(tl.sum(kept.to(tl.int32), 1), 0)
+        # this block's sequences: their kept nodes (a prefix of each tree) and rows
+        seq1 = s_block + tl.arange(0, BLOCK_S)
+        seq = seq1[:, None]
+        ok = (seq < S) & (j < N)
+        node = seq * N + j
+        par = tl.load(parents_ptr + node, mask=ok, other=PADDING)
+        key = tl.load(keys_ptr + node, mask=ok, other=-1)
+        kept, ties = _kept(par, key, lowest, take, ties_before)
+        count = tl.where(seq1 < S, 1 + tl.sum(kept.to(tl.int32), 1), 0)
+        first = first_free + tl.cumsum(count, 0) - count
+        first_free += tl.sum(count, 0)
+        tl.store(counts_ptr + seq1, count.to(tl.int64), mask=seq1 < S)
+        tl.store(qo_ptr + seq1, first, mask=seq1 < S)
+        has_row = ok & (j < count[:, None])
+        row = first[:, None] + j
+        tl.store(row_of_node_ptr + node, tl.where(has_row, row, R).to(tl.int64), mask=ok)
+        tl.store(out_par_ptr + node, tl.where(has_row, par, PADDING), mask=ok)
+        depth = tl.load(depths_ptr + node, mask=has_row, other=0)
+        tl.store(node_of_row_ptr + row, node.to(tl.int64), mask=has_row)
+        tl.store(row_tok_ptr + row, tl.load(tokens_ptr + node, mask=has_row, other=0), mask=has_row)
+        tl.store(row_pos_ptr + row, tl.load(kv_ptr + seq, mask=seq < S, other=0) + depth, mask=has_row)
+        tl.store(row_draw_ptr + row, tl.load(out_pos_ptr + seq, mask=seq < S, other=0) + depth, mask=has_row)
+        tl.store(row_tree_ptr + row, tl.load(ancestors_ptr + node, mask=has_row, other=0), mask=has_row)
+        tl.store(row_seq_ptr + row, tl.broadcast_to(seq.to(tl.int64), [BLOCK_S, BLOCK_N]), mask=has_row)
+        tl.store(node_slots_ptr + node, tl.load(slots_ptr + row, mask=has_row, other=0), mask=ok)
+        if s_block + BLOCK_S >= S:  # the last block: the rows after its last are no sequence's
+            tl.store(qo_ptr + S, first_free)
+            for r0 in range(0, R, BLOCK_R):
+                rest = r0 + tl.arange(0, BLOCK_R)
+                left = (rest >= first_free) & (rest < R)
+                zero = tl.zeros([BLOCK_R], tl.int64)
+                tl.store(node_of_row_ptr + rest, zero + S * N, mask=left)
+                tl.store(row_tok_ptr + rest, zero, mask=left)
+                tl.store(row_pos_ptr + rest, zero, mask=left)
+                tl.store(row_draw_ptr + rest, zero, mask=left)
+                tl.store(row_tree_ptr + rest, zero, mask=left)
+                tl.store(row_seq_ptr + rest, zero + S - 1, mask=left)
