@@ -276,7 +276,7 @@ def budget(args: argparse.Namespace) -> None:
 
     depth, s = 8, args.seqs
     rng = np.random.default_rng(0)
-    b = DraftBudget(max_draft_tokens=depth, max_verify_tokens=2048)
+    b = DraftBudget(max_draft_tokens=depth, max_verify_tokens=2048, max_rows=s)
     for k in sorted({bucket(n) for n in range(1, s + 1)}):
         for _ in range(5):
             b.observe_step(k, 0, 1e-3 * (1 + rng.random()))
@@ -295,18 +295,18 @@ def budget(args: argparse.Namespace) -> None:
     observe_us = timeit.timeit(lambda: b.observe_step(s, 0, 1e-3), number=n) / n * 1e6
     refit_us = timeit.timeit(plan_after_drafting, number=n) / n * 1e6 - observe_us
     n_nodes = depth + 1
-    seqs = [SimpleNamespace(tokens=rng.integers(0, 1000, 400).tolist()) for _ in range(s)]
+    seqs = [SimpleNamespace(tokens=rng.integers(0, 1000, 400).tolist(), row=i, finish_reason=None) for i in range(s)]
     depths = np.tile(np.arange(n_nodes), (s, 1))
     keys = np.where(depths > 0, rng.integers(0, 1000, (s, n_nodes)), -1)
     trees = _Trees(seqs, np.full(s, 300), rng.integers(0, 1000, (s, n_nodes)), depths,
                    np.cumsum(1 << np.arange(n_nodes))[None, :].repeat(s, 0), keys)
-    score_us = timeit.timeit(lambda: score_trees(trees), number=200) / 200 * 1e6
+    score_us = timeit.timeit(lambda: b.observe_acceptance(s, *score_trees(trees)), number=200) / 200 * 1e6
     print(f"{s} sequences (bucket {bucket(s)}), the speculation object's host work, us per call")
     print("| work | us | when |\n|---|---|---|")
     print(f"| plan | {plan_us:.1f} | every decode step |")
     print(f"| plan, line refitted | {refit_us:.1f} | a step after a drafting step |")
     print(f"| observe_step | {observe_us:.1f} | every decode step |")
-    print(f"| score one step's trees | {score_us:.1f} | one step in {SHADOW_EVERY} |")
+    print(f"| score one step's trees, update the estimates | {score_us:.1f} | one step in {SHADOW_EVERY} |")
 
 
 def main() -> None:

@@ -20,6 +20,13 @@ S (1 + acc(C)) / cost(b, C).
   sequence priced into 64 rows at 512 sequences, which can confirm 0.125 at most. A bucket
   not yet evaluated borrows the nearest one's estimate, capped at the drafts each fraction
   gives a sequence there.
+- While nothing waits to be admitted (a rollout's whole batch is running, as in RL), a step
+  that speeds some sequences up does not end the batch sooner: it ends with its slowest
+  sequences. Then acc(C) is at most the drafts the slowest tenth of the running sequences
+  have accepted (`slowest`): each sequence keeps its own rate, moved by each evaluation of its
+  trees. With one estimate for all, the rl workload at T=1.0 (every sample runs to the length
+  limit, drafts accepted for a few repetitive ones) drafted on a third of its steps, raising
+  tokens per second while saving 16 of 2,050 steps (bench/RESULTS.md).
 - cost(b, C) is a step's period: the wall time from one step's completion to the next's.
   Steps overlap the host's work, so the period is whichever of the device and the host is
   slower, as measured, with nothing modelled (a model of the two apart priced drafting as free
@@ -56,6 +63,8 @@ LINE_WINDOW = 32  # the line is fitted to the last this many drafting steps, of 
 REFRESH_EVERY = 16  # while drafting, one plain step in this many keeps the plain cost current
 MEASURED_AFTER = 3  # steps at a (bucket, draft rows) after which their own costs replace the fitted line
 ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc
+SEQ_WEIGHT = 0.1  # how much one evaluation moves a sequence's own rate (its trees are scored every 8-32 steps)
+SLOWEST = 0.1  # the share of running sequences whose rate bounds acc while the batch drains
 PRIOR_ROW_SHARE = 0.1  # a draft row's cost until one is measured, as a share of a plain step's per sequence
 FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # draft rows per sequence a step may take
 
@@ -74,12 +83,14 @@ def rows_at(fraction: float, num_seqs: int, depth: int) -> int:
 
 
 class DraftBudget:
-    def __init__(self, max_draft_tokens: int, max_verify_tokens: int, adaptive: bool = True):
+    def __init__(self, max_draft_tokens: int, max_verify_tokens: int, max_rows: int, adaptive: bool = True):
         self.depth = max_draft_tokens
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
         self.acc: dict[int, np.ndarray] = {}  # bucket -> accepted drafts per sequence, by fraction
         self.last_evaluated: int | None = None  # the bucket of the last evaluation (for stats)
+        self._seq_acc = np.full((max_rows, len(FRACTIONS)), np.nan)  # by KV row: its running sequence's rate
+        self.slowest: np.ndarray | None = None  # the SLOWEST quantile of the rates, by fraction
         self._plain: dict[int, deque] = {}  # bucket -> periods of its last plain steps
         self._added: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> what its last steps added
         # (draft rows, added) of the last drafting steps: the line's points (it is refitted after
@@ -107,7 +118,8 @@ class DraftBudget:
             self._levels[b] = sorted((i, c) for c, i in rows.items())
         return self._levels[b]
 
-    def plan(self, num_seqs: int, free_slots: int) -> StepPlan:
+    def plan(self, num_seqs: int, free_slots: int, draining: bool = False) -> StepPlan:
+        """`draining`: nothing waits to be admitted, so the batch ends with its slowest sequences."""
         self._steps += 1
         shadow = self._steps % SHADOW_EVERY == 0
         b = bucket(num_seqs)
@@ -118,6 +130,8 @@ class DraftBudget:
         elif fits and (plain := self._plain_cost(b)) is not None:  # (a bucket's first steps measure plain decoding)
             a, r = self._fitted_line() or (0.0, PRIOR_ROW_SHARE * plain / b)
             acc = self.accepted_at(b)
+            if draining and self.slowest is not None:
+                acc = np.minimum(acc, self.slowest)
 
             def value(i: int, c: int) -> float:  # tokens per second, per sequence
                 seen = self._added.get((b, c), ())
@@ -166,15 +180,26 @@ class DraftBudget:
         share = np.array([rows_at(f, b, self.depth) / b for f in FRACTIONS])
         return np.minimum(self.acc[near], share)
 
-    def observe_acceptance(self, num_seqs: int, accepted: np.ndarray) -> None:
+    def observe_acceptance(self, num_seqs: int, accepted: np.ndarray, rows: np.ndarray) -> None:
         """accepted [P, fractions]: the drafts sequences of a step of `num_seqs` would have had
-        accepted at each fraction."""
+        accepted at each fraction; rows [P]: their KV rows (-1: no longer running)."""
         if len(accepted):
             b = bucket(num_seqs)
             if b not in self.acc:
                 self.acc[b] = self.accepted_at(b).copy()  # (from the borrowed estimate)
             self.acc[b] += ACCEPT_WEIGHT * (accepted.mean(axis=0) - self.acc[b])
             self.last_evaluated = b
+            live = rows >= 0
+            rows, accepted = rows[live], accepted[live]
+            rate = self._seq_acc[rows]
+            rate = np.where(np.isnan(rate), self.acc[b], rate)  # a sequence's first evaluation moves from its bucket's
+            self._seq_acc[rows] = rate + SEQ_WEIGHT * (accepted - rate)
+            known = self._seq_acc[~np.isnan(self._seq_acc[:, 0])]
+            self.slowest = np.quantile(known, SLOWEST, axis=0) if len(known) else None
+
+    def forget(self, row: int) -> None:
+        """The sequence in KV row `row` stopped running."""
+        self._seq_acc[row] = np.nan
 
     def costs(self) -> dict[str, float]:
         """Milliseconds (for stats and benchmarks): plain steps by bucket, and what drafting adds."""

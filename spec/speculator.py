@@ -3,7 +3,7 @@
     spec = Speculator(config.spec, token_table)
     spec.join(seq) / spec.leave(seq, keep)       a sequence starts or stops running
     spec.before_step()                           before any step launches: what changed goes to the device
-    plan = spec.plan(num_seqs, free_slots)       this step's draft rows (0: plain decoding), drafting, shadow
+    plan = spec.plan(num_seqs, free_slots, draining)   this step's draft rows (0: plain decoding), drafting, shadow
     ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)) ...
     spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
     spec.stats()
@@ -51,7 +51,7 @@ class Speculator:
     def __init__(self, cfg: SpecConfig, table: TokenTable):
         self.enabled = cfg.enabled
         self.depth = cfg.max_draft_tokens
-        self.budget = DraftBudget(cfg.max_draft_tokens, cfg.max_verify_tokens, cfg.adaptive)
+        self.budget = DraftBudget(cfg.max_draft_tokens, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if self.enabled else None
         self._waiting: deque[_Trees] = deque()
@@ -64,6 +64,7 @@ class Speculator:
     def leave(self, seq: Sequence, keep: bool) -> None:
         if self.enabled:
             self.index.leave(seq, keep)
+            self.budget.forget(seq.row)
 
     def before_step(self) -> None:
         """Joins and leaves since the last step reach the device: the scan lines that changed, and
@@ -72,10 +73,11 @@ class Speculator:
             self.index.flush()
             self.index.table.flush()
 
-    def plan(self, num_seqs: int, free_slots: int) -> StepPlan:
+    def plan(self, num_seqs: int, free_slots: int, draining: bool) -> StepPlan:
+        """`draining`: no request waits to be admitted (spec/budget.py)."""
         if not self.enabled:
             return StepPlan(0, False, False)
-        plan = self.budget.plan(num_seqs, free_slots)
+        plan = self.budget.plan(num_seqs, free_slots, draining)
         self._steps += 1
         self._rows += plan.draft_rows
         return plan
@@ -92,7 +94,7 @@ class Speculator:
             self._waiting.append(_Trees(seqs, roots, *trees))
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known
             trees = self._waiting.popleft()
-            self.budget.observe_acceptance(len(trees.seqs), score_trees(trees))
+            self.budget.observe_acceptance(len(trees.seqs), *score_trees(trees))
         for t in self._waiting:
             t.age += 1
 
@@ -116,10 +118,11 @@ class Speculator:
         return out
 
 
-def score_trees(t: _Trees) -> np.ndarray:
+def score_trees(t: _Trees) -> tuple[np.ndarray, np.ndarray]:
     """[P, fractions]: how many of each tree's drafts the emitted tokens confirm, among the drafts
     a step of that many draft rows would have verified (the device's choice, replayed), for P
-    of the trees spread over the batch (at most SCORED)."""
+    of the trees spread over the batch (at most SCORED); and [P] their sequences' KV rows (-1
+    for one that stopped running since)."""
     s, n = t.tokens.shape
     pick = np.arange(s) if s <= SCORED else np.linspace(0, s - 1, SCORED).round().astype(np.int64)
     p = len(pick)
@@ -136,7 +139,8 @@ def score_trees(t: _Trees) -> np.ndarray:
     deepest = np.maximum.accumulate(np.where(matched, depth, 0), axis=1)  # within a tree's first j nodes
     rows = np.arange(p)
     kept = kept_drafts(t.keys, [rows_at(f, s, n - 1) for f in FRACTIONS])[:, pick]  # (the whole batch's choice)
-    return deepest[rows, kept].T
+    running = np.array([t.seqs[k].row if t.seqs[k].finish_reason is None else -1 for k in pick.tolist()], dtype=np.int64)
+    return deepest[rows, kept].T, running
 
 
 def kept_drafts(keys: np.ndarray, capacities: list[int]) -> np.ndarray:

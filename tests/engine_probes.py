@@ -35,7 +35,7 @@ def count_chained(engine: Engine) -> list[int]:
 def draft_every_other_step(engine: Engine, per_seq: int = 4) -> None:
     """Every other step verifies `per_seq` draft rows per sequence, so that decode steps follow verify steps."""
     turn = itertools.cycle([True, False])
-    engine.spec.plan = lambda num_seqs, free_slots: (
+    engine.spec.plan = lambda num_seqs, free_slots, draining: (
         StepPlan(per_seq * num_seqs, True, False) if next(turn) and num_seqs * (per_seq + 1) <= free_slots
         else StepPlan(0, False, False)
     )

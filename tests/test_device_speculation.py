@@ -109,7 +109,7 @@ def test_history_is_bounded_and_drafts_the_next_epoch(model_dir):
 
 
 def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measured_costs():
-    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512)
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=512)
     assert budget.capacities(16) == [0, 2, 4, 8, 16, 32, 64, 128]
     assert budget.capacities(1) == [0, 1, 2, 4, 8] and budget.capacities(256) == [0, 32, 64, 128, 256]  # <= 512 rows
     assert budget.plan(16, 10_000).draft_rows == 0  # a bucket's first steps measure plain decoding
@@ -117,7 +117,7 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
         budget.observe_step(16, 0, 0.010)
     assert budget.plan(16, 10_000).draft_rows == 0  # nothing known to be accepted
     acc = [0.1, 0.2, 0.4, 0.8, 1.2, 1.5, 1.6]  # accepted drafts per sequence, 1/8 ... 8 draft rows per sequence
-    budget.observe_acceptance(16, np.array([acc] * 16))
+    budget.observe_acceptance(16, np.array([acc] * 16), np.arange(16))
     assert budget.acc[16].tolist() == pytest.approx([0.3 * a for a in acc])  # evaluations move it a share of the way
     budget.acc[16][:] = acc  # (as after many such evaluations)
     # no row measured yet: a tenth of a plain step per sequence, 62.5 us; (1 + 1.2) / 12 ms is the best
@@ -141,7 +141,7 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
     rows = [budget.plan(16, 10_000).draft_rows for _ in range(4 * REFRESH_EVERY)]
     assert rows.count(0) == 4  # while drafting, a plain step now and then keeps the plain cost current
     # drafting has a fixed part too: 8 rows add 3 ms, 64 rows 4.4 ms (2.8 ms + 0.025 ms a row)
-    overhead = DraftBudget(max_draft_tokens=8, max_verify_tokens=512)
+    overhead = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=512)
     for _ in range(5):
         overhead.observe_step(64, 0, 0.010)
     for rows, seconds in ((8, 0.013), (64, 0.0144), (8, 0.013), (64, 0.0144)):
@@ -151,7 +151,7 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
     overhead.acc[64] = np.array([0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
     assert overhead.plan(64, 10_000).draft_rows == 64  # (1 + 0.5) / 14.4 ms wins
     # what a row adds is fitted across buckets, but a bucket's own steps overrule the line
-    tail = DraftBudget(max_draft_tokens=8, max_verify_tokens=4096)
+    tail = DraftBudget(max_draft_tokens=8, max_verify_tokens=4096, max_rows=512)
     for b in (16, 128):
         for _ in range(5):
             tail.observe_step(b, 0, 0.010)
@@ -165,7 +165,7 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
     assert tail.plan(128, 10_000).draft_rows == 0 and tail.plan(16, 10_000).draft_rows == 16
     # host-bound steps at 512 sequences, one plain period in two carrying other work: drafting
     # that makes every period 4 ms loses to the 2-ms plain steps (a median of 8 ms would take it)
-    host_bound = DraftBudget(max_draft_tokens=8, max_verify_tokens=4096)
+    host_bound = DraftBudget(max_draft_tokens=8, max_verify_tokens=4096, max_rows=512)
     for seconds in (0.008, 0.002, 0.008, 0.002, 0.008):
         host_bound.observe_step(512, 0, seconds)
     for _ in range(MEASURED_AFTER):
@@ -175,12 +175,12 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
 
 
 def test_acceptance_is_estimated_per_batch_bucket_and_borrowed_within_what_a_fraction_can_confirm():
-    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512 + 64)  # 64 draft rows at 512 sequences
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512 + 64, max_rows=512)  # 64 draft rows at 512 sequences
     assert budget.accepted_at(512).tolist() == [0.0] * len(FRACTIONS)  # nothing evaluated yet
     # the tail: 2 sequences, each of which gets a whole draft even at 1/8 per sequence, half accepted
     tail = [0.5, 0.5, 0.5, 0.5, 1.0, 2.0, 3.0]
     for _ in range(30):
-        budget.observe_acceptance(2, np.array([tail] * 2))
+        budget.observe_acceptance(2, np.array([tail] * 2), np.arange(2))
     assert budget.accepted_at(2).tolist() == pytest.approx(tail, abs=1e-3)
     # 512 sequences borrow it, at most the drafts a fraction gives each of them: 64 rows confirm
     # 0.125 drafts per sequence at most
@@ -190,10 +190,10 @@ def test_acceptance_is_estimated_per_batch_bucket_and_borrowed_within_what_a_fra
     for _ in range(MEASURED_AFTER):
         budget.observe_step(512, 64, 0.0024)  # drafting's fixed part: a fifth of the step
     assert budget.plan(512, 10_000).draft_rows == 0  # (1 + 0.5) / 2.4 ms would win, (1 + 0.125) / 2.4 ms loses
-    budget.observe_acceptance(512, np.array([[0.05, 0.1, 0.2, 0.3, 0.4, 0.45, 0.5]] * 128))
+    budget.observe_acceptance(512, np.array([[0.05, 0.1, 0.2, 0.3, 0.4, 0.45, 0.5]] * 128), np.arange(128))
     assert budget.accepted_at(512)[0] == pytest.approx(0.125 + 0.3 * (0.05 - 0.125))  # from the borrowed estimate
     assert budget.accepted_at(2).tolist() == pytest.approx(tail, abs=1e-3)  # its own, untouched
-    fixed = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, adaptive=False)
+    fixed = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=512, adaptive=False)
     assert fixed.plan(16, 10_000).draft_rows == 128 and fixed.plan(64, 10_000).draft_rows == 256
     shadows = [fixed.plan(16, 10_000).shadow for _ in range(4 * SHADOW_EVERY)]
     assert sum(shadows) == 4
@@ -208,10 +208,39 @@ def test_trees_are_scored_by_the_tokens_their_sequences_emitted_among_the_drafts
     ancestors = np.array([[1, 0b11, 0b111, 0b1001, 0b10111], [1, 0b11, 0b111, 0b1001, 0b10001],
                           [1, 0b11, 0b101, 0b1001, 0b10001]])
     keys = np.array([[-1, 400, 300, 200, 100], [-1, 900, 800, -1, -1], [-1, -1, -1, -1, -1]])
-    seqs = [SimpleNamespace(tokens=t) for t in ([1, 2, 9, 5, 6, 3], [3, 4, 0, 4], [5, 0, 0, 0])]
-    score = score_trees(_Trees(seqs, np.array([3, 1, 1]), tokens, depths, ancestors, keys))
+    seqs = [SimpleNamespace(tokens=t, row=r, finish_reason=f)
+            for t, r, f in (([1, 2, 9, 5, 6, 3], 4, None), ([3, 4, 0, 4], 0, None), ([5, 0, 0, 0], 7, "stop"))]
+    score, rows = score_trees(_Trees(seqs, np.array([3, 1, 1]), tokens, depths, ancestors, keys))
     # draft rows for 3 sequences at 1/8 ... 8 per sequence: 1, 1, 2, 3, 6, 12, 12 (of 12 drafts), B's first
     assert score.tolist() == [[0, 0, 0, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1], [0] * 7]
+    assert rows.tolist() == [4, 0, -1]  # (C has finished: no rate of its own to keep)
+
+
+def test_a_draining_batch_drafts_only_for_what_its_slowest_sequences_accept():
+    """Nothing waits to be admitted: the batch ends with its slowest sequences, so drafts accepted by
+    a few fast ones do not pay for a step that costs more."""
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=64)
+    for _ in range(5):
+        budget.observe_step(16, 0, 0.010)
+    for _ in range(MEASURED_AFTER):
+        budget.observe_step(16, 16, 0.012)  # 16 rows add 2 ms: they pay from 0.2 drafts per sequence
+    fast, slow = np.full(len(FRACTIONS), 2.0), np.zeros(len(FRACTIONS))
+    rows = np.arange(16) + 30
+    for _ in range(60):  # 2 of 16 sequences accept 2 drafts a step: 0.25 on average
+        budget.observe_acceptance(16, np.array([fast] * 2 + [slow] * 14), rows)
+    assert budget.acc[16][3] == pytest.approx(0.25, abs=1e-3)
+    assert budget.slowest.tolist() == pytest.approx([0.0] * len(FRACTIONS), abs=1e-3)
+    assert budget.plan(16, 10_000).draft_rows > 0  # more tokens per second: pays while requests wait
+    assert budget.plan(16, 10_000, draining=True).draft_rows == 0  # the batch would not end sooner
+    for row in rows[2:]:  # the slow ones finish
+        budget.forget(int(row))
+    assert budget.slowest.tolist() == pytest.approx([0.0] * len(FRACTIONS), abs=1e-3)  # (until the next evaluation)
+    budget.observe_acceptance(2, np.array([fast] * 2), rows[:2])
+    assert budget.slowest.tolist() == pytest.approx(fast.tolist(), abs=1e-2)
+    budget.acc[16][:] = 0.25  # (the bucket's estimate, as before)
+    assert budget.plan(16, 10_000, draining=True).draft_rows > 0
+    budget.observe_acceptance(16, np.array([fast]), np.array([-1]))  # a sequence that stopped: no rate kept
+    assert np.isnan(budget._seq_acc[:, 0]).sum() == 62
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -317,7 +317,7 @@ class Engine:
         if batch.is_prefill:
             step = self.runner.launch_prefill(batch, *self.scheduler.place_prefill(batch))
         else:
-            plan = self.spec.plan(len(batch.seqs), self.scheduler.free_slots)
+            plan = self.spec.plan(len(batch.seqs), self.scheduler.free_slots, draining=not self.scheduler.waiting)
             self._draft_steps += plan.draft_rows > 0
             slots = self.scheduler.step_slots(len(batch.seqs) + plan.draft_rows)
             step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)
