@@ -42,8 +42,11 @@ check)  # after a change to the drafting path: its kernel tests, the engine's GP
   timeout 330 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py -k "${TESTS:-.}" 2>&1 | tee "$OUT/engine.log" | tail -12
   versions=$(ls -d ab/*/ 2>/dev/null)  # each version `bench/ab_versions.sh prepare` left in ab/, if any
   for v in $versions ""; do  # ... then this checkout
-    echo "== ${v:-head}"
-    PYTHONPATH=/tmp/site:$PWD/$v timeout 100 python3 bench/step_profile.py verify --seqs 128 --context 2000 2>&1 | grep -v -i warn
+    for shape in "128 2000" "512 300"; do
+      set -- $shape
+      echo "== ${v:-head}"
+      PYTHONPATH=/tmp/site:$PWD/$v timeout 100 python3 bench/step_profile.py verify --seqs $1 --context $2 2>&1 | grep -v -i warn
+    done
   done | tee "$OUT/verify.log"
   ;;
 decode)  # decode speed, spec off, against HF transformers generate in the same run
