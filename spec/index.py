@@ -131,4 +131,5 @@ class NgramIndex:
         if self._changed:
             lines = np.fromiter(self._changed, np.int64, len(self._changed))
             self._changed.clear()
-            self.scan[to_device(lines, self.scan.device)] = to_device(self._lines[lines], self.scan.device)
+            packed = to_device(np.concatenate([lines[:, None].astype(np.int32), self._lines[lines]], axis=1), self.scan.device)
+            self.scan[packed[:, 0]] = packed[:, 1:]  # (line ids and their rows in one copy)

@@ -72,13 +72,13 @@ class TokenTable:
         """Make the queued keeps: whole rows in one copy (their lengths bound what is read)."""
         if not self._kept:
             return
-        dst = np.fromiter(self._kept, np.int64, len(self._kept))
-        src, length, prompt_len = (np.array(c, dtype=np.int64) for c in zip(*self._kept.values()))
+        # one copy to the device for all four columns (a copy costs the host as much as a kernel)
+        queued = np.array([(dst, *v) for dst, v in self._kept.items()], dtype=np.int32).T
         self._kept.clear()
-        d = to_device(dst, self.device)
-        self.tokens[d] = self.tokens[to_device(src, self.device)]
-        self.lengths[d] = to_device(length.astype(np.int32), self.device)
-        self.prompt_lens[d] = to_device(prompt_len.astype(np.int32), self.device)
+        dst, src, length, prompt_len = to_device(queued, self.device)
+        self.tokens[dst] = self.tokens[src]
+        self.lengths[dst] = length
+        self.prompt_lens[dst] = prompt_len
 
     def forget(self, row: int) -> None:
         self.flush()
