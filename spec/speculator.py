@@ -114,6 +114,9 @@ class Speculator:
             out["rollout/spec_accept_estimate_bucket"] = b
             for f, a in zip(FRACTIONS, self.budget.acc[b].tolist()):
                 out[f"rollout/spec_accept_estimate_f{f:g}"] = a
+        if self.budget.slowest is not None:  # what caps the estimate while the batch drains
+            for f, a in zip(FRACTIONS, self.budget.slowest.tolist()):
+                out[f"rollout/spec_accept_slowest_f{f:g}"] = a
         out.update({f"rollout/spec_cost_ms_{k}": v for k, v in self.budget.costs().items()})
         return out
 

@@ -344,8 +344,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     runs.append(row)
                     timelines.append(timeline)
                     print(markdown(runs[-1:]).splitlines()[-1], flush=True)
+                    budget_keys = ("rollout/spec_accept_estimate", "rollout/spec_accept_slowest", "rollout/spec_cost",
+                                   "rollout/spec_draft_rows")
                     spec_stats = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in engine.stats().items()
-                                  if k.startswith(("rollout/spec_accept_estimate", "rollout/spec_cost", "rollout/spec_draft_rows"))}
+                                  if k.startswith(budget_keys)}
                     if spec_stats:
                         print(f"  budget: {spec_stats}", flush=True)
     del engine, engines
