@@ -181,7 +181,7 @@ if triton is not None:
         ties_before = tl.sum(tl.zeros([1], tl.int32), 0)
         first_free = tl.sum(tl.zeros([1], tl.int32), 0)
         s_block = tl.program_id(0) * BLOCK_S
-        for s0 in range(0, s_block, BLOCK_S):
+        for s0 in range(0, s_block, BLOCK_S):  # (earlier blocks are whole: no mask by sequence)
             seq = s0 + tl.arange(0, BLOCK_S)[:, None]
             ok = j < N
             par = tl.load(parents_ptr + seq * N + j, mask=ok, other=PADDING)

@@ -337,7 +337,8 @@ class TritonAttention:
             # decode / verify: blocks of 16 rows (tl.dot's least). Most sequences of a verify step
             # have their root alone (GROUP rows), and a block sized for the widest tree made each
             # of them pay for its rows: 27% more attention for 12% more rows at 512 sequences
-            # (bench/RESULTS.md). A tree's further blocks re-read its K/V, from L2 (axis 0).
+            # (bench/RESULTS.md). A tree's further blocks re-read its K/V; they run beside each
+            # other on axis 0, so mostly from L2 (not profiled).
             block_m = 16
         else:
             block_m = 128 if block_d <= 128 else 64

@@ -90,7 +90,7 @@ class DraftBudget:
         self.acc: dict[int, np.ndarray] = {}  # bucket -> accepted drafts per sequence, by fraction
         self.last_evaluated: int | None = None  # the bucket of the last evaluation (for stats)
         self._seq_acc = np.full((max_rows, len(FRACTIONS)), np.nan)  # by KV row: its running sequence's rate
-        self.slowest: np.ndarray | None = None  # the SLOWEST quantile of the rates, by fraction
+        self.slowest: np.ndarray | None = None  # the SLOWEST quantile of the rates, by fraction, as of the last evaluation
         self._plain: dict[int, deque] = {}  # bucket -> periods of its last plain steps
         self._added: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> what its last steps added
         # (draft rows, added) of the last drafting steps: the line's points (it is refitted after
