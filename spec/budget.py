@@ -90,7 +90,7 @@ class DraftBudget:
         self.acc: dict[int, np.ndarray] = {}  # bucket -> accepted drafts per sequence, by fraction
         self.last_evaluated: int | None = None  # the bucket of the last evaluation (for stats)
         self._seq_acc = np.full((max_rows, len(FRACTIONS)), np.nan)  # by KV row: its running sequence's rate
-        self.slowest: np.ndarray | None = None  # the SLOWEST quantile of the rates, by fraction, as of the last evaluation
+        self.slowest: np.ndarray | None = None  # the (lower) SLOWEST quantile of the rates, by fraction, as of the last evaluation
         self._plain: dict[int, deque] = {}  # bucket -> periods of its last plain steps
         self._added: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> what its last steps added
         # (draft rows, added) of the last drafting steps: the line's points (it is refitted after
@@ -195,7 +195,8 @@ class DraftBudget:
             rate = np.where(np.isnan(rate), self.acc[b], rate)  # a sequence's first evaluation moves from its bucket's
             self._seq_acc[rows] = rate + SEQ_WEIGHT * (accepted - rate)
             known = self._seq_acc[~np.isnan(self._seq_acc[:, 0])]
-            self.slowest = np.quantile(known, SLOWEST, axis=0) if len(known) else None
+            k = int(SLOWEST * (len(known) - 1))  # (the lower SLOWEST quantile, by partition: np.quantile costs 5x)
+            self.slowest = np.partition(known, k, axis=0)[k] if len(known) else None
 
     def forget(self, row: int) -> None:
         """The sequence in KV row `row` stopped running."""

@@ -5,8 +5,9 @@ request for that prompt): each searches the rows of all of them, its own include
 group's history, the rows of samples that finished (RL rolls a prompt out again every epoch,
 so the last epoch's samples draft for this one; none of it depends on the weights, so it
 stays valid across weight updates). A group's rows are one line of a device table, which the
-drafter reads by group id; it changes only when a member joins or leaves, and the lines that
-changed go to the device together, once per step (`flush`).
+drafter reads by group id; it changes only when a member joins or leaves, and the lines of
+the groups that changed are written and go to the device together, once per step (`flush`:
+the n samples of a prompt join in one step, and many finish in one step of a large batch).
 
 History is bounded: a fixed number of rows of the token table (`SpecConfig.history_rows`), at
 most `history_per_prompt` per prompt, the group's oldest sample going first; when no row is
@@ -42,7 +43,7 @@ class NgramIndex:
         self.share = share  # off: each sample searches only its own row
         self.scan = torch.full((table.padding_row + 1, scan_width), -1, dtype=torch.int32, device=table.device)
         self._lines = np.full(tuple(self.scan.shape), -1, dtype=np.int32)  # the host's copy
-        self._changed: set[int] = set()  # lines not on the device yet
+        self._changed: dict[int, _Group] = {}  # groups whose lines are not on the device yet, by identity
         self._groups: OrderedDict[Hashable, _Group] = OrderedDict()  # least recently used first
         self._free_gids = list(range(table.padding_row, -1, -1))
         self._free_history = list(range(table.num_rows - 1, table.history_start - 1, -1))
@@ -118,18 +119,22 @@ class NgramIndex:
         return row
 
     def _publish(self, group: _Group) -> None:
-        """The group's line of the scan table: live rows, then history, newest first (on the device
-        at the next `flush`)."""
-        rows = (group.live + list(reversed(group.history)))[: self.scan_width]
-        line = self._lines[group.gid]
-        line[:] = -1
-        line[: len(rows)] = rows
-        self._changed.add(group.gid)
+        """The group's line changed: written at the next `flush`."""
+        self._changed[id(group)] = group
 
     def flush(self) -> None:
-        """The changed lines of the scan table to the device, in one copy."""
+        """The changed groups' lines of the scan table (live rows, then history, newest first) to
+        the device, in one copy. A group that has no line any more (no live member) has none to write."""
         if self._changed:
-            lines = np.fromiter(self._changed, np.int64, len(self._changed))
+            groups = [g for g in self._changed.values() if g.gid >= 0]
             self._changed.clear()
+            if not groups:
+                return
+            lines = np.array([g.gid for g in groups], dtype=np.int64)
+            for g in groups:
+                rows = (g.live + list(reversed(g.history)))[: self.scan_width]
+                line = self._lines[g.gid]
+                line[:] = -1
+                line[: len(rows)] = rows
             packed = to_device(np.concatenate([lines[:, None].astype(np.int32), self._lines[lines]], axis=1), self.scan.device)
             self.scan[packed[:, 0]] = packed[:, 1:]  # (line ids and their rows in one copy)

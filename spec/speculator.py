@@ -129,10 +129,11 @@ def score_trees(t: _Trees) -> tuple[np.ndarray, np.ndarray]:
     s, n = t.tokens.shape
     pick = np.arange(s) if s <= SCORED else np.linspace(0, s - 1, SCORED).round().astype(np.int64)
     p = len(pick)
-    after = np.full((p, max(n - 1, 1)), -1, dtype=np.int64)  # the tokens each sequence emitted after its root
-    for i, k in enumerate(pick.tolist()):
-        got = t.seqs[k].tokens[int(t.roots[k]) : int(t.roots[k]) + n - 1]
-        after[i, : len(got)] = got
+    pad = [-1] * (n - 1)
+    # the tokens each sequence emitted after its root, -1 past what it has (one array from lists:
+    # a row assigned per sequence costs a conversion each)
+    after = np.array([(t.seqs[k].tokens[r : r + n - 1] + pad)[: max(n - 1, 1)] if n > 1 else [-1]
+                      for k, r in zip(pick.tolist(), t.roots[pick].tolist())], dtype=np.int64).reshape(p, -1)
     node = np.arange(n)
     depth = t.depths[pick]
     guess = np.take_along_axis(after, np.clip(depth - 1, 0, None), axis=1)
@@ -152,7 +153,7 @@ def kept_drafts(keys: np.ndarray, capacities: list[int]) -> np.ndarray:
     key, then the earlier node. Each tree keeps its first few drafts; returns how many
     [capacities, S]."""
     s, n = keys.shape
-    flat = keys[:, 1:].reshape(-1)
+    flat = keys[:, 1:].reshape(-1).astype(np.int16)  # (keys < KEY_SCALE: 16 bits sort by radix, 5x faster)
     order = np.argsort(-flat, kind="stable")
     tree = np.where(flat[order] >= 0, order // (n - 1), s)  # (s: not a draft)
     return np.stack([np.bincount(tree[:c], minlength=s + 1)[:s] for c in capacities])

@@ -7,11 +7,14 @@ checked for sanity and closeness of logprobs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from engine_probes import count_chained, draft_every_other_step
 
 from rollout import Engine, SamplingParams
+from rollout.engine.step import to_device
+from rollout.engine.token_table import TokenTable
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids
 
 pytestmark = pytest.mark.gpu
@@ -199,3 +202,24 @@ def test_steps_after_admission_never_make_the_host_wait_for_the_device(engines, 
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.spec.index.history_rows_used > 0
+
+
+def test_host_writes_to_the_device_leave_the_step_in_flight_running():
+    """The token table's and the index's flushes (after samples finish) and the slot table's
+    commits copy host arrays to the device while a step may still run: they must queue behind it,
+    not wait for it. The sync debug mode above does not see this: the copies are from pageable
+    memory, where CUDA says the driver "may synchronize with the stream" (on the H200 of
+    2026-11-26 it did not). A kernel spinning for ~0.5 s stands in for the step."""
+    dev = torch.device("cuda")
+    table = TokenTable(live_rows=4, history_rows=2, capacity=32, device=dev)
+    values = np.random.default_rng().integers(0, 1000, 12)
+    table.write(np.zeros(12, dtype=np.int64), np.arange(12), values)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    copied = to_device(values, dev)
+    table.keep(0, table.history_start, 12, 3)
+    table.flush()
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running
+    assert copied.tolist() == values.tolist() and table.read(table.history_start) == values.tolist()
