@@ -2,8 +2,8 @@
 
     spec = Speculator(config.spec, token_table)
     spec.join(seq) / spec.leave(seq, keep)       a sequence starts or stops running
-    spec.before_step()                           before any step launches: what changed goes to the device
-    plan = spec.plan(num_seqs, free_slots, draining)   this step's draft rows (0: plain decoding), drafting, shadow
+    plan = spec.plan(num_seqs, free_slots, draining)   a decode step's draft rows (0: plain decoding), drafting, shadow
+    spec.before_decode(plan.drafting)            what the drafter reads goes to the device, if it runs
     ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)) ...
     spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
     spec.stats()
@@ -66,10 +66,14 @@ class Speculator:
             self.index.leave(seq, keep)
             self.budget.forget(seq.row)
 
-    def before_step(self) -> None:
-        """Joins and leaves since the last step reach the device: the scan lines that changed, and
-        the finished samples' rows kept as history (before a new sequence may take their rows)."""
-        if self.enabled:
+    def before_decode(self, drafting: bool) -> None:
+        """Before a decode or verify step whose drafter runs: the joins and leaves since it last ran
+        reach the device (the scan lines that changed, the finished samples' rows kept as history).
+        Only the drafter reads them, so steps that do not draft leave them queued: at a large batch
+        samples finish in most steps, and the two flushes cost the host ~80 us a step (a profile at
+        256 sequences). A prefill, which may give a new sequence a finished one's row, flushes the
+        token table before it writes (TokenTable.flush)."""
+        if self.enabled and drafting:
             self.index.flush()
             self.index.table.flush()
 

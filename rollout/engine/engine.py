@@ -313,11 +313,11 @@ class Engine:
         return self._collect(updated)
 
     def _launch(self, batch: Batch, began: float) -> StepInFlight:
-        self.spec.before_step()
         if batch.is_prefill:
             step = self.runner.launch_prefill(batch, *self.scheduler.place_prefill(batch))
         else:
             plan = self.spec.plan(len(batch.seqs), self.scheduler.free_slots, draining=not self.scheduler.waiting)
+            self.spec.before_decode(plan.drafting)
             self._draft_steps += plan.draft_rows > 0
             slots = self.scheduler.step_slots(len(batch.seqs) + plan.draft_rows)
             step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)

@@ -11,8 +11,8 @@ The host writes what only it knows: prompt chunks and first tokens at prefill
 (`record_prefill`), a fork's copy of its prompt, and history rows (`keep`). Its own copy of
 the tokens (Sequence.tokens) trails the device by the steps still in flight. Samples finish
 by the hundred in one step of a large batch, so `keep` only queues its row copy; `flush`
-(before the next step launches, and before any other write or read here) makes them all at
-once, before the live rows they read from can be reused.
+(before the next step whose drafter runs, and before any other write or read here, such as a
+prefill's) makes them all at once, before the live rows they read from can be reused.
 """
 
 from __future__ import annotations
