@@ -3,10 +3,14 @@
 # larger than most of the effects measured here).
 #
 #   here:        bash bench/ab_versions.sh prepare REV...    (git archive of each REV into ab/REV)
-#   on the GPU:  bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
+#   on the GPU:  [CYCLES=N] bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
 #
 # `run` takes "head" for the checkout itself; each version runs in its own directory, so it
-# imports its own code.
+# imports its own code. CYCLES=N runs the versions in turn N times (A B A B ...) and ends with
+# bench/ab_summary.py's table: each mode's same-run ratio to spec off per cycle and their median,
+# by version. The machine drifts within a session (spec off's rounds of identical code moved
+# by 36% between two versions run one after the other on 2026-11-26): taking turns spreads
+# the drift over every version.
 set -uo pipefail
 cmd=${1:?prepare | run}; shift
 revs=()
@@ -20,14 +24,17 @@ prepare)
   ;;
 run)
   export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
-  for rev in "${revs[@]}"; do
-    root=$PWD/ab/$rev; [ "$rev" = head ] && root=$PWD
-    echo "== $rev"
-    # the table's rows: with --repeats the medians ("N runs"), else each row once (printed as it
-    # ran and again in the table)
-    (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.tools.cli bench --out "${OUT:-/tmp/out}/$rev" "$@" 2>&1 |
-      grep -E "^\| rollout" | awk '!seen[$0]++ { rows = rows $0 "\n"; if (/ runs\)/) medians = medians $0 "\n" }
-        END { printf "%s", (medians != "" ? medians : rows) }')
+  for cycle in $(seq "${CYCLES:-1}"); do
+    for rev in "${revs[@]}"; do
+      root=$PWD/ab/$rev; [ "$rev" = head ] && root=$PWD
+      echo "== $rev (cycle $cycle)"
+      # the table's rows: with --repeats the medians ("N runs"), else each row once (printed as it
+      # ran and again in the table)
+      (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.tools.cli bench --out "${OUT:-/tmp/out}/$rev/$cycle" "$@" 2>&1 |
+        grep -E "^\| rollout" | awk '!seen[$0]++ { rows = rows $0 "\n"; if (/ runs\)/) medians = medians $0 "\n" }
+          END { printf "%s", (medians != "" ? medians : rows) }')
+    done
   done
+  [ "${CYCLES:-1}" -gt 1 ] && python3 bench/ab_summary.py "${OUT:-/tmp/out}" "${revs[@]}"
   ;;
 esac

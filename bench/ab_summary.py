@@ -1,0 +1,41 @@
+"""The table after `CYCLES=N bench/ab_versions.sh run REV...`: for each version, each row's
+ratio to spec off (from the same run), per cycle, and the median over cycles.
+
+    python bench/ab_summary.py OUT REV...
+
+OUT/REV/CYCLE/*.json are `rollout bench`'s results (bench/ab_versions.sh writes them there).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def ratios(run: Path) -> dict[tuple, float]:
+    """(workload, spec, batch size, temperature) -> tokens/s over spec off's in the same run."""
+    out = {}
+    for file in sorted(run.glob("*.json")):
+        rows = json.loads(file.read_text())["rows"]
+        off = {(r["workload"], r["batch_size"], r["temperature"]): r["tokens_per_s"] for r in rows if r["spec"] == "off"}
+        for r in rows:
+            base = off.get((r["workload"], r["batch_size"], r["temperature"]))
+            if r["spec"] != "off" and base:
+                out[(r["workload"], r["spec"], r["batch_size"], r["temperature"])] = r["tokens_per_s"] / base
+    return out
+
+
+def main(out: Path, revs: list[str]) -> None:
+    print("| version | workload | spec | batch | temp | ratio per cycle | median |\n|---|---|---|---|---|---|---|")
+    for rev in revs:
+        cycles = [ratios(d) for d in sorted((out / rev).iterdir(), key=lambda p: int(p.name)) if d.name.isdigit()]
+        for key in sorted({k for c in cycles for k in c}):
+            seen = [c[key] for c in cycles if key in c]
+            each = " / ".join(f"{r:.2f}" for r in seen)
+            print(f"| {rev} | {key[0]} | {key[1]} | {key[2]} | {key[3]:g} | {each} | **{statistics.median(seen):.2f}x** |")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
