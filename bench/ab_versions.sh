@@ -35,6 +35,6 @@ run)
           END { printf "%s", (medians != "" ? medians : rows) }')
     done
   done
-  [ "${CYCLES:-1}" -gt 1 ] && python3 bench/ab_summary.py "${OUT:-/tmp/out}" "${revs[@]}"
+  if [ "${CYCLES:-1}" -gt 1 ]; then python3 bench/ab_summary.py "${OUT:-/tmp/out}" "${revs[@]}"; fi
   ;;
 esac

@@ -93,7 +93,6 @@ class DraftBudget:
         self.slowest: np.ndarray | None = None  # the (lower) SLOWEST quantile of the rates, by fraction, as of the last evaluation
         self._plain: dict[int, deque] = {}  # bucket -> periods of its last plain steps
         self._added: dict[tuple[int, int], deque] = {}  # (bucket, draft rows) -> what its last steps added
-        self._added_median: dict[tuple[int, int], float] = {}  # ... their median, once MEASURED_AFTER were
         # (draft rows, added) of the last drafting steps: the line's points (it is refitted after
         # every drafting step; over every (bucket, rows) kept above, late in a run, that would
         # walk hundreds of samples a step)
@@ -135,8 +134,9 @@ class DraftBudget:
                 acc = np.minimum(acc, self.slowest)
 
             def value(i: int, c: int) -> float:  # tokens per second, per sequence
-                added = self._added_median.get((b, c))
-                return (1 + acc[i]) / (plain + (a + r * c if added is None else added))
+                seen = self._added.get((b, c), ())
+                added = statistics.median(seen) if len(seen) >= MEASURED_AFTER else a + r * c
+                return (1 + acc[i]) / (plain + added)
 
             best = max(fits, key=lambda ic: value(*ic))
             if value(*best) > 1 / plain:
@@ -154,10 +154,7 @@ class DraftBudget:
         if rows == 0:
             self._plain.setdefault(b, deque(maxlen=COST_WINDOW)).append(seconds)
         elif (plain := self._plain_cost(b)) is not None:
-            seen = self._added.setdefault((b, rows), deque(maxlen=COST_WINDOW))
-            seen.append(seconds - plain)
-            if len(seen) >= MEASURED_AFTER:  # (kept, not recomputed by every plan)
-                self._added_median[(b, rows)] = statistics.median(seen)
+            self._added.setdefault((b, rows), deque(maxlen=COST_WINDOW)).append(seconds - plain)
             self._recent.append((rows, seconds - plain))
             self._line = None
 

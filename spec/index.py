@@ -42,7 +42,6 @@ class NgramIndex:
         self.history_per_prompt = history_per_prompt
         self.share = share  # off: each sample searches only its own row
         self.scan = torch.full((table.padding_row + 1, scan_width), -1, dtype=torch.int32, device=table.device)
-        self._lines = np.full(tuple(self.scan.shape), -1, dtype=np.int32)  # the host's copy
         self._changed: dict[int, _Group] = {}  # groups whose lines are not on the device yet, by identity
         self._groups: OrderedDict[Hashable, _Group] = OrderedDict()  # least recently used first
         self._free_gids = list(range(table.padding_row, -1, -1))
@@ -130,11 +129,10 @@ class NgramIndex:
             self._changed.clear()
             if not groups:
                 return
-            lines = np.array([g.gid for g in groups], dtype=np.int64)
-            for g in groups:
+            packed = np.full((len(groups), 1 + self.scan_width), -1, dtype=np.int32)  # line id, then its rows
+            for line, g in zip(packed, groups):
                 rows = (g.live + list(reversed(g.history)))[: self.scan_width]
-                line = self._lines[g.gid]
-                line[:] = -1
-                line[: len(rows)] = rows
-            packed = to_device(np.concatenate([lines[:, None].astype(np.int32), self._lines[lines]], axis=1), self.scan.device)
-            self.scan[packed[:, 0]] = packed[:, 1:]  # (line ids and their rows in one copy)
+                line[0] = g.gid
+                line[1 : 1 + len(rows)] = rows
+            packed = to_device(packed, self.scan.device)
+            self.scan[packed[:, 0]] = packed[:, 1:]
