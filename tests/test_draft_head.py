@@ -84,3 +84,16 @@ def test_a_broken_head_is_refused_naming_the_tensor(tmp_path, drop, reshape, mes
     write_head(tmp_path, "eagle3", drop=drop, reshape=reshape)
     with pytest.raises(WeightError, match=message):
         check_head(tmp_path, HeadConfig.from_dir(tmp_path, TARGET))
+
+
+def test_a_vocabulary_map_outside_the_targets_vocabulary_is_refused(tmp_path):
+    write_head(tmp_path, "eagle3")
+    cfg = HeadConfig.from_dir(tmp_path, TARGET)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"] + 512  # every draft id maps past the vocabulary
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    check_head(tmp_path, cfg)  # shapes are right...
+    with pytest.raises(WeightError, match="d2t maps draft ids outside the vocabulary"):
+        read_vocab_map(tmp_path, cfg)  # ... the map is not
