@@ -14,21 +14,25 @@ A head is an HF directory (config.json and safetensors) trained for one target m
   layer, `layers.0.*`, without an input norm; the target's own `lm_head`.
 
 Both may carry `embed_tokens` or borrow the target's; names may carry a `model.` prefix. This
-module reads and checks them against the target: a head for another model, a missing tensor
-or one of the wrong shape is an error naming the field or the tensor, before anything loads.
+module reads and checks them against the target (a head for another model, a missing tensor
+or one of the wrong shape is an error naming the field or the tensor, before anything loads)
+and builds `DraftHead`, one decoder layer over the paged KV cache like the target's (its KV
+is one more layer of the pool, addressed by the same slots as the target's tokens).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from rollout.models.config import ModelConfig
-from rollout.models.weights import WeightError, checkpoint_files, checkpoint_specs
+from rollout.models.llama import MLP, Attention, ForwardContext, Linear, RMSNorm, WeightTarget
+from rollout.models.weights import WeightError, checkpoint_files, checkpoint_specs, iter_checkpoint
 
 ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "LlamaForCausalLMEagle": "eagle"}
 VOCAB_MAPS = ("d2t", "t2d")  # EAGLE-3's integer/bool tensors, read apart from the weights
@@ -78,6 +82,11 @@ class HeadConfig:
                                   ("vocab_size", cfg.vocab_size, target.vocab_size)):
             if have != want:
                 raise ValueError(f"{config_file}: {field} is {have}, the target's is {want}: a head for another model")
+        if cfg.head_dim != target.head_dim:
+            raise ValueError(f"{config_file}: head_dim is {cfg.head_dim}, the target's is {target.head_dim}: "
+                             "the head shares the target's RoPE tables")
+        if float(raw.get("rope_theta", target.rope_theta)) != target.rope_theta:
+            raise ValueError(f"{config_file}: rope_theta is {raw['rope_theta']}, the target's is {target.rope_theta}")
         if kind == "eagle" and hidden != target.hidden_size:
             raise ValueError(f"{config_file}: hidden_size is {hidden}, the target's is {target.hidden_size}: "
                              "an EAGLE-1 head works in the target's width")
@@ -148,3 +157,91 @@ def read_vocab_map(path: str | Path, cfg: HeadConfig) -> torch.Tensor:
                         raise WeightError(f"draft head {path}: d2t maps draft ids outside the vocabulary ({cfg.vocab_size})")
                     return d2t
     raise WeightError(f"draft head {path}: missing d2t")
+
+
+class DraftHead(nn.Module):
+    """The head's layer. `forward(input_ids, hidden, ctx)`: the tokens' embeddings (the head's
+    own, or the target's, `embed`) with the hidden state before each (EAGLE-3: the target's three
+    concatenated, or the head's own output when it drafts on; EAGLE-1: the target's last) ->
+    (logits over the draft vocabulary [T, draft_vocab] float32, the head's hidden state [T, H])."""
+
+    def __init__(self, cfg: HeadConfig, target: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        shape = replace(target, hidden_size=h, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
+                        num_kv_heads=cfg.num_kv_heads, rms_norm_eps=eps, attention_bias=False, qk_norm=False,
+                        num_layers=1)
+        eagle3 = cfg.kind == "eagle3"
+        self.fc = nn.Linear((3 * cfg.target_hidden_size) if eagle3 else 2 * h, h, bias=not eagle3)
+        self.self_attn = Attention(shape, layer)  # `layer`: the head's layer of the KV pool
+        if eagle3:  # q/k/v read the normalised embedding and hidden state side by side
+            self.self_attn.qkv_proj = Linear(2 * h, self.self_attn.q_size + 2 * self.self_attn.kv_size, bias=False)
+            self.input_layernorm = RMSNorm(h, eps)
+            self.hidden_norm = RMSNorm(h, eps)
+            self.norm = RMSNorm(h, eps)
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(shape)
+        self.embed_tokens: nn.Embedding | None = None  # set by load_head when the checkpoint has its own
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
+                embed: nn.Embedding, lm_head_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        e = (self.embed_tokens or embed)(input_ids)
+        if self.cfg.kind == "eagle3":
+            h = self.fc(hidden) if hidden.shape[-1] != self.cfg.hidden_size else hidden
+            x = torch.cat([self.input_layernorm(e), self.hidden_norm(h)], dim=-1)
+            residual = h
+        else:
+            x = residual = self.fc(torch.cat([e, hidden], dim=-1))  # (EAGLE-1's layer has no input norm)
+        attended = self.self_attn(self.self_attn.qkv_proj(x), ctx) + residual
+        out = self.mlp(self.mlp.gate_up_proj(self.post_attention_layernorm(attended))) + attended
+        if self.cfg.kind == "eagle3":
+            return self.lm_head(self.norm(out)).float(), out
+        return torch.nn.functional.linear(out, lm_head_weight).float(), out  # the target's lm_head
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        """Every checkpoint name (without `model.`) mapped to where it is stored."""
+        layer = "midlayer" if self.cfg.kind == "eagle3" else "layers.0"
+        attn, mlp, inter = self.self_attn, self.mlp, self.cfg.intermediate_size
+        q, kv = attn.q_size, attn.kv_size
+        out = {
+            "fc.weight": WeightTarget(self.fc.weight),
+            f"{layer}.post_attention_layernorm.weight": WeightTarget(self.post_attention_layernorm.weight),
+            f"{layer}.self_attn.q_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(0, q)),
+            f"{layer}.self_attn.k_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(q, q + kv)),
+            f"{layer}.self_attn.v_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(q + kv, q + 2 * kv)),
+            f"{layer}.self_attn.o_proj.weight": WeightTarget(attn.o_proj.weight),
+            f"{layer}.mlp.gate_proj.weight": WeightTarget(mlp.gate_up_proj.weight, slice(0, inter)),
+            f"{layer}.mlp.up_proj.weight": WeightTarget(mlp.gate_up_proj.weight, slice(inter, 2 * inter)),
+            f"{layer}.mlp.down_proj.weight": WeightTarget(mlp.down_proj.weight),
+        }
+        if self.cfg.kind == "eagle3":
+            out.update({
+                f"{layer}.input_layernorm.weight": WeightTarget(self.input_layernorm.weight),
+                f"{layer}.hidden_norm.weight": WeightTarget(self.hidden_norm.weight),
+                "norm.weight": WeightTarget(self.norm.weight), "lm_head.weight": WeightTarget(self.lm_head.weight),
+            })
+        else:
+            out["fc.bias"] = WeightTarget(self.fc.bias)
+        return out
+
+
+def load_head(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """The head at `path`, checked against `target`, on the CPU in `dtype`; `layer`: its KV pool layer."""
+    cfg = HeadConfig.from_dir(path, target)
+    names = set(check_head(path, cfg))
+    head = DraftHead(cfg, target, layer).to(dtype)
+    targets = head.weight_targets()
+    with torch.no_grad():
+        for stored, tensor in iter_checkpoint(path):
+            name = stored.removeprefix("model.")
+            if stored not in names or name in VOCAB_MAPS:
+                continue
+            if name == "embed_tokens.weight":
+                head.embed_tokens = nn.Embedding(*tensor.shape, dtype=dtype)
+                head.embed_tokens.weight.copy_(tensor)
+            else:
+                targets[name].view().copy_(tensor)
+    head.register_buffer("draft_to_target", read_vocab_map(path, cfg))
+    return head

@@ -31,7 +31,7 @@ def write_head(path, kind: str, prefix: str = "", drop: str | None = None, confi
     (path / "config.json").write_text(json.dumps(raw))
     cfg = HeadConfig.from_dir(path, TARGET)
     gen = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn(shape, generator=gen) for name, shape in cfg.shapes().items()}
+    tensors = {name: 0.2 * torch.randn(shape, generator=gen) for name, shape in cfg.shapes().items()}
     if kind == "eagle3":
         targets = torch.randperm(512, generator=gen)[:DRAFT_VOCAB].sort().values
         tensors["d2t"] = targets - torch.arange(DRAFT_VOCAB)
@@ -72,7 +72,7 @@ def test_a_head_for_another_model_is_refused_naming_the_field(tmp_path, config, 
 
 def test_an_eagle1_head_must_work_in_the_targets_width(tmp_path):
     with pytest.raises(ValueError, match="hidden_size is 32, the target's is 64"):
-        write_head(tmp_path, "eagle", config=dict(hidden_size=32, target_hidden_size=64))
+        write_head(tmp_path, "eagle", config=dict(hidden_size=32, head_dim=16, target_hidden_size=64))
 
 
 @pytest.mark.parametrize("drop, reshape, message", [
@@ -97,3 +97,73 @@ def test_a_vocabulary_map_outside_the_targets_vocabulary_is_refused(tmp_path):
     check_head(tmp_path, cfg)  # shapes are right...
     with pytest.raises(WeightError, match="d2t maps draft ids outside the vocabulary"):
         read_vocab_map(tmp_path, cfg)  # ... the map is not
+
+
+def _rms(x, w, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _dense_head(head, ids, hidden, embed, lm_head_weight, cos, sin):
+    """The head's layer written out in plain torch, causal over one sequence: the reference."""
+    p = {k: t.view() for k, t in head.weight_targets().items()}
+    layer = "midlayer" if head.cfg.kind == "eagle3" else "layers.0"
+    e = embed(ids)
+    if head.cfg.kind == "eagle3":
+        h = hidden @ p["fc.weight"].T
+        x, residual = torch.cat([_rms(e, p[f"{layer}.input_layernorm.weight"]), _rms(h, p[f"{layer}.hidden_norm.weight"])], -1), h
+    else:
+        x = residual = torch.cat([e, hidden], -1) @ p["fc.weight"].T + p["fc.bias"]
+    t, nh, nkv, hd = ids.shape[0], head.cfg.num_heads, head.cfg.num_kv_heads, head.cfg.head_dim
+    q = (x @ p[f"{layer}.self_attn.q_proj.weight"].T).view(t, nh, hd).transpose(0, 1)
+    k = (x @ p[f"{layer}.self_attn.k_proj.weight"].T).view(t, nkv, hd).transpose(0, 1)
+    v = (x @ p[f"{layer}.self_attn.v_proj.weight"].T).view(t, nkv, hd).transpose(0, 1)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(t, nh * hd)
+    attended = o @ p[f"{layer}.self_attn.o_proj.weight"].T + residual
+    n = _rms(attended, p[f"{layer}.post_attention_layernorm.weight"])
+    gate, up = n @ p[f"{layer}.mlp.gate_proj.weight"].T, n @ p[f"{layer}.mlp.up_proj.weight"].T
+    out = (torch.nn.functional.silu(gate) * up) @ p[f"{layer}.mlp.down_proj.weight"].T + attended
+    if head.cfg.kind == "eagle3":
+        return _rms(out, p["norm.weight"]) @ p["lm_head.weight"].T, out
+    return out @ lm_head_weight.T, out
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, kind):
+    from kernels.attention import AttentionMetadata
+    from kernels.torch_attention import TorchAttention
+    from rollout.engine.model_runner import rope_tables
+    from rollout.models.llama import ForwardContext
+    from spec.draft_head import load_head
+
+    write_head(tmp_path, kind, prefix="model.")
+    head = load_head(tmp_path, TARGET, layer=1)
+    gen = torch.Generator().manual_seed(1)
+    t = 7
+    ids = torch.randint(0, 512, (t,), generator=gen)
+    width = 3 * 64 if kind == "eagle3" else 64
+    hidden = torch.randn(t, width, generator=gen)
+    embed = torch.nn.Embedding(512, 64)
+    lm_head_weight = torch.randn(512, 64, generator=gen)
+    slots = torch.randperm(32, generator=gen)[:t]  # the sequence's tokens where the pool put them
+    meta = AttentionMetadata(seq_rows=torch.zeros(1, dtype=torch.int32), kv_lens=torch.tensor([t], dtype=torch.int32),
+                             qo_indptr=torch.tensor([0, t], dtype=torch.int32), slot_table=slots[None].to(torch.int32),
+                             out_slots=slots, tree_mask=None, max_q_len=t, max_kv_len=t)
+    backend = TorchAttention()
+    backend.plan(meta)
+    cos, sin = rope_tables(TARGET, t, torch.device("cpu"))
+    caches = [torch.zeros(32, 2, 16) for _ in range(2)]  # layer 0: the target's (unused here), layer 1: the head's
+    ctx = ForwardContext(meta, backend, caches, [torch.zeros(32, 2, 16) for _ in range(2)], cos, sin)
+    with torch.no_grad():
+        logits, out = head(ids, hidden, ctx, embed, lm_head_weight)
+        want_logits, want_out = _dense_head(head, ids, hidden, embed, lm_head_weight, cos, sin)
+    assert logits.shape == (t, DRAFT_VOCAB if kind == "eagle3" else 512)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    assert caches[0].abs().sum() == 0 and caches[1].abs().sum() > 0  # its KV went to its own layer
