@@ -9,9 +9,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tiny_models import make_tiny_model
+
+from kernels.attention import AttentionMetadata
+from kernels.torch_attention import TorchAttention
+from rollout.engine.model_runner import rope_tables
 from rollout.models.config import ModelConfig
+from rollout.models.llama import ForwardContext
+from rollout.models.loader import build_model, load_checkpoint
 from rollout.models.weights import WeightError
-from spec.draft_head import HeadConfig, check_head, read_vocab_map
+from spec.draft_head import HeadConfig, check_head, load_head, read_vocab_map
 
 TARGET = ModelConfig.from_dict(dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
@@ -99,6 +106,17 @@ def test_a_vocabulary_map_outside_the_targets_vocabulary_is_refused(tmp_path):
         read_vocab_map(tmp_path, cfg)  # ... the map is not
 
 
+def _one_sequence(slots: torch.Tensor) -> tuple[AttentionMetadata, TorchAttention]:
+    """A prefill of one sequence whose tokens go to `slots`, planned on the reference backend."""
+    t = len(slots)
+    meta = AttentionMetadata(seq_rows=torch.zeros(1, dtype=torch.int32), kv_lens=torch.tensor([t], dtype=torch.int32),
+                             qo_indptr=torch.tensor([0, t], dtype=torch.int32), slot_table=slots[None].to(torch.int32),
+                             out_slots=slots, tree_mask=None, max_q_len=t, max_kv_len=t)
+    backend = TorchAttention()
+    backend.plan(meta)
+    return meta, backend
+
+
 def _rms(x, w, eps=1e-5):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -136,12 +154,6 @@ def _dense_head(head, ids, hidden, embed, lm_head_weight, cos, sin):
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, kind):
-    from kernels.attention import AttentionMetadata
-    from kernels.torch_attention import TorchAttention
-    from rollout.engine.model_runner import rope_tables
-    from rollout.models.llama import ForwardContext
-    from spec.draft_head import load_head
-
     write_head(tmp_path, kind, prefix="model.")
     head = load_head(tmp_path, TARGET, layer=1)
     gen = torch.Generator().manual_seed(1)
@@ -152,11 +164,7 @@ def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, ki
     embed = torch.nn.Embedding(512, 64)
     lm_head_weight = torch.randn(512, 64, generator=gen)
     slots = torch.randperm(32, generator=gen)[:t]  # the sequence's tokens where the pool put them
-    meta = AttentionMetadata(seq_rows=torch.zeros(1, dtype=torch.int32), kv_lens=torch.tensor([t], dtype=torch.int32),
-                             qo_indptr=torch.tensor([0, t], dtype=torch.int32), slot_table=slots[None].to(torch.int32),
-                             out_slots=slots, tree_mask=None, max_q_len=t, max_kv_len=t)
-    backend = TorchAttention()
-    backend.plan(meta)
+    meta, backend = _one_sequence(slots)
     cos, sin = rope_tables(TARGET, t, torch.device("cpu"))
     caches = [torch.zeros(32, 2, 16) for _ in range(2)]  # layer 0: the target's (unused here), layer 1: the head's
     ctx = ForwardContext(meta, backend, caches, [torch.zeros(32, 2, 16) for _ in range(2)], cos, sin)
@@ -167,3 +175,25 @@ def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, ki
     torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
     assert caches[0].abs().sum() == 0 and caches[1].abs().sum() > 0  # its KV went to its own layer
+
+
+def test_the_target_hands_a_head_the_hidden_states_entering_its_layers_as_hf_computes_them(tmp_path):
+    """EAGLE-3 reads the target's hidden state entering three of its layers: transformers'
+    `hidden_states[i]` (the embeddings for layer 0)."""
+    hf = make_tiny_model("llama", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    model = build_model(cfg, torch.device("cpu"), torch.float32)
+    load_checkpoint(model, tmp_path)
+    t = 9
+    ids = torch.randint(3, 512, (t,), generator=torch.Generator().manual_seed(2))
+    slots = torch.arange(t)
+    meta, backend = _one_sequence(slots)
+    cos, sin = rope_tables(cfg, t, torch.device("cpu"))
+    caches = lambda: [torch.zeros(t, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]  # noqa: E731
+    aux = torch.zeros(t, 2 * cfg.hidden_size)
+    ctx = ForwardContext(meta, backend, caches(), caches(), cos, sin, aux_layers=(1, 0), aux_hidden=aux)
+    with torch.no_grad():
+        model(ids, ctx, None)
+        want = hf(ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(aux[:, :64], want[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux[:, 64:], want[0][0], atol=1e-5, rtol=1e-5)

@@ -28,6 +28,11 @@ class ForwardContext:
     cos: torch.Tensor  # [num_tokens, head_dim], already gathered at the tokens' positions
     sin: torch.Tensor
     attn_out: torch.Tensor | None = None  # [num_tokens, num_heads, head_dim] reused by every layer (CUDA graphs)
+    # a draft head's inputs (spec/draft_head.py): the hidden state entering each of these layers
+    # (the one before's output; EAGLE-3 takes three, [2, L // 2, L - 3] as SGLang captures them),
+    # written side by side into aux_hidden [num_tokens, len(aux_layers) * hidden]
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,11 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor | None,  # [L] rows of the T tokens whose next-token logits are wanted; None: all
     ) -> torch.Tensor:  # [L, vocab] float32
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        hidden = self.config.hidden_size
+        for i, layer in enumerate(self.model.layers):
+            if i in ctx.aux_layers:
+                k = ctx.aux_layers.index(i)
+                ctx.aux_hidden[:, k * hidden : (k + 1) * hidden].copy_(x if residual is None else x + residual)
             x, residual = layer(x, residual, ctx)
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
