@@ -245,3 +245,63 @@ def load_head(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dt
                 targets[name].view().copy_(tensor)
     head.register_buffer("draft_to_target", read_vocab_map(path, cfg))
     return head
+
+
+def unrolled(head: DraftHead, embed: nn.Embedding, ids: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, steps: int = 1,
+             lm_head_weight: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The head in plain, differentiable torch over one sequence, unrolled as drafting a chain
+    unrolls it (EAGLE-3's training-time test): recipes/train_eagle.py trains through it, and
+    the tests hold `DraftHead` over the paged cache to its first step.
+
+    ids [T]: the token after each position; hidden [T, width]: the target's hidden states there;
+    cos, sin [>= T + steps - 1, head_dim] by position. Step j predicts at positions t < T - j,
+    standing at t + j: its input is the embedding of ids[t + j] and step j - 1's output at t
+    (step 0: hidden[t]); it attends to step 0's keys at positions <= t and to steps 1..j's keys
+    at t (the drafts before it in the chain). Returns (logits [T - j, draft vocab], output
+    [T - j, H]) per step."""
+    p = {name: t.view() for name, t in head.weight_targets().items()}
+    cfg, eagle3 = head.cfg, head.cfg.kind == "eagle3"
+    layer = "midlayer" if eagle3 else "layers.0"
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    emb = head.embed_tokens or embed
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+    def rotate(x, at):  # x [heads, n, hd] at positions `at`
+        c, s, half = cos[at], sin[at], hd // 2
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+    t_all = ids.shape[0]
+    keys, values, out, h = [], [], [], hidden
+    for j in range(steps):
+        n = t_all - j
+        e, h = emb(ids[j : j + n]), h[:n]
+        if eagle3:
+            if j == 0:
+                h = h @ p["fc.weight"].T
+            x, residual = torch.cat([rms(e, p[f"{layer}.input_layernorm.weight"]), rms(h, p[f"{layer}.hidden_norm.weight"])], -1), h
+        else:
+            x = residual = torch.cat([e, h], -1) @ p["fc.weight"].T + p["fc.bias"]
+        at = torch.arange(j, j + n, device=ids.device)
+        q = rotate((x @ p[f"{layer}.self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1), at)
+        k = rotate((x @ p[f"{layer}.self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1), at)
+        v = (x @ p[f"{layer}.self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)
+        keys.append(k.repeat_interleave(nh // nkv, 0))
+        values.append(v.repeat_interleave(nh // nkv, 0))
+        scale = hd ** -0.5
+        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        s0 = (q @ keys[0][:, :n].transpose(1, 2) * scale).masked_fill(~causal, float("-inf"))  # [nh, n, n]
+        chain = [(q * keys[i][:, :n]).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]  # [nh, n, 1] each
+        w = torch.softmax(torch.cat([s0, *chain], dim=-1), dim=-1)
+        o = w[..., :n] @ values[0][:, :n]
+        for i in range(1, j + 1):
+            o = o + w[..., n + i - 1 : n + i] * values[i][:, :n]
+        attended = o.transpose(0, 1).reshape(n, nh * hd) @ p[f"{layer}.self_attn.o_proj.weight"].T + residual
+        m = rms(attended, p[f"{layer}.post_attention_layernorm.weight"])
+        gate, up = m @ p[f"{layer}.mlp.gate_proj.weight"].T, m @ p[f"{layer}.mlp.up_proj.weight"].T
+        h = (torch.nn.functional.silu(gate) * up) @ p[f"{layer}.mlp.down_proj.weight"].T + attended
+        logits = rms(h, p["norm.weight"]) @ p["lm_head.weight"].T if eagle3 else h @ lm_head_weight.T
+        out.append((logits, h))
+    return out

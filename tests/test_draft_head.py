@@ -18,7 +18,7 @@ from rollout.models.config import ModelConfig
 from rollout.models.llama import ForwardContext
 from rollout.models.loader import build_model, load_checkpoint
 from rollout.models.weights import WeightError
-from spec.draft_head import HeadConfig, check_head, load_head, read_vocab_map
+from spec.draft_head import HeadConfig, check_head, load_head, read_vocab_map, unrolled
 
 TARGET = ModelConfig.from_dict(dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
@@ -117,41 +117,6 @@ def _one_sequence(slots: torch.Tensor) -> tuple[AttentionMetadata, TorchAttentio
     return meta, backend
 
 
-def _rms(x, w, eps=1e-5):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-def _dense_head(head, ids, hidden, embed, lm_head_weight, cos, sin):
-    """The head's layer written out in plain torch, causal over one sequence: the reference."""
-    p = {k: t.view() for k, t in head.weight_targets().items()}
-    layer = "midlayer" if head.cfg.kind == "eagle3" else "layers.0"
-    e = embed(ids)
-    if head.cfg.kind == "eagle3":
-        h = hidden @ p["fc.weight"].T
-        x, residual = torch.cat([_rms(e, p[f"{layer}.input_layernorm.weight"]), _rms(h, p[f"{layer}.hidden_norm.weight"])], -1), h
-    else:
-        x = residual = torch.cat([e, hidden], -1) @ p["fc.weight"].T + p["fc.bias"]
-    t, nh, nkv, hd = ids.shape[0], head.cfg.num_heads, head.cfg.num_kv_heads, head.cfg.head_dim
-    q = (x @ p[f"{layer}.self_attn.q_proj.weight"].T).view(t, nh, hd).transpose(0, 1)
-    k = (x @ p[f"{layer}.self_attn.k_proj.weight"].T).view(t, nkv, hd).transpose(0, 1)
-    v = (x @ p[f"{layer}.self_attn.v_proj.weight"].T).view(t, nkv, hd).transpose(0, 1)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(t, nh * hd)
-    attended = o @ p[f"{layer}.self_attn.o_proj.weight"].T + residual
-    n = _rms(attended, p[f"{layer}.post_attention_layernorm.weight"])
-    gate, up = n @ p[f"{layer}.mlp.gate_proj.weight"].T, n @ p[f"{layer}.mlp.up_proj.weight"].T
-    out = (torch.nn.functional.silu(gate) * up) @ p[f"{layer}.mlp.down_proj.weight"].T + attended
-    if head.cfg.kind == "eagle3":
-        return _rms(out, p["norm.weight"]) @ p["lm_head.weight"].T, out
-    return out @ lm_head_weight.T, out
-
-
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, kind):
     write_head(tmp_path, kind, prefix="model.")
@@ -170,7 +135,7 @@ def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, ki
     ctx = ForwardContext(meta, backend, caches, [torch.zeros(32, 2, 16) for _ in range(2)], cos, sin)
     with torch.no_grad():
         logits, out = head(ids, hidden, ctx, embed, lm_head_weight)
-        want_logits, want_out = _dense_head(head, ids, hidden, embed, lm_head_weight, cos, sin)
+        (want_logits, want_out), = unrolled(head, embed, ids, hidden, cos, sin, 1, lm_head_weight)
     assert logits.shape == (t, DRAFT_VOCAB if kind == "eagle3" else 512)
     torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
@@ -197,3 +162,32 @@ def test_the_target_hands_a_head_the_hidden_states_entering_its_layers_as_hf_com
         want = hf(ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(aux[:, :64], want[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(aux[:, 64:], want[0][0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_unrolled_head_drafts_a_chain_as_the_paged_head_does(tmp_path):
+    """Step 1 of `unrolled` (what training sees) at position t is a draft after the root t: the
+    paged head over positions 0..t, then one more row at t + 1 whose input is the next token and
+    the head's own output at t, attending to all of them."""
+    write_head(tmp_path, "eagle3")
+    head = load_head(tmp_path, TARGET, layer=0)
+    gen = torch.Generator().manual_seed(3)
+    t_all, root = 8, 4
+    ids = torch.randint(0, 512, (t_all,), generator=gen)
+    hidden = torch.randn(t_all, 3 * 64, generator=gen)
+    embed = torch.nn.Embedding(512, 64)
+    cos, sin = rope_tables(TARGET, t_all + 1, torch.device("cpu"))
+    with torch.no_grad():
+        steps = unrolled(head, embed, ids, hidden, cos, sin, steps=2)
+        k, v = [torch.zeros(32, 2, 16)], [torch.zeros(32, 2, 16)]
+        slots = torch.arange(1, root + 3)
+        meta, backend = _one_sequence(slots[: root + 1])
+        ctx = ForwardContext(meta, backend, k, v, cos[: root + 1], sin[: root + 1])
+        _, out = head(ids[: root + 1], hidden[: root + 1], ctx, embed)
+        meta = AttentionMetadata(seq_rows=torch.zeros(1, dtype=torch.int32), kv_lens=torch.tensor([root + 2], dtype=torch.int32),
+                                 qo_indptr=torch.tensor([0, 1], dtype=torch.int32), slot_table=slots[None].to(torch.int32),
+                                 out_slots=slots[root + 1 :], tree_mask=None, max_q_len=1, max_kv_len=root + 2)
+        backend.plan(meta)
+        ctx = ForwardContext(meta, backend, k, v, cos[root + 1 : root + 2], sin[root + 1 : root + 2])
+        logits, _ = head(ids[root + 1 : root + 2], out[root : root + 1], ctx, embed)
+    torch.testing.assert_close(logits[0], steps[1][0][root], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(steps[1][0][root], steps[0][0][root + 1], atol=1e-3)  # (not step 0 at t + 1)
