@@ -260,7 +260,8 @@ def unrolled(head: DraftHead, embed: nn.Embedding, ids: torch.Tensor, hidden: to
     (step 0: hidden[t]); it attends to step 0's keys at positions <= t and to steps 1..j's keys
     at t (the drafts before it in the chain). Returns (logits [T - j, draft vocab], output
     [T - j, H]) per step."""
-    p = {name: t.view() for name, t in head.weight_targets().items()}
+    # the parameters themselves (or their rows), not WeightTarget.view()'s detached data: trained through
+    p = {name: t.param if t.rows is None else t.param[t.rows] for name, t in head.weight_targets().items()}
     cfg, eagle3 = head.cfg, head.cfg.kind == "eagle3"
     layer = "midlayer" if eagle3 else "layers.0"
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -277,7 +278,7 @@ def unrolled(head: DraftHead, embed: nn.Embedding, ids: torch.Tensor, hidden: to
     keys, values, out, h = [], [], [], hidden
     for j in range(steps):
         n = t_all - j
-        e, h = emb(ids[j : j + n]), h[:n]
+        e, h = emb(ids[j : j + n]).to(hidden.dtype), h[:n]
         if eagle3:
             if j == 0:
                 h = h @ p["fc.weight"].T
