@@ -8,7 +8,7 @@
 2. The draft vocabulary: the --draft-vocab tokens the data uses most (the head's lm_head rows,
    and its d2t / t2d maps to the target's vocabulary).
 3. Training, a batch of sequences per step: the target runs over each one, writing the hidden
-   states entering layers `aux_layers(L)` (as it will when the head drafts) and its next-token
+   states entering layers `default_aux_layers(L)` (as it will when the head drafts) and its next-token
    distribution at every position; the head, unrolled --ttt steps as a chain drafts
    (spec/draft_head.py `unrolled`), learns the target's distribution over the draft vocabulary
    of the token each step drafts, on response positions, step j weighted 0.8^j. The head's
@@ -37,7 +37,7 @@ from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.models.config import ModelConfig  # noqa: E402
 from rollout.models.llama import ForwardContext  # noqa: E402
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids, sharegpt_prompts  # noqa: E402
-from spec.draft_head import DraftHead, HeadConfig, unrolled  # noqa: E402
+from spec.draft_head import DraftHead, HeadConfig, default_aux_layers, unrolled  # noqa: E402
 
 STEP_WEIGHT = 0.8  # the loss of unrolled step j is weighted STEP_WEIGHT ** j (later drafts matter less)
 
@@ -59,12 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
-
-
-def aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """The layers whose entering hidden states EAGLE-3 reads: SGLang's [2, L // 2, L - 3] (its
-    config ids are one less: the layer whose output it is); three distinct ones for tiny models."""
-    return (2, num_layers // 2, num_layers - 3) if num_layers >= 6 else (1, num_layers // 2, num_layers - 1)
 
 
 def sample_data(engine: Engine, prompt_ids: list[list[int]], args: argparse.Namespace) -> list[tuple[list[int], int]]:
@@ -161,7 +155,7 @@ def train(engine: Engine, data: list[tuple[list[int], int]], draft_ids: torch.Te
     """The trained head (fp32) and a record per logged step."""
     torch.manual_seed(args.seed)
     head = new_head(engine, head_config(engine.model.config, args), draft_ids)
-    target = Target(engine, aux_layers(engine.model.config.num_layers))
+    target = Target(engine, default_aux_layers(engine.model.config.num_layers))
     embed = engine.model.model.embed_tokens
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.1, 1 - s / args.steps))
@@ -233,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     draft_ids = draft_vocabulary(data, args.draft_vocab, cfg.vocab_size)
     print("| step | loss | top-1 agreement, step 0 | s |\n|---|---|---|---|")
     head, _ = train(engine, data, draft_ids, args)
-    size = write_head(head, draft_ids, cfg, aux_layers(cfg.num_layers), Path(args.out))
+    size = write_head(head, draft_ids, cfg, default_aux_layers(cfg.num_layers), Path(args.out))
     print(f"wrote {args.out} ({size / 1e6:.1f} MB)")
 
 

@@ -50,6 +50,7 @@ class HeadConfig:
     target_hidden_size: int
     vocab_size: int  # the target's
     draft_vocab_size: int  # the head's lm_head rows (EAGLE-1: the target's vocabulary)
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose entering hidden states fc reads
 
     @classmethod
     def from_dir(cls, path: str | Path, target: ModelConfig) -> "HeadConfig":
@@ -77,6 +78,7 @@ class HeadConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), target_hidden_size=raw.get("target_hidden_size") or hidden,
             vocab_size=need("vocab_size"),
             draft_vocab_size=(raw.get("draft_vocab_size") or raw["vocab_size"]) if kind == "eagle3" else raw["vocab_size"],
+            aux_layers=_aux_layers(raw, target.num_layers) if kind == "eagle3" else (),
         )
         for field, have, want in (("target_hidden_size", cfg.target_hidden_size, target.hidden_size),
                                   ("vocab_size", cfg.vocab_size, target.vocab_size)):
@@ -114,6 +116,24 @@ class HeadConfig:
             f"{layer}.mlp.down_proj.weight": (h, i),
         })
         return out
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers whose entering hidden states EAGLE-3 reads when its config names none: SGLang's
+    [2, L // 2, L - 3]; three distinct ones for models of fewer than 6 layers (tests)."""
+    return (2, num_layers // 2, num_layers - 3) if num_layers >= 6 else (1, num_layers // 2, num_layers - 1)
+
+
+def _aux_layers(raw: dict, num_layers: int) -> tuple[int, ...]:
+    """config.json's `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang's and SpecForge's
+    convention: the layers whose outputs are read, one before the layers entered), or the default."""
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return default_aux_layers(num_layers)
+    entered = tuple(int(i) + 1 for i in ids)
+    if len(entered) != 3 or not all(0 <= i < num_layers for i in entered):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids}: three layers of the target's {num_layers} are needed")
+    return entered
 
 
 def check_head(path: str | Path, cfg: HeadConfig) -> list[str]:

@@ -71,6 +71,7 @@ def test_heads_of_each_supported_layout_load(tmp_path, kind, prefix):
     (dict(architectures=["LlamaForCausalLM"]), "architectures ['LlamaForCausalLM'] name no supported draft head"),
     (dict(num_hidden_layers=2), "num_hidden_layers is 2"),
     (dict(draft_vocab_size=4096), "draft_vocab_size 4096 is not within the vocabulary"),
+    (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}), "eagle_aux_hidden_state_layer_ids"),
 ])
 def test_a_head_for_another_model_is_refused_naming_the_field(tmp_path, config, field):
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):

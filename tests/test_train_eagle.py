@@ -11,7 +11,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from rollout import Engine
-from spec.draft_head import load_head, unrolled
+from spec.draft_head import default_aux_layers, load_head, unrolled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import train_eagle  # noqa: E402
@@ -38,10 +38,11 @@ def test_a_head_trained_on_the_targets_samples_learns_them_and_loads(tmp_path):
     assert records[-1]["loss"] < 0.8 * records[0]["loss"], records
     assert records[-1]["top1"] > records[0]["top1"] + 0.1, records  # it drafts the target's own choice more often
 
-    layers = train_eagle.aux_layers(4)
+    layers = default_aux_layers(4)
     size = train_eagle.write_head(head, draft_ids, engine.model.config, layers, tmp_path / "head")
     loaded = load_head(tmp_path / "head", engine.model.config, layer=4)
     assert size > 0 and loaded.draft_to_target.tolist() == draft_ids.tolist()
+    assert loaded.cfg.aux_layers == layers  # (from eagle_config, in SGLang's convention)
     target = train_eagle.Target(engine, layers)
     ids, _ = data[0]
     aux, _ = target(ids)
