@@ -16,7 +16,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -46,6 +46,8 @@ from rollout.models.weights import (
     copy_weights,
     iter_checkpoint,
 )
+from spec.draft_head import load_head
+from spec.eagle import EagleDrafter
 from spec.speculator import Speculator
 
 log = logging.getLogger("rollout")
@@ -101,6 +103,9 @@ class Engine:
         config: EngineConfig | None = None,
         **overrides,
     ):
+        spec_overrides = {k.removeprefix("spec_"): overrides.pop(k) for k in list(overrides) if k.startswith("spec_")}
+        if spec_overrides:  # Engine(spec="eagle", spec_draft_model=PATH), as the CLI's --spec-draft-model
+            spec = replace(spec, **spec_overrides) if isinstance(spec, SpecConfig) else SpecConfig(method=spec, **spec_overrides)
         self.config = config or EngineConfig(model=model, spec=spec, device=device, **overrides)
         cfg = self.config
         self.device = _resolve_device(cfg.device)
@@ -118,8 +123,12 @@ class Engine:
             randomize(self.model, cfg.seed)
         else:
             load_checkpoint(self.model, self.model_path)
+        head = None
+        if cfg.spec.method == "eagle":
+            head = load_head(cfg.spec.draft_model, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
+            head.to(self.device)
         self.pool = KVPool(
-            num_layers=self.model_config.num_layers,
+            num_layers=self.model_config.num_layers + (head is not None),  # the head's KV: one more layer
             num_slots=self._kv_cache_tokens(),
             num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim,
@@ -137,8 +146,10 @@ class Engine:
         self.table = TokenTable(cfg.max_running_seqs, history, self.pool.max_context, self.device)
         self._build_speculation()
         self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
+        if head is not None:
+            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.max_draft_tokens, cfg.max_running_seqs)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
-        if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
+        if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton" and head is None:
             from rollout.engine.cuda_graphs import CudaGraphs
 
             max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)

@@ -81,6 +81,7 @@ class ModelRunner:
         self.draft = draft
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, set by the engine on CUDA
+        self.eagle = None  # spec.eagle.EagleDrafter, set by the engine with --spec eagle
         self._rows: BatchRows | None = None  # the last decode batch's
 
     # ---------------- decode and verify steps ----------------
@@ -134,8 +135,11 @@ class ModelRunner:
         length = table.lengths[rows].long()
         kv = (length - 1).clamp(min=0)
         out_pos = length - table.prompt_lens[rows].long()  # the root's draw: its output position
-        trees = None
-        if drafting:
+        trees, eagle = None, self.eagle
+        if eagle is not None:  # the chains the step before left
+            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long())
+            trees = (tok, dep, anc, key)
+        elif drafting:
             d = self.draft
             tok, par, dep, anc, key = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
                                                   x.rows, d.scan[x.groups.long()], d.window, d.min_match, d.cands,
@@ -163,16 +167,23 @@ class ModelRunner:
             slot_table=self.pool.slot_table, out_slots=x.slots, tree_mask=tree, max_q_len=q_len,
             max_kv_len=max_kv_len or self.pool.max_context,
         )
-        logits = self.forward(ids, positions, meta, None, attn_out)
+        aux = None if eagle is None else torch.empty(ids.shape[0], eagle.aux_width, dtype=self.pool.dtype, device=self.device)
+        logits = self.forward(ids, positions, meta, None, attn_out, aux)
         if edit is not None:
             edit(None if layout is None else (tok, par, layout.node_of_row)).apply(logits)
         drawn, lps = sample(logits, st)  # [R]
+        if eagle is not None:  # the head over the same rows: each row's draw and hidden states
+            head = eagle.extend(drawn, aux, self._context(meta, positions))
         if layout is not None:
             drawn, lps = layout.nodes(drawn), layout.nodes(lps)
         out_tok, out_lp, accepted, bits = accept_trees(
             par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
+        if eagle is not None:  # the next step's chains, from each sequence's deepest accepted node
+            deepest = bits.double().log2().floor().long()
+            at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
+            eagle.draft(rows, head[0][at], head[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin)
         ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None]], dim=1)
         top = None
         if top_logprobs:
@@ -228,8 +239,12 @@ class ModelRunner:
             max_q_len=int(q_lens_a.max()), max_kv_len=int((starts_a + q_lens_a).max()),
         )
         draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
-        logits = self.forward(to_device(input_ids, self.device), to_device(positions, self.device), meta,
-                              to_device(np.array(logits_rows, dtype=np.int64), self.device))
+        eagle = self.eagle
+        aux = None if eagle is None else torch.empty(num_tokens, eagle.aux_width, dtype=self.pool.dtype, device=self.device)
+        positions_d = to_device(positions, self.device)
+        all_logits = self.forward(to_device(input_ids, self.device), positions_d, meta, None if eagle else
+                                  to_device(np.array(logits_rows, dtype=np.int64), self.device), aux=aux)
+        logits = all_logits if eagle is None else all_logits[to_device(np.array(logits_rows, dtype=np.int64), self.device)]
         sampling = SamplingRows.of(draw_seqs)
         out_pos = np.array([q.num_output for q in draw_seqs], dtype=np.int64)
         st = sampling_tensors(to_device(sampling.i64, self.device), to_device(sampling.f32, self.device),
@@ -246,12 +261,39 @@ class ModelRunner:
         lengths_now = np.array([len(q.tokens) for q in draw_seqs], dtype=np.int64)
         self.table.record_prefill(rec[:, 0], rec[:, 1], rec[:, 2], drawn,
                                   np.array([q.row for q in draw_seqs], dtype=np.int64), lengths_now)
+        if eagle is not None:
+            self._eagle_after_prefill(batch, starts, input_ids, positions_d, meta, aux, drawn, logits_rows)
         tensors = [torch.stack([drawn.double(), lps.double()])]
         top = max((q.request.top_logprobs_num for q in draw_seqs), default=0)
         if top:
             values, ids_ = processed_logprobs(logits, st).topk(top, dim=-1)
             tensors += [ids_, values]
         return StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
+
+    def _eagle_after_prefill(self, batch: Batch, starts: np.ndarray, input_ids: np.ndarray, positions: torch.Tensor,
+                             meta: AttentionMetadata, aux: torch.Tensor, drawn: torch.Tensor, logits_rows: list[int]) -> None:
+        """The head over a prefill step's rows (row r's input: the token after it, the prompt's
+        or, at a sampling item's last row, its first sample's draw), then chains for the sampled
+        sequences (their forks start without: they share the prompt's last slot)."""
+        nexts, first_draw, sampled, forks, d = [], [], [], [], 0
+        for item, start in zip(batch.items, starts.tolist()):
+            seq = item.seq
+            following = seq.tokens[start + 1 : start + item.num_new + 1]
+            nexts.append(np.asarray(following + [0] * (item.num_new - len(following)), dtype=np.int64))
+            if item.samples:
+                first_draw.append(d)
+                sampled.append(seq.row)
+                forks += [f.row for f in seq.forks]
+                d += 1 + len(seq.forks)
+        ids = to_device(np.concatenate(nexts), self.device)
+        last = to_device(np.array(logits_rows, dtype=np.int64), self.device)
+        ids[last] = drawn[to_device(np.array(first_draw, dtype=np.int64), self.device)]
+        logits, hidden = self.eagle.extend(ids, aux, self._context(meta, positions))
+        if sampled:
+            rows = to_device(np.array(sampled, dtype=np.int64), self.device)
+            self.eagle.draft(rows, logits[last], hidden[last], self.table.lengths[rows].long(), self.backend, self.cos, self.sin)
+        if forks:
+            self.eagle.forget(to_device(np.array(forks, dtype=np.int64), self.device))
 
     # ---------------- collecting ----------------
     def collect(self, step: StepInFlight) -> Emitted:
@@ -296,16 +338,23 @@ class ModelRunner:
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
             top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
-        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), "ngram", top)
+        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), "ngram" if self.eagle is None else "eagle", top)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_rows: torch.Tensor | None, attn_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [L, vocab] float32 for `logits_rows` of the tokens (None: all)."""
+                logits_rows: torch.Tensor | None, attn_out: torch.Tensor | None = None,
+                aux: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [L, vocab] float32 for `logits_rows` of the tokens (None: all); `aux`: the
+        hidden states entering the draft head's layers are written there (spec/eagle.py)."""
         self.backend.plan(meta)
-        ctx = ForwardContext(meta, self.backend, self.pool.k_caches, self.pool.v_caches,
-                             self.cos[positions], self.sin[positions], attn_out)
+        ctx = self._context(meta, positions, attn_out)
+        if aux is not None:
+            ctx.aux_layers, ctx.aux_hidden = self.eagle.aux_layers, aux
         return self.model(input_ids, ctx, logits_rows)
+
+    def _context(self, meta: AttentionMetadata, positions: torch.Tensor, attn_out: torch.Tensor | None = None) -> ForwardContext:
+        return ForwardContext(meta, self.backend, self.pool.k_caches, self.pool.v_caches,
+                              self.cos[positions], self.sin[positions], attn_out)
 
     def drop_graphs(self) -> None:
         """Forget the captured graphs (they hold the addresses of the weights and the KV pool)."""

@@ -1,0 +1,101 @@
+"""Drafting with a learned head (EAGLE-3) inside the step, on the device.
+
+A step leaves each sequence a chain of `depth` drafts for the next one (`tokens`, `keys` by KV
+row), so the next step verifies them like any tree (`trees`: keys are the chain's cumulative
+probability, quantised as the n-gram drafter's are, so the draft-rows kernel and the accept
+walk serve both). The chain is made at the end of the step that verifies the one before:
+
+- the head runs over the step's own rows (`extend`), with the target's attention metadata,
+  tree mask and slots: row r's input is the token the target drew at r and the hidden states
+  the target wrote entering the head's aux layers. Every accepted node's head KV so lands in
+  its accepted slot (the accept walk only moves slots), and a rejected node's is dropped with
+  its slot;
+- the deepest accepted node's output gives the first draft (`draft`); each further draft is
+  one row per sequence, standing one position on, its KV in a scratch slot of the sequence's
+  own, entered into the slot table past the sequence's end (the next step's layout writes over
+  those entries).
+
+The n samples of a prompt share its last slot, whose head KV depends on each sample's first
+token: the first sample's is kept, so its forks' first chains are drafted from a slightly
+different context. Verification keeps every sample exact; only their acceptance pays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.ngram_draft import KEY_SCALE, PADDING
+from rollout.engine.kv_pool import KVPool
+from rollout.models.llama import CausalLM, ForwardContext
+from spec.draft_head import DraftHead
+
+
+class EagleDrafter:
+    def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, max_rows: int):
+        if head.cfg.kind != "eagle3":
+            raise ValueError("--spec eagle drafts with EAGLE-3 heads (LlamaForCausalLMEagle3)")
+        device = pool.device
+        self.head, self.model, self.pool, self.depth = head, model, pool, depth
+        self.aux_layers = head.cfg.aux_layers
+        self.aux_width = len(self.aux_layers) * model.config.hidden_size
+        self.tokens = torch.zeros(max_rows + 1, depth, dtype=torch.long, device=device)  # target ids
+        self.keys = torch.full((max_rows + 1, depth), -1, dtype=torch.long, device=device)
+        self.d2t = head.draft_to_target.to(device)
+        # each KV row's scratch slots for its chain's drafts after the first (never freed)
+        self.scratch = torch.as_tensor(pool.alloc((max_rows + 1) * max(depth - 1, 1)), device=device).long()
+        self.scratch = self.scratch.view(max_rows + 1, -1)
+
+    def trees(self, rows: torch.Tensor, roots: torch.Tensor):
+        """(tokens, parents, depths, ancestors, keys) [S, depth + 1] of the chains left for `rows`
+        (a chain of no drafts where none was left), roots [S] their last tokens."""
+        s, n = rows.shape[0], self.depth + 1
+        node = torch.arange(n, device=rows.device)
+        keys = self.keys[rows]
+        has = torch.cat([torch.ones(s, 1, dtype=torch.bool, device=rows.device), keys >= 0], dim=1)
+        tokens = torch.cat([roots[:, None], self.tokens[rows]], dim=1)
+        parents = torch.where(has, node - 1, PADDING)
+        depths = node.expand(s, n).contiguous()
+        ancestors = ((1 << (node + 1)) - 1).expand(s, n).contiguous()
+        keys = torch.cat([torch.full((s, 1), -1, dtype=torch.long, device=rows.device), torch.where(keys >= 0, keys, -1)], 1)
+        return tokens, parents, depths, ancestors, keys
+
+    def extend(self, ids: torch.Tensor, aux: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over a step's rows: (logits over the draft vocabulary, output) per row."""
+        return self.head(ids, aux, ctx, self.model.model.embed_tokens)
+
+    def forget(self, rows: torch.Tensor) -> None:
+        """These rows start without drafts (a fork's first step)."""
+        self.keys[rows] = -1
+
+    def draft(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor,
+              backend, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Chains for `rows` [S] from the head's output at their deepest accepted node (logits,
+        hidden [S, ...]); lengths [S]: their token counts now (the last token is the next root)."""
+        s = rows.shape[0]
+        dev = rows.device
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        best_lp, best = lp.max(dim=-1)
+        tok, cum = self.d2t[best], best_lp
+        tokens, keys = [tok], [cum]
+        slot_table = self.pool.slot_table
+        for k in range(1, self.depth):
+            at = lengths - 1 + (k - 1)  # where the draft before it stands: the root's position, then on
+            slot = self.scratch[rows, k - 1]
+            slot_table[rows, at] = slot.to(slot_table.dtype)
+            meta = AttentionMetadata(
+                seq_rows=rows.to(torch.int32), kv_lens=(at + 1).to(torch.int32),
+                qo_indptr=torch.arange(s + 1, dtype=torch.int32, device=dev), slot_table=slot_table,
+                out_slots=slot, tree_mask=None, max_q_len=1, max_kv_len=self.pool.max_context,
+            )
+            backend.plan(meta)
+            ctx = ForwardContext(meta, backend, self.pool.k_caches, self.pool.v_caches, cos[at], sin[at])
+            logits, hidden = self.head(tok, hidden, ctx, self.model.model.embed_tokens)
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            step_lp, best = lp.max(dim=-1)
+            tok, cum = self.d2t[best], cum + step_lp
+            tokens.append(tok)
+            keys.append(cum)
+        self.tokens[rows] = torch.stack(tokens, dim=1)
+        # the chain's probability so far, quantised as the n-gram keys (non-increasing along it)
+        self.keys[rows] = (KEY_SCALE * torch.stack(keys, dim=1).exp()).long().clamp(0, KEY_SCALE - 1)

@@ -1,0 +1,63 @@
+"""--spec eagle on the CPU: a tiny target with an EAGLE-3 head trained on its own samples
+(recipes/train_eagle.py) drafts chains in the step; greedy decoding equals spec off token for
+token with equal logprobs, forks and chunked prompts included, and some drafts are accepted."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from rollout import Engine, SamplingParams
+from rollout.config import SpecConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import train_eagle  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target_and_head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    make_tiny_model("llama", root / "target", layers=4)
+    engine = Engine(model=str(root / "target"), spec="off", device="cpu", max_running_seqs=16)
+    args = train_eagle.parse_args([
+        "--out", str(root / "head"), "--device", "cpu", "--temperature", "0", "--max-new-tokens", "40",
+        "--draft-vocab", "256", "--intermediate-size", "64", "--ttt", "2", "--steps", "150", "--batch", "4", "--lr", "1e-2",
+    ])
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 12))] for _ in range(16)]
+    data = train_eagle.sample_data(engine, prompts, args)
+    draft_ids = train_eagle.draft_vocabulary(data, args.draft_vocab, 512)
+    head, _ = train_eagle.train(engine, data, draft_ids, args, log=lambda line: None)
+    train_eagle.write_head(head, draft_ids, engine.model.config, train_eagle.default_aux_layers(4), root / "head")
+    return root / "target", root / "head", engine, prompts
+
+
+def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
+    target, head, off, prompts = target_and_head
+    eagle = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False,  # (DESIGN.md's call)
+                   device="cpu", max_running_seqs=16, max_prefill_tokens=16)  # (long prompts come in chunks)
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
+    batch = prompts[:6] + [list(range(3, 40))]
+    want = off.generate(batch, params, return_logprob=True)
+    got = eagle.generate(batch, params, return_logprob=True)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    stats = eagle.stats()
+    assert stats["rollout/spec_draft_tokens"] > 0
+    assert stats["rollout/spec_accepted_tokens"] > 0.1 * stats["rollout/output_tokens"]  # the head drafts the target's choices
+    assert stats["rollout/spec_draft_tokens/eagle"] == stats["rollout/spec_draft_tokens"]  # counted by source
+    assert got[0][0].spec["by_source"].keys() == {"eagle"}
+
+
+def test_eagle_needs_a_head_and_a_head_needs_eagle():
+    with pytest.raises(ValueError, match="draft model"):
+        SpecConfig(method="eagle")
+    with pytest.raises(ValueError, match="draft model"):
+        SpecConfig(method="ngram", draft_model="/somewhere")
