@@ -61,3 +61,17 @@ def test_eagle_needs_a_head_and_a_head_needs_eagle():
         SpecConfig(method="eagle")
     with pytest.raises(ValueError, match="draft model"):
         SpecConfig(method="ngram", draft_model="/somewhere")
+
+
+def test_rollout_bench_compares_eagle_with_spec_off(target_and_head, tmp_path):
+    import json
+
+    from rollout.tools.cli import main
+
+    target, head, _, _ = target_and_head
+    main(["bench", "--device", "cpu", "--model", str(target), "--workload", "decode", "--spec-modes", "off,eagle",
+          "--spec-draft-model", str(head), "--batch-sizes", "2", "--prompt-len", "8", "--output-len", "16",
+          "--out", str(tmp_path)])
+    (result,) = tmp_path.glob("decode-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [r["spec"] for r in rows] == ["off", "eagle"] and rows[0]["output_tokens"] == rows[1]["output_tokens"]
