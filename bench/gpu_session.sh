@@ -13,7 +13,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | quick}
+stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | eagle | eagle-bench | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -99,6 +99,14 @@ profile)  # where a verify step's device time and a decode step's host time go (
   { $P verify --seqs 128 --context 2000; $P verify --seqs 512 --context 300; } 2>&1 \
     | grep -v -i -e warn | tee "$OUT/verify.log"
   $P host --output-len 256 --top 30 2>&1 | grep -v -i -e warn | tee "$OUT/host.log"
+  ;;
+eagle)  # issue 25: the default model's EAGLE-3 head trained here (recipes/train_eagle.py), then ShareGPT b1 off / n-gram / eagle
+  timeout 540 python3 recipes/train_eagle.py --out /root/mcache/smol-eagle3 --sharegpt $SHAREGPT --prompts 1024 \
+    --max-minutes 6 2>&1 | grep -v -i warn | tee "$OUT/train-eagle.log" | tail -25
+  ;;
+eagle-bench)  # after `eagle`, while the machine is warm
+  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,eagle --spec-draft-model /root/mcache/smol-eagle3 \
+    --batch-sizes 1 --temperature 0 --output-len 256 --repeats 3 | tee "$OUT/eagle-sharegpt.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"

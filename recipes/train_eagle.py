@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--intermediate-size", type=int, default=768, help="the head's MLP width")
     ap.add_argument("--ttt", type=int, default=3, help="steps the head is unrolled in training")
-    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps (at most)")
+    ap.add_argument("--max-minutes", type=float, default=8.0, help="training stops after this long (sampling not counted)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -175,10 +176,13 @@ def train(engine: Engine, data: list[tuple[list[int], int]], draft_ids: torch.Te
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % max(1, args.steps // 20) == 0 or step == args.steps - 1:
+        last = step == args.steps - 1 or time.perf_counter() - t0 > 60 * args.max_minutes
+        if step % max(1, args.steps // 20) == 0 or last:
             rec = {"step": step, "loss": float(loss.detach()), "top1": agree / max(count, 1), "s": time.perf_counter() - t0}
             records.append(rec)
             log(f"| {step} | {rec['loss']:.3f} | {rec['top1']:.3f} | {rec['s']:.0f} |")
+        if last:
+            break
     return head, records
 
 
