@@ -39,6 +39,7 @@ from rollout.models.llama import ForwardContext  # noqa: E402
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids, sharegpt_prompts  # noqa: E402
 from spec.draft_head import DraftHead, HeadConfig, default_aux_layers, unrolled  # noqa: E402
 
+MAX_PROMPT_TOKENS = 1024  # longer ShareGPT prompts are left out (as rollout bench cuts them)
 STEP_WEIGHT = 0.8  # the loss of unrolled step j is weighted STEP_WEIGHT ** j (later drafts matter less)
 
 
@@ -217,7 +218,7 @@ def prompts_for(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
     tok = engine.tokenizer
     share = sharegpt_prompts(args.prompts // 2, seed=args.seed, path=args.sharegpt) if args.sharegpt else []
     questions = [t.question for t in arithmetic_tasks(args.prompts - len(share), seed=args.seed)] + share
-    return [chat_prompt_ids(tok, q) for q in questions]
+    return [ids for ids in (chat_prompt_ids(tok, q) for q in questions) if len(ids) <= MAX_PROMPT_TOKENS]
 
 
 def main(argv: list[str] | None = None) -> None:
