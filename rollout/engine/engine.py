@@ -149,7 +149,7 @@ class Engine:
         if head is not None:
             self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.max_draft_tokens, cfg.max_running_seqs)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
-        if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton" and head is None:
+        if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
             from rollout.engine.cuda_graphs import CudaGraphs
 
             max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
