@@ -94,7 +94,8 @@ def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_mode
     params = SamplingParams(temperature=0, max_new_tokens=32, n=2)
     want = off.generate(prompts, params, return_logprob=True)
     for graphs in (True, False):
-        eagle = Engine(model=str(default_model_dir), spec="eagle", spec_draft_model=str(tmp_path / "head"), device="cuda",
+        eagle = Engine(model=str(default_model_dir), spec="eagle", spec_draft_model=str(tmp_path / "head"), spec_adaptive=False,
+                       device="cuda",
                        dtype="float32", kv_cache_tokens=50_000, cuda_graphs=graphs)
         assert (eagle.runner.graphs is not None) == graphs
         got = eagle.generate(prompts, params, return_logprob=True)
