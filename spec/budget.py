@@ -147,6 +147,11 @@ class DraftBudget:
                 c, self._drafting[b] = 0, 0
         return StepPlan(c, c > 0 or shadow, shadow)
 
+    @property
+    def shadow_next(self) -> bool:
+        """The next step's trees come back (as `plan` will say)."""
+        return (self._steps + 1) % SHADOW_EVERY == 0
+
     def observe_step(self, num_seqs: int, rows: int, seconds: float) -> None:
         """A decode or verify step of `num_seqs` sequences and `rows` draft rows took `seconds`
         (its period)."""

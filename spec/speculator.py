@@ -51,6 +51,9 @@ class Speculator:
     def __init__(self, cfg: SpecConfig, table: TokenTable):
         self.enabled = cfg.enabled
         self.depth = cfg.max_draft_tokens
+        # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
+        # `drafting` says whether it leaves drafts behind, not whether it verifies any
+        self.drafts_ahead = cfg.method == "eagle"
         self.budget = DraftBudget(cfg.max_draft_tokens, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if self.enabled else None
@@ -84,6 +87,12 @@ class Speculator:
         plan = self.budget.plan(num_seqs, free_slots, draining)
         self._steps += 1
         self._rows += plan.draft_rows
+        if self.drafts_ahead:
+            # Chains for the next step where it will likely verify them (this one does: the
+            # budget's choice changes seldom from one step to the next) or where its trees come
+            # back for the statistics. A head's chain is depth - 1 steps of its own, run for
+            # every sequence: at a large batch where nothing is verified, a third of the step.
+            plan = StepPlan(plan.draft_rows, plan.draft_rows > 0 or self.budget.shadow_next, plan.shadow)
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,

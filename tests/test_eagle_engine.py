@@ -14,6 +14,7 @@ from tiny_models import make_tiny_model
 
 from rollout import Engine, SamplingParams
 from rollout.config import SpecConfig
+from spec.budget import SHADOW_EVERY, StepPlan
 from rollout.tools.datasets import arithmetic_tasks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
@@ -55,6 +56,33 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     assert stats["rollout/spec_accepted_tokens"] > 0.1 * stats["rollout/output_tokens"]  # the head drafts the target's choices
     assert stats["rollout/spec_draft_tokens/eagle"] == stats["rollout/spec_draft_tokens"]  # counted by source
     assert got[0][0].spec["by_source"].keys() == {"eagle"}
+
+
+def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and_head, monkeypatch):
+    """A step leaves chains for the next when it verifies drafts itself or when the next step's
+    trees come back for the statistics: with the budget verifying none, one step in SHADOW_EVERY
+    runs the head's chain, the statistics still see its chains, and the tokens are spec off's."""
+    target, head, off, prompts = target_and_head
+    eagle = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), device="cpu", max_running_seqs=16)
+    budget_plan = eagle.spec.budget.plan
+    monkeypatch.setattr(eagle.spec.budget, "plan", lambda *a, **k: StepPlan(0, False, budget_plan(*a, **k).shadow))
+    plans, spec_plan = [], eagle.spec.plan
+    monkeypatch.setattr(eagle.spec, "plan", lambda *a, **k: plans.append(spec_plan(*a, **k)) or plans[-1])
+    chains, draft = [], eagle.runner.eagle.draft
+    monkeypatch.setattr(eagle.runner.eagle, "draft", lambda *a: chains.append(1) or draft(*a))
+    returned, observe = [], eagle.spec.observe
+    monkeypatch.setattr(eagle.spec, "observe", lambda seqs, roots, trees, *a: (
+        returned.append(trees[3]) if trees is not None else None, observe(seqs, roots, trees, *a))[1])
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
+    want = off.generate(prompts[:4], params)
+    got = eagle.generate(prompts[:4], params)
+    assert [[o.token_ids for o in w] for w in want] == [[o.token_ids for o in g] for g in got]
+    drafting, shadow = [p.drafting for p in plans], [p.shadow for p in plans]
+    assert drafting[:-1] == shadow[1:] and 0 < sum(drafting) <= len(plans) // SHADOW_EVERY + 1
+    prefills = sum(r.prefill for r in eagle.step_log)
+    assert len(chains) <= sum(drafting) + prefills < len(plans)  # (a prefill leaves chains for the prompts it ends)
+    assert returned and all((keys[:, 1:] >= 0).any() for keys in returned)  # the trees that came back hold chains
+    assert eagle.stats()["rollout/spec_draft_tokens"] == 0
 
 
 def test_eagle_needs_a_head_and_a_head_needs_eagle():

@@ -180,7 +180,9 @@ class ModelRunner:
             par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
-        if eagle is not None:  # the next step's chains, from each sequence's deepest accepted node
+        if eagle is not None and not drafting:  # (the budget expects no drafts next: the head's KV is kept, no chain)
+            eagle.forget(rows)
+        elif eagle is not None:  # the next step's chains, from each sequence's deepest accepted node
             deepest = bits.double().log2().floor().long()
             at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
             eagle.draft(rows, head[0][at], head[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin)
