@@ -170,9 +170,9 @@ def _check_choices(config, what: str = "") -> None:
 class SpecConfig:
     """Speculation knobs; defaults suit a single GPU and the CPU alike. Flags: `--spec-<name>`."""
 
-    method: str = option("auto", "auto = the best drafter the model allows (today ngram); eagle: a head from --spec-draft-model",
-                         ("off", "ngram", "eagle", "auto"))
-    draft_model: str | None = option(None, "an EAGLE-3 head's HF directory (--spec eagle)")
+    method: str = option("auto", "auto = the n-gram index, and with --spec-draft-model the head where the index has "
+                         "nothing (hybrid); eagle: the head alone", ("off", "ngram", "eagle", "auto"))
+    draft_model: str | None = option(None, "an EAGLE-3 head's HF directory (--spec eagle or auto)")
     max_draft_tokens: int = option(8, "the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63")
     max_verify_tokens: int = option(2048, "rows a step computes over the whole batch (a root per sequence and its drafts); speculation narrows as the batch grows")
     min_match: int = option(1, "the shortest suffix of a sequence that drafts")
@@ -190,12 +190,23 @@ class SpecConfig:
             raise ValueError("spec matching needs 1 <= min_match <= max_match <= 32")
         if self.history_rows < 0 or self.history_per_prompt < 0 or self.max_verify_tokens < 1:
             raise ValueError("spec history_rows and history_per_prompt must be >= 0, max_verify_tokens >= 1")
-        if (self.method == "eagle") != (self.draft_model is not None):
-            raise ValueError("spec eagle needs a draft model (--spec-draft-model PATH), and a draft model needs --spec eagle")
+        if self.method == "eagle" and self.draft_model is None:
+            raise ValueError("spec eagle needs a draft model (--spec-draft-model PATH)")
+        if self.method in ("off", "ngram") and self.draft_model is not None:
+            raise ValueError(f"a draft model needs --spec eagle or auto, not {self.method}")
 
     @property
     def enabled(self) -> bool:
         return self.method != "off" and self.max_draft_tokens > 0
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters that run: ngram, eagle (a head), or both (hybrid: `auto` with a head)."""
+        if not self.enabled:
+            return ()
+        if self.method == "eagle":
+            return ("eagle",)
+        return ("ngram", "eagle") if self.draft_model is not None else ("ngram",)
 
 
 @dataclass

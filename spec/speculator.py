@@ -53,10 +53,11 @@ class Speculator:
         self.depth = cfg.max_draft_tokens
         # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
-        self.drafts_ahead = cfg.method == "eagle"
+        self.drafts_ahead = "eagle" in cfg.drafters
         self.budget = DraftBudget(cfg.max_draft_tokens, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
-        self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if self.enabled else None
+        ngram = "ngram" in cfg.drafters
+        self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if ngram else None
         self._waiting: deque[_Trees] = deque()
         self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified
 
@@ -92,7 +93,8 @@ class Speculator:
             # budget's choice changes seldom from one step to the next) or where its trees come
             # back for the statistics. A head's chain is depth - 1 steps of its own, run for
             # every sequence: at a large batch where nothing is verified, a third of the step.
-            plan = StepPlan(plan.draft_rows, plan.draft_rows > 0 or self.budget.shadow_next, plan.shadow)
+            # (The n-gram drafter of a hybrid runs in the same steps: every drafting one.)
+            plan = StepPlan(plan.draft_rows, plan.drafting or self.budget.shadow_next, plan.shadow)
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,

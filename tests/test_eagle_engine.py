@@ -58,6 +58,30 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     assert got[0][0].spec["by_source"].keys() == {"eagle"}
 
 
+def test_hybrid_drafts_from_the_index_where_it_matches_and_from_the_head_elsewhere(target_and_head):
+    """--spec auto with a head: each sequence's tree is the n-gram index's where it found a match,
+    else the head's chain; greedy stays spec off's token for token, and the statistics count
+    each drafter's drafts apart."""
+    target, head, off, prompts = target_and_head
+    assert SpecConfig(method="auto", draft_model=str(head)).drafters == ("ngram", "eagle")
+    hybrid = Engine(model=str(target), spec="auto", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
+                    max_running_seqs=16)
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
+    batch = prompts[:4] + [[7, 8, 9, 10, 11] * 4, [20, 21, 22] * 6]  # (repeats: the index finds matches in these)
+    want = off.generate(batch, params, return_logprob=True)
+    got = hybrid.generate(batch, params, return_logprob=True)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    stats = hybrid.stats()
+    by = {src: stats[f"rollout/spec_draft_tokens/{src}"] for src in ("ngram", "eagle")}
+    assert by["ngram"] > 0 and by["eagle"] > 0 and sum(by.values()) == stats["rollout/spec_draft_tokens"]
+    assert stats["rollout/spec_accepted_tokens/eagle"] > 0
+    per_sample = [o.spec["by_source"] for g in got for o in g]
+    assert sum(s.get("ngram", {}).get("draft_tokens", 0) for s in per_sample) == by["ngram"]
+
+
 def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and_head, monkeypatch):
     """A step leaves chains for the next when it verifies drafts itself or when the next step's
     trees come back for the statistics: with the budget verifying none, one step in SHADOW_EVERY
@@ -85,11 +109,12 @@ def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and
     assert eagle.stats()["rollout/spec_draft_tokens"] == 0
 
 
-def test_eagle_needs_a_head_and_a_head_needs_eagle():
+def test_eagle_needs_a_head_and_a_head_needs_eagle_or_auto():
     with pytest.raises(ValueError, match="draft model"):
         SpecConfig(method="eagle")
     with pytest.raises(ValueError, match="draft model"):
         SpecConfig(method="ngram", draft_model="/somewhere")
+    assert SpecConfig(method="auto").drafters == ("ngram",) and SpecConfig(method="off").drafters == ()
 
 
 def test_rollout_bench_compares_eagle_with_spec_off(target_and_head, tmp_path):

@@ -124,7 +124,7 @@ class Engine:
         else:
             load_checkpoint(self.model, self.model_path)
         head = None
-        if cfg.spec.method == "eagle":
+        if "eagle" in cfg.spec.drafters:
             head = load_head(cfg.spec.draft_model, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
             head.to(self.device)
         self.pool = KVPool(
@@ -413,10 +413,11 @@ class Engine:
         """Append what a step emitted, up to each sequence's stop condition; a sequence that stopped
         while the step ran takes none. (Runs for every sequence of every step: it is kept lean, and a
         sequence that cannot stop in this step takes its tokens in three list extends.)"""
-        version, source, top = self.weight_version, e.source, e.top
+        version, top = self.weight_version, e.top
         totals = self._spec_totals
         # the step's totals, recorded once after the loop (a call per sequence costs ~1 us at 512 of them)
-        appended_all = plain = plain_appended = drafts = accepted = drafting = drafting_appended = 0
+        appended_all = plain = plain_appended = 0
+        by_source: dict[str, list[int]] = {}  # drafter -> drafts, accepted, appended, sequences
         for i, (seq, tokens, logprobs, drafted, counted) in enumerate(
                 zip(e.seqs, e.tokens, e.logprobs, e.drafted, e.counted)):
             if seq.finish_reason is not None:  # (Sequence.finished, without the call)
@@ -435,11 +436,13 @@ class Engine:
                 seq.top_logprobs.extend(top[i][:k])
             appended_all += k
             if drafted:
+                source = e.sources[i]
                 seq.spec.record(source, drafted, len(tokens) - 1, k)
-                drafts += drafted
-                accepted += len(tokens) - 1
-                drafting += 1
-                drafting_appended += k
+                t = by_source.get(source) or by_source.setdefault(source, [0, 0, 0, 0])
+                t[0] += drafted
+                t[1] += len(tokens) - 1
+                t[2] += k
+                t[3] += 1
             elif counted:  # a step without drafts: what SpecCounters.record does for it, inline
                 spec = seq.spec
                 spec.verify_steps += 1
@@ -451,8 +454,8 @@ class Engine:
         self._output_tokens += appended_all
         totals.verify_steps += plain
         totals.emitted_tokens += plain_appended
-        if drafting:
-            totals.record(source, drafts, accepted, drafting_appended, steps=drafting)
+        for source, (drafts, accepted, appended, seqs) in by_source.items():
+            totals.record(source, drafts, accepted, appended, steps=seqs)
 
     def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:
         """Append token by token while no stop condition holds: (tokens appended, why it stopped or None)."""

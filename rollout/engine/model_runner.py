@@ -136,14 +136,21 @@ class ModelRunner:
         kv = (length - 1).clamp(min=0)
         out_pos = length - table.prompt_lens[rows].long()  # the root's draw: its output position
         trees, eagle = None, self.eagle
-        if eagle is not None:  # the chains the step before left
-            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long())
-            trees = (tok, dep, anc, key)
-        elif drafting:
+        from_head = torch.full((s,), eagle is not None, dtype=torch.long, device=self.device)  # each tree's drafter
+        if drafting and self.draft is not None:
             d = self.draft
             tok, par, dep, anc, key = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
                                                   x.rows, d.scan[x.groups.long()], d.window, d.min_match, d.cands,
                                                   d.depth, d.depth)
+            if eagle is not None:  # hybrid: the index's tree where it found one, else the chain the step before left
+                chain = eagle.trees(rows, table.tokens[rows, kv].long())
+                from_head = (key[:, 1:] < 0).all(dim=1)
+                tok, par, dep, anc, key = (torch.where(from_head[:, None], c.to(t.dtype), t)
+                                           for t, c in zip((tok, par, dep, anc, key), chain))
+                from_head = from_head.long()
+            trees = (tok, dep, anc, key)
+        elif eagle is not None:  # the chains the step before left
+            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long())
             trees = (tok, dep, anc, key)
         if draft_rows:
             layout = lay_out_drafts(tok, par, dep, anc, key, kv, out_pos, x.slots, draft_rows)
@@ -186,7 +193,7 @@ class ModelRunner:
             deepest = bits.double().log2().floor().long()
             at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
             eagle.draft(rows, head[0][at], head[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin)
-        ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None]], dim=1)
+        ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None], from_head[:, None]], dim=1)
         top = None
         if top_logprobs:
             values, top_ids = processed_logprobs(logits, st).topk(top_logprobs, dim=-1)
@@ -340,7 +347,11 @@ class ModelRunner:
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
             top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
-        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), "ngram" if self.eagle is None else "eagle", top)
+        if self.eagle is None or self.draft is None:  # one drafter
+            sources = ["ngram" if self.eagle is None else "eagle"] * s
+        else:
+            sources = [SOURCES[h] for h in ints[:, n + 3].tolist()]
+        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -362,6 +373,9 @@ class ModelRunner:
         """Forget the captured graphs (they hold the addresses of the weights and the KV pool)."""
         if self.graphs is not None:
             self.graphs.clear()
+
+
+SOURCES = ("ngram", "eagle")  # a tree's drafter, by the step's from-head column
 
 
 def _path(bits: int, length: int) -> list[int]:

@@ -79,7 +79,7 @@ class Emitted:
     logprobs: list[list[float]]
     counted: list[bool]  # a decode/verify step's tokens (they count toward accept length), not a prefill's first
     drafted: list[int]  # draft tokens verified for each sequence (accepted: its tokens less one)
-    source: str = ""  # the drafter
+    sources: list[str] | None = None  # each sequence's drafter (decode and verify steps)
     top: list[list[tuple[list[int], list[float]]]] | None = None  # per token: the most likely tokens and their logprobs
 
 

@@ -324,7 +324,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     engines = {}
     draft_model = getattr(args, "spec_draft_model", None)
     for i, spec in enumerate(modes):  # one engine per mode, kept across rounds: GPU memory split between them
-        args.spec, args.spec_draft_model = spec, draft_model if spec == "eagle" else None  # (the head is eagle's)
+        args.spec, args.spec_draft_model = spec, draft_model if spec in ("eagle", "auto") else None  # (a head's modes)
         config = EngineConfig.from_args(args)
         config.kv_cache_memory_fraction /= len(modes) - i  # (a share of what the engines before left free)
         engines[spec] = Engine(config=config)
