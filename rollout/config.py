@@ -173,6 +173,8 @@ class SpecConfig:
     method: str = option("auto", "auto = the n-gram index, and with --spec-draft-model the head where the index has "
                          "nothing (hybrid); eagle: the head alone", ("off", "ngram", "eagle", "auto"))
     draft_model: str | None = option(None, "an EAGLE-3 head's HF directory (--spec eagle or auto)")
+    head_min_accept: float = option(0.2, "a draft head whose first drafts are accepted less often than this under a "
+                                    "weight version is switched off for it (probed now and then; on when its weights are pushed)")
     max_draft_tokens: int = option(8, "the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63")
     max_verify_tokens: int = option(2048, "rows a step computes over the whole batch (a root per sequence and its drafts); speculation narrows as the batch grows")
     min_match: int = option(1, "the shortest suffix of a sequence that drafts")

@@ -147,6 +147,11 @@ class DraftBudget:
                 c, self._drafting[b] = 0, 0
         return StepPlan(c, c > 0 or shadow, shadow)
 
+    def fewest_rows(self, num_seqs: int, free_slots: int) -> int:
+        """The fewest draft rows a step of `num_seqs` sequences may verify (0: none fits)."""
+        fits = [c for _, c in self._levels_of(bucket(num_seqs)) if num_seqs + c <= free_slots]
+        return min(fits, default=0)
+
     @property
     def shadow_next(self) -> bool:
         """The next step's trees come back (as `plan` will say)."""

@@ -41,6 +41,7 @@ class EagleDrafter:
         self.aux_width = len(self.aux_layers) * model.config.hidden_size
         self.tokens = torch.zeros(max_rows + 1, depth, dtype=torch.long, device=device)  # target ids
         self.keys = torch.full((max_rows + 1, depth), -1, dtype=torch.long, device=device)
+        self.on = torch.ones(1, dtype=torch.bool, device=device)  # off: its chains are masked (spec/head_watch.py)
         self.d2t = head.draft_to_target.to(device)
         # each KV row's scratch slots for its chain's drafts after the first (never freed)
         self.scratch = torch.as_tensor(pool.alloc((max_rows + 1) * max(depth - 1, 1)), device=device).long()
@@ -51,7 +52,7 @@ class EagleDrafter:
         (a chain of no drafts where none was left), roots [S] their last tokens."""
         s, n = rows.shape[0], self.depth + 1
         node = torch.arange(n, device=rows.device)
-        keys = self.keys[rows]
+        keys = torch.where(self.on, self.keys[rows], -1)
         has = torch.cat([torch.ones(s, 1, dtype=torch.bool, device=rows.device), keys >= 0], dim=1)
         tokens = torch.cat([roots[:, None], self.tokens[rows]], dim=1)
         parents = torch.where(has, node - 1, PADDING)

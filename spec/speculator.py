@@ -21,12 +21,14 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from rollout.config import SpecConfig
 from rollout.engine.sequence import Sequence
 from rollout.engine.step import DraftSettings
 from rollout.engine.token_table import TokenTable
 from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
+from spec.head_watch import HeadWatch
 from spec.index import NgramIndex
 
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
@@ -54,12 +56,29 @@ class Speculator:
         # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
         self.drafts_ahead = "eagle" in cfg.drafters
+        self.watch = HeadWatch(cfg.head_min_accept) if self.drafts_ahead else None
+        self._head_on: torch.Tensor | None = None  # the head's device switch (EagleDrafter.on), once attached
+        self._head_active = True
         self.budget = DraftBudget(cfg.max_draft_tokens, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
         self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if ngram else None
         self._waiting: deque[_Trees] = deque()
         self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified
+
+    def attach_head(self, switch: torch.Tensor) -> None:
+        """The head's device switch: set as the watch decides, before the step it applies to."""
+        self._head_on, self._head_active = switch, True
+        switch.fill_(True)
+
+    def on_weights(self, version: int, head_pushed: bool) -> None:
+        if self.watch is not None:
+            self.watch.on_weights(version, head_pushed)
+
+    def observe_head(self, chains: int, hits: int) -> None:
+        """A step verified `chains` of the head's chains; `hits` had their first draft accepted."""
+        if self.watch is not None:
+            self.watch.observe(chains, hits)
 
     def join(self, seq: Sequence) -> None:
         if self.enabled:
@@ -94,7 +113,16 @@ class Speculator:
             # back for the statistics. A head's chain is depth - 1 steps of its own, run for
             # every sequence: at a large batch where nothing is verified, a third of the step.
             # (The n-gram drafter of a hybrid runs in the same steps: every drafting one.)
-            plan = StepPlan(plan.draft_rows, plan.drafting or self.budget.shadow_next, plan.shadow)
+            active = self.watch.active()
+            if active != self._head_active and self._head_on is not None:
+                self._head_on.fill_(active)  # (queued: no wait for the device)
+                self._head_active = active
+            rows, drafting = plan.draft_rows, plan.drafting or self.budget.shadow_next
+            if not active and self.draft is None:  # the head alone, switched off: plain decoding, no chains
+                rows, drafting = 0, False
+            elif self.watch.probing and not rows:  # a probe verifies the head's chains whatever the estimates say
+                rows = self.budget.fewest_rows(num_seqs, free_slots)
+            plan = StepPlan(rows, drafting or rows > 0, plan.shadow)
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
@@ -133,6 +161,8 @@ class Speculator:
             for f, a in zip(FRACTIONS, self.budget.slowest.tolist()):
                 out[f"rollout/spec_accept_slowest_f{f:g}"] = a
         out.update({f"rollout/spec_cost_ms_{k}": v for k, v in self.budget.costs().items()})
+        if self.watch is not None:
+            out.update(self.watch.stats())
         return out
 
 

@@ -14,6 +14,7 @@ from tiny_models import make_tiny_model
 
 from rollout import Engine, SamplingParams
 from rollout.config import SpecConfig
+from rollout.models.weights import WeightError
 from spec.budget import SHADOW_EVERY, StepPlan
 from rollout.tools.datasets import arithmetic_tasks
 
@@ -107,6 +108,42 @@ def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and
     assert len(chains) <= sum(drafting) + prefills < len(plans)  # (a prefill leaves chains for the prompts it ends)
     assert returned and all((keys[:, 1:] >= 0).any() for keys in returned)  # the trees that came back hold chains
     assert eagle.stats()["rollout/spec_draft_tokens"] == 0
+
+
+def test_a_push_that_leaves_the_head_behind_switches_it_off_and_a_push_of_its_weights_back_on(target_and_head, tmp_path):
+    """The target's weights replaced by another model's: the head's drafts stop matching, it is
+    switched off for that version (the hybrid's n-gram index carries on; the output is that
+    model's, spec off's), and a push that includes the head's tensors (under `draft.`) switches
+    it on before the next step."""
+    from safetensors.torch import load_file, save_file
+
+    target, head, _, prompts = target_and_head
+    other = make_tiny_model("llama", tmp_path / "other", seed=7, layers=4).state_dict()
+    eagle = Engine(model=str(target), spec="auto", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
+                   max_running_seqs=16)  # (hybrid: the n-gram index carries on while the head is off)
+    off = Engine(model=str(target), spec="off", device="cpu", max_running_seqs=16)
+    for e in (eagle, off):
+        e.update_weights(other.items(), version=1)
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
+    want = off.generate(prompts[:8], params)
+    got = eagle.generate(prompts[:8], params)
+    assert [[o.token_ids for o in w] for w in want] == [[o.token_ids for o in g] for g in got]
+    stats = eagle.stats()
+    assert stats["rollout/spec_head_switched_off"] == 1 and stats["rollout/spec_head_on"] == 0.0
+    assert "weight version 1" in eagle.spec.watch.transitions[0]
+    drafted = stats["rollout/spec_draft_tokens/eagle"]
+    eagle.generate(prompts[:4] + [[7, 8, 9, 10, 11] * 4], params)  # off: its chains are masked (no probe in so few steps)
+    assert eagle.stats()["rollout/spec_draft_tokens/eagle"] == drafted
+
+    with pytest.raises(WeightError, match="draft.fc.weight"):
+        eagle.update_weights([("draft.fc.weight", torch.zeros(3, 3))], version=2)
+    # the target again, with the head this time: from disk, one of the pusher's methods
+    tensors = load_file(str(head / "model.safetensors"))
+    save_file({"draft." + n: t for n, t in tensors.items() if t.is_floating_point()}, str(tmp_path / "other" / "head.safetensors"))
+    eagle.update_weights_from_disk(str(tmp_path / "other"), version=2)
+    stats = eagle.stats()
+    assert stats["rollout/spec_head_on"] == 1.0 and stats["rollout/spec_head_switched_on"] == 1
+    assert "pushed with version 2" in eagle.spec.watch.transitions[-1]
 
 
 def test_eagle_needs_a_head_and_a_head_needs_eagle_or_auto():

@@ -52,6 +52,8 @@ from spec.speculator import Speculator
 
 log = logging.getLogger("rollout")
 
+HEAD_PREFIX = "draft."  # a draft head's tensors in a weight push: its checkpoint names after this
+
 DEFAULT_CPU_KV_TOKENS = 16384
 DEFAULT_MAX_MODEL_LEN = 8192
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names
@@ -148,6 +150,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
         if head is not None:
             self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.max_draft_tokens, cfg.max_running_seqs)
+            self.spec.attach_head(self.runner.eagle.on)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
         if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
             from rollout.engine.cuda_graphs import CudaGraphs
@@ -183,6 +186,8 @@ class Engine:
         self.spec = Speculator(self.config.spec, self.table)
         if hasattr(self, "runner"):
             self.runner.draft = self.spec.draft
+            if self.runner.eagle is not None:
+                self.spec.attach_head(self.runner.eagle.on)
 
     def recover(self) -> list[Request]:
         """After a step raised: drop every request and start over with an empty KV pool (the model
@@ -417,7 +422,7 @@ class Engine:
         totals = self._spec_totals
         # the step's totals, recorded once after the loop (a call per sequence costs ~1 us at 512 of them)
         appended_all = plain = plain_appended = 0
-        by_source: dict[str, list[int]] = {}  # drafter -> drafts, accepted, appended, sequences
+        by_source: dict[str, list[int]] = {}  # drafter -> drafts, accepted, appended, sequences, first drafts accepted
         for i, (seq, tokens, logprobs, drafted, counted) in enumerate(
                 zip(e.seqs, e.tokens, e.logprobs, e.drafted, e.counted)):
             if seq.finish_reason is not None:  # (Sequence.finished, without the call)
@@ -438,11 +443,12 @@ class Engine:
             if drafted:
                 source = e.sources[i]
                 seq.spec.record(source, drafted, len(tokens) - 1, k)
-                t = by_source.get(source) or by_source.setdefault(source, [0, 0, 0, 0])
+                t = by_source.get(source) or by_source.setdefault(source, [0, 0, 0, 0, 0])
                 t[0] += drafted
                 t[1] += len(tokens) - 1
                 t[2] += k
                 t[3] += 1
+                t[4] += len(tokens) > 1
             elif counted:  # a step without drafts: what SpecCounters.record does for it, inline
                 spec = seq.spec
                 spec.verify_steps += 1
@@ -454,8 +460,10 @@ class Engine:
         self._output_tokens += appended_all
         totals.verify_steps += plain
         totals.emitted_tokens += plain_appended
-        for source, (drafts, accepted, appended, seqs) in by_source.items():
+        for source, (drafts, accepted, appended, seqs, _) in by_source.items():
             totals.record(source, drafts, accepted, appended, steps=seqs)
+        if (head := by_source.get("eagle")) is not None:
+            self.spec.observe_head(head[3], head[4])
 
     def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:
         """Append token by token while no stop condition holds: (tokens appended, why it stopped or None)."""
@@ -552,11 +560,13 @@ class Engine:
     def _swap_weights(self, specs, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
                       recompute_kv: bool) -> int:
         """The one door for new weights: every (name, shape, dtype) in `specs` is checked before any is copied."""
+        specs = list(specs)
         t0 = time.perf_counter()
         self._complete_in_flight()  # the step in flight ran on the old weights; its tokens say so
         self.check_weights(specs)
-        copy_weights(self.model.weight_targets(), tensors)
+        copy_weights(self._weight_targets(), tensors)
         self._set_version(version)
+        self.spec.on_weights(self.weight_version, any(name.startswith(HEAD_PREFIX) for name, _, _ in specs))
         if recompute_kv:
             self.invalidate_kv()
         self._weight_sync_s = time.perf_counter() - t0
@@ -564,7 +574,15 @@ class Engine:
 
     def check_weights(self, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Raise WeightError unless every (name, shape, dtype) names one of the model's weights as it is."""
-        check_weights(self.model.weight_targets(), list(specs), require_all=False)
+        check_weights(self._weight_targets(), list(specs), require_all=False)
+
+    def _weight_targets(self) -> dict:
+        """The target's weights by HF name, and a draft head's under HEAD_PREFIX (a trainer that
+        trains the head with the policy pushes both, by any method)."""
+        targets = self.model.weight_targets()
+        if self.runner.eagle is not None:
+            targets.update({HEAD_PREFIX + n: t for n, t in self.runner.eagle.head.weight_targets().items()})
+        return targets
 
     def _set_version(self, version: int | None) -> None:
         version = self.weight_version + 1 if version is None else int(version)
