@@ -13,7 +13,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | eagle | eagle-bench | quick}
+stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-bench | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -93,6 +93,17 @@ recipe)  # the GRPO recipe re-sampling its prompts: rollout seconds per step, n-
     python3 recipes/grpo.py --steps 8 --prompts 32 --n 8 --max-new-tokens 512 --dataset-size 64 --spec $spec \
       --out "$OUT/recipe-$i-$spec" 2>&1 | grep -E "^\|" | tail -10  # its table of steps
   done | tee "$OUT/recipe.log"
+  ;;
+recipe-head)  # issue 25's stale heads: the recipe with the n-gram index alone against the hybrid with a head
+  # (HEAD: its directory, e.g. the `eagle` stage's, carried), in the order ngram, hybrid, hybrid, ngram
+  i=0
+  for spec in ngram auto auto ngram; do
+    i=$((i + 1))
+    echo "== $spec"
+    head=(); [ "$spec" = auto ] && head=(--spec-draft-model "${HEAD:-/root/mcache/smol-eagle3}")
+    python3 recipes/grpo.py --steps 8 --prompts 32 --n 8 --max-new-tokens 512 --dataset-size 64 --spec $spec "${head[@]}" \
+      --out "$OUT/recipe-head-$i-$spec" 2>&1 | grep -E "^\|" | tail -10
+  done | tee "$OUT/recipe-head.log"
   ;;
 profile)  # where a verify step's device time and a decode step's host time go (bench/step_profile.py verify, host)
   P="timeout 300 python3 bench/step_profile.py"

@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--push", default="auto", choices=["auto", "distributed", "disk", "ipc"],
                     help="auto: ipc when trainer and server share a GPU, else distributed (gloo)")
-    ap.add_argument("--spec", default="auto", choices=["off", "ngram", "auto"], help="the server's speculation")
+    ap.add_argument("--spec", default="auto", choices=["off", "ngram", "eagle", "auto"], help="the server's speculation")
+    ap.add_argument("--spec-draft-model", default=None,
+                    help="a draft head for the server (--spec eagle, or auto: hybrid); it goes stale as the policy trains")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--final-rollout", action="store_true", help="one more rollout after the last push")
     ap.add_argument("--wandb-project", default="rollout-grpo")
@@ -81,6 +83,8 @@ def rollout_server(args: argparse.Namespace):
         yield args.server
         return
     serve_args = ["--model", args.model, "--device", args.device, "--spec", args.spec]
+    if args.spec_draft_model:
+        serve_args += ["--spec-draft-model", args.spec_draft_model]
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         serve_args += ["--kv-cache-tokens", "32768"]
     else:
