@@ -50,7 +50,9 @@ class HeadConfig:
     target_hidden_size: int
     vocab_size: int  # the target's
     draft_vocab_size: int  # the head's lm_head rows (EAGLE-1: the target's vocabulary)
-    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose entering hidden states fc reads
+    # the target layers whose entering hidden states fc reads (EAGLE-3: three; EAGLE-1: the number
+    # of layers, which stands for the last layer's output after the final norm)
+    aux_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dir(cls, path: str | Path, target: ModelConfig) -> "HeadConfig":
@@ -78,7 +80,7 @@ class HeadConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), target_hidden_size=raw.get("target_hidden_size") or hidden,
             vocab_size=need("vocab_size"),
             draft_vocab_size=(raw.get("draft_vocab_size") or raw["vocab_size"]) if kind == "eagle3" else raw["vocab_size"],
-            aux_layers=_aux_layers(raw, target.num_layers) if kind == "eagle3" else (),
+            aux_layers=_aux_layers(raw, target.num_layers) if kind == "eagle3" else (target.num_layers,),
         )
         for field, have, want in (("target_hidden_size", cfg.target_hidden_size, target.hidden_size),
                                   ("vocab_size", cfg.vocab_size, target.vocab_size)):

@@ -1,4 +1,4 @@
-"""Drafting with a learned head (EAGLE-3) inside the step, on the device.
+"""Drafting with a learned head (EAGLE-3, or EAGLE-1) inside the step, on the device.
 
 A step leaves each sequence a chain of `depth` drafts for the next one (`tokens`, `keys` by KV
 row), so the next step verifies them like any tree (`trees`: keys are the chain's cumulative
@@ -33,8 +33,6 @@ from spec.draft_head import DraftHead
 
 class EagleDrafter:
     def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, max_rows: int):
-        if head.cfg.kind != "eagle3":
-            raise ValueError("--spec eagle drafts with EAGLE-3 heads (LlamaForCausalLMEagle3)")
         device = pool.device
         self.head, self.model, self.pool, self.depth = head, model, pool, depth
         self.aux_layers = head.cfg.aux_layers
@@ -63,7 +61,12 @@ class EagleDrafter:
 
     def extend(self, ids: torch.Tensor, aux: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over a step's rows: (logits over the draft vocabulary, output) per row."""
-        return self.head(ids, aux, ctx, self.model.model.embed_tokens)
+        return self._head(ids, aux, ctx)
+
+    def _head(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        # (EAGLE-1 has no lm_head of its own: the target's, over the whole vocabulary)
+        lm_head = self.model.lm_head_weight if self.head.cfg.kind == "eagle" else None
+        return self.head(ids, hidden, ctx, self.model.model.embed_tokens, lm_head)
 
     def forget(self, rows: torch.Tensor) -> None:
         """These rows start without drafts (a fork's first step)."""
@@ -91,7 +94,7 @@ class EagleDrafter:
             )
             backend.plan(meta)
             ctx = ForwardContext(meta, backend, self.pool.k_caches, self.pool.v_caches, cos[at], sin[at])
-            logits, hidden = self.head(tok, hidden, ctx, self.model.model.embed_tokens)
+            logits, hidden = self._head(tok, hidden, ctx)
             lp = torch.log_softmax(logits.float(), dim=-1)
             step_lp, best = lp.max(dim=-1)
             tok, cum = self.d2t[best], cum + step_lp

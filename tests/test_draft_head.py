@@ -145,7 +145,7 @@ def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, ki
 
 def test_the_target_hands_a_head_the_hidden_states_entering_its_layers_as_hf_computes_them(tmp_path):
     """EAGLE-3 reads the target's hidden state entering three of its layers: transformers'
-    `hidden_states[i]` (the embeddings for layer 0)."""
+    `hidden_states[i]` (the embeddings for layer 0); EAGLE-1 its last, after the final norm."""
     hf = make_tiny_model("llama", tmp_path)
     cfg = ModelConfig.from_dir(tmp_path)
     model = build_model(cfg, torch.device("cpu"), torch.float32)
@@ -156,13 +156,15 @@ def test_the_target_hands_a_head_the_hidden_states_entering_its_layers_as_hf_com
     meta, backend = _one_sequence(slots)
     cos, sin = rope_tables(cfg, t, torch.device("cpu"))
     caches = lambda: [torch.zeros(t, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]  # noqa: E731
-    aux = torch.zeros(t, 2 * cfg.hidden_size)
-    ctx = ForwardContext(meta, backend, caches(), caches(), cos, sin, aux_layers=(1, 0), aux_hidden=aux)
+    aux = torch.zeros(t, 3 * cfg.hidden_size)
+    last = cfg.num_layers  # (EAGLE-1's feature: the last layer's output after the final norm)
+    ctx = ForwardContext(meta, backend, caches(), caches(), cos, sin, aux_layers=(1, 0, last), aux_hidden=aux)
     with torch.no_grad():
         model(ids, ctx, None)
         want = hf(ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(aux[:, :64], want[1][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(aux[:, 64:], want[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux[:, 64:128], want[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux[:, 128:], want[last][0], atol=1e-5, rtol=1e-5)
 
 
 def test_the_unrolled_head_drafts_a_chain_as_the_paged_head_does(tmp_path):

@@ -59,6 +59,27 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     assert got[0][0].spec["by_source"].keys() == {"eagle"}
 
 
+def test_an_eagle1_head_drafts_in_the_step_and_greedy_equals_spec_off(target_and_head, tmp_path):
+    """EAGLE-1 (LlamaForCausalLMEagle: fc over the token's embedding and the target's last hidden
+    state after the final norm, the target's lm_head): a random head's chains are verified and
+    greedy decoding is spec off's token for token."""
+    from test_draft_head import write_head
+
+    target, _, off, prompts = target_and_head
+    write_head(tmp_path / "eagle1", "eagle")
+    eagle1 = Engine(model=str(target), spec="eagle", spec_draft_model=str(tmp_path / "eagle1"), spec_adaptive=False,
+                    device="cpu", max_running_seqs=16)
+    assert eagle1.runner.eagle.aux_layers == (4,)  # (the tiny target's 4 layers: past the last)
+    params = SamplingParams(temperature=0, max_new_tokens=24, n=2)
+    want = off.generate(prompts[:4], params, return_logprob=True)
+    got = eagle1.generate(prompts[:4], params, return_logprob=True)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    assert eagle1.stats()["rollout/spec_draft_tokens/eagle"] > 0
+
+
 def test_hybrid_drafts_from_the_index_where_it_matches_and_from_the_head_elsewhere(target_and_head):
     """--spec auto with a head: each sequence's tree is the n-gram index's where it found a match,
     else the head's chain; greedy stays spec off's token for token, and the statistics count

@@ -167,6 +167,10 @@ class CausalLM(nn.Module):
                 k = ctx.aux_layers.index(i)
                 ctx.aux_hidden[:, k * hidden : (k + 1) * hidden].copy_(x if residual is None else x + residual)
             x, residual = layer(x, residual, ctx)
+        last = len(self.model.layers)
+        if last in ctx.aux_layers:  # (past the last layer: its output after the final norm, EAGLE-1's feature)
+            k = ctx.aux_layers.index(last)
+            ctx.aux_hidden[:, k * hidden : (k + 1) * hidden].copy_(self.model.norm(x + residual))
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps, self.lm_head_weight)
