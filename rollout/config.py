@@ -171,7 +171,8 @@ class SpecConfig:
     """Speculation knobs; defaults suit a single GPU and the CPU alike. Flags: `--spec-<name>`."""
 
     method: str = option("auto", "auto = the n-gram index, and with --spec-draft-model the head where the index has "
-                         "nothing (hybrid); eagle: the head alone", ("off", "ngram", "eagle", "auto"))
+                         "nothing (hybrid); eagle: the head alone; mtp: the model's own MTP layer",
+                         ("off", "ngram", "eagle", "mtp", "auto"))
     draft_model: str | None = option(None, "an EAGLE-3 head's HF directory (--spec eagle or auto)")
     head_min_accept: float = option(0.2, "a draft head whose first drafts are accepted less often than this under a "
                                     "weight version is switched off for it (probed now and then; on when its weights are pushed)")
@@ -194,7 +195,7 @@ class SpecConfig:
             raise ValueError("spec history_rows and history_per_prompt must be >= 0, max_verify_tokens >= 1")
         if self.method == "eagle" and self.draft_model is None:
             raise ValueError("spec eagle needs a draft model (--spec-draft-model PATH)")
-        if self.method in ("off", "ngram") and self.draft_model is not None:
+        if self.method in ("off", "ngram", "mtp") and self.draft_model is not None:
             raise ValueError(f"a draft model needs --spec eagle or auto, not {self.method}")
 
     @property
@@ -203,11 +204,12 @@ class SpecConfig:
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters that run: ngram, eagle (a head), or both (hybrid: `auto` with a head)."""
+        """The drafters that run: ngram, a head (eagle, or the model's mtp layer), or the index and
+        a head from --spec-draft-model (hybrid: `auto` with a head)."""
         if not self.enabled:
             return ()
-        if self.method == "eagle":
-            return ("eagle",)
+        if self.method in ("eagle", "mtp"):
+            return (self.method,)
         return ("ngram", "eagle") if self.draft_model is not None else ("ngram",)
 
 

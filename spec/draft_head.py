@@ -32,7 +32,7 @@ from torch import nn
 
 from rollout.models.config import ModelConfig
 from rollout.models.llama import MLP, Attention, ForwardContext, Linear, RMSNorm, WeightTarget
-from rollout.models.weights import WeightError, checkpoint_files, checkpoint_specs, iter_checkpoint
+from rollout.models.weights import WeightError, check_weights, checkpoint_files, checkpoint_specs, copy_weights, iter_checkpoint
 
 ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "LlamaForCausalLMEagle": "eagle"}
 VOCAB_MAPS = ("d2t", "t2d")  # EAGLE-3's integer/bool tensors, read apart from the weights
@@ -40,7 +40,7 @@ VOCAB_MAPS = ("d2t", "t2d")  # EAGLE-3's integer/bool tensors, read apart from t
 
 @dataclass(frozen=True)
 class HeadConfig:
-    kind: str  # "eagle3" or "eagle"
+    kind: str  # "eagle3", "eagle" (EAGLE-1) or "mtp" (a checkpoint's own multi-token-prediction layer)
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -97,6 +97,17 @@ class HeadConfig:
         if not 0 < cfg.draft_vocab_size <= cfg.vocab_size:
             raise ValueError(f"{config_file}: draft_vocab_size {cfg.draft_vocab_size} is not within the vocabulary ({cfg.vocab_size})")
         return cfg
+
+    @classmethod
+    def mtp(cls, target: ModelConfig) -> "HeadConfig":
+        """The first MTP layer of the target's own checkpoint (MiMo's `model.mtp_layers.0.*`): a
+        decoder layer of the target's shape reading its last hidden state after the final norm."""
+        if not target.mtp_layers:
+            raise ValueError(f"--spec mtp: the model ({target.model_type}) ships no MTP layers (num_nextn_predict_layers)")
+        return cls(kind="mtp", hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                   num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                   rms_norm_eps=target.rms_norm_eps, target_hidden_size=target.hidden_size,
+                   vocab_size=target.vocab_size, draft_vocab_size=target.vocab_size, aux_layers=(target.num_layers,))
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every floating-point tensor of the head, by its checkpoint name (without `model.`)."""
@@ -194,9 +205,14 @@ class DraftHead(nn.Module):
         shape = replace(target, hidden_size=h, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
                         num_kv_heads=cfg.num_kv_heads, rms_norm_eps=eps, attention_bias=False, qk_norm=False,
                         num_layers=1)
-        eagle3 = cfg.kind == "eagle3"
-        self.fc = nn.Linear((3 * cfg.target_hidden_size) if eagle3 else 2 * h, h, bias=not eagle3)
+        eagle3, mtp = cfg.kind == "eagle3", cfg.kind == "mtp"
+        if mtp:  # (MiMo's MTP layer is the target's decoder layer: its q/k/v bias included)
+            shape = replace(shape, attention_bias=target.attention_bias)
+        self.fc = nn.Linear((3 * cfg.target_hidden_size) if eagle3 else 2 * h, h, bias=cfg.kind == "eagle")
         self.self_attn = Attention(shape, layer)  # `layer`: the head's layer of the KV pool
+        if mtp:  # input_proj over [norm(hidden), norm(embedding)], then a pre-norm layer and a final norm
+            self.token_norm, self.hidden_norm = RMSNorm(h, eps), RMSNorm(h, eps)
+            self.input_layernorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps)
         if eagle3:  # q/k/v read the normalised embedding and hidden state side by side
             self.self_attn.qkv_proj = Linear(2 * h, self.self_attn.q_size + 2 * self.self_attn.kv_size, bias=False)
             self.input_layernorm = RMSNorm(h, eps)
@@ -210,7 +226,10 @@ class DraftHead(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
                 embed: nn.Embedding, lm_head_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         e = (self.embed_tokens or embed)(input_ids)
-        if self.cfg.kind == "eagle3":
+        if self.cfg.kind == "mtp":
+            residual = self.fc(torch.cat([self.hidden_norm(hidden), self.token_norm(e)], dim=-1))
+            x = self.input_layernorm(residual)
+        elif self.cfg.kind == "eagle3":
             h = self.fc(hidden) if hidden.shape[-1] != self.cfg.hidden_size else hidden
             x = torch.cat([self.input_layernorm(e), self.hidden_norm(h)], dim=-1)
             residual = h
@@ -220,15 +239,18 @@ class DraftHead(nn.Module):
         out = self.mlp(self.mlp.gate_up_proj(self.post_attention_layernorm(attended))) + attended
         if self.cfg.kind == "eagle3":
             return self.lm_head(self.norm(out)).float(), out
+        if self.cfg.kind == "mtp":  # (its normed output is the next step's hidden state, as the target's is its)
+            out = self.norm(out)
         return torch.nn.functional.linear(out, lm_head_weight).float(), out  # the target's lm_head
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every checkpoint name (without `model.`) mapped to where it is stored."""
-        layer = "midlayer" if self.cfg.kind == "eagle3" else "layers.0"
+        kind = self.cfg.kind
+        layer = {"eagle3": "midlayer", "eagle": "layers.0", "mtp": "mtp_layers.0"}[kind]
         attn, mlp, inter = self.self_attn, self.mlp, self.cfg.intermediate_size
         q, kv = attn.q_size, attn.kv_size
         out = {
-            "fc.weight": WeightTarget(self.fc.weight),
+            ("mtp_layers.0.input_proj.weight" if kind == "mtp" else "fc.weight"): WeightTarget(self.fc.weight),
             f"{layer}.post_attention_layernorm.weight": WeightTarget(self.post_attention_layernorm.weight),
             f"{layer}.self_attn.q_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(0, q)),
             f"{layer}.self_attn.k_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(q, q + kv)),
@@ -238,15 +260,38 @@ class DraftHead(nn.Module):
             f"{layer}.mlp.up_proj.weight": WeightTarget(mlp.gate_up_proj.weight, slice(inter, 2 * inter)),
             f"{layer}.mlp.down_proj.weight": WeightTarget(mlp.down_proj.weight),
         }
-        if self.cfg.kind == "eagle3":
+        if kind == "eagle3":
             out.update({
                 f"{layer}.input_layernorm.weight": WeightTarget(self.input_layernorm.weight),
                 f"{layer}.hidden_norm.weight": WeightTarget(self.hidden_norm.weight),
                 "norm.weight": WeightTarget(self.norm.weight), "lm_head.weight": WeightTarget(self.lm_head.weight),
             })
+        elif kind == "mtp":
+            out.update({
+                f"{layer}.token_layernorm.weight": WeightTarget(self.token_norm.weight),
+                f"{layer}.hidden_layernorm.weight": WeightTarget(self.hidden_norm.weight),
+                f"{layer}.input_layernorm.weight": WeightTarget(self.input_layernorm.weight),
+                f"{layer}.final_layernorm.weight": WeightTarget(self.norm.weight),
+            })
+            if attn.qkv_proj.bias is not None:
+                for name, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
+                    out[f"{layer}.self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, rows)
         else:
             out["fc.bias"] = WeightTarget(self.fc.bias)
         return out
+
+
+def load_mtp(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """The first MTP layer of the target checkpoint at `path` (`model.mtp_layers.0.*`), checked
+    like the target's weights, on the CPU in `dtype`."""
+    head = DraftHead(HeadConfig.mtp(target), target, layer).to(dtype)
+    targets = head.weight_targets()
+    mine = [(n.removeprefix("model."), shape, dt) for n, shape, dt in checkpoint_specs(path)
+            if n.startswith("model.mtp_layers.0.")]
+    check_weights(targets, mine, require_all=True)
+    copy_weights(targets, ((n.removeprefix("model."), t) for n, t in iter_checkpoint(path) if n.startswith("model.mtp_layers.0.")))
+    head.register_buffer("draft_to_target", torch.arange(target.vocab_size))
+    return head
 
 
 def load_head(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dtype = torch.float32) -> DraftHead:
@@ -284,8 +329,8 @@ def unrolled(head: DraftHead, embed: nn.Embedding, ids: torch.Tensor, hidden: to
     [T - j, H]) per step."""
     # the parameters themselves (or their rows), not WeightTarget.view()'s detached data: trained through
     p = {name: t.param if t.rows is None else t.param[t.rows] for name, t in head.weight_targets().items()}
-    cfg, eagle3 = head.cfg, head.cfg.kind == "eagle3"
-    layer = "midlayer" if eagle3 else "layers.0"
+    cfg, eagle3, mtp = head.cfg, head.cfg.kind == "eagle3", head.cfg.kind == "mtp"
+    layer = {"eagle3": "midlayer", "eagle": "layers.0", "mtp": "mtp_layers.0"}[cfg.kind]
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     emb = head.embed_tokens or embed
 
@@ -305,12 +350,20 @@ def unrolled(head: DraftHead, embed: nn.Embedding, ids: torch.Tensor, hidden: to
             if j == 0:
                 h = h @ p["fc.weight"].T
             x, residual = torch.cat([rms(e, p[f"{layer}.input_layernorm.weight"]), rms(h, p[f"{layer}.hidden_norm.weight"])], -1), h
+        elif mtp:
+            residual = torch.cat([rms(h, p[f"{layer}.hidden_layernorm.weight"]), rms(e, p[f"{layer}.token_layernorm.weight"])],
+                                 -1) @ p[f"{layer}.input_proj.weight"].T
+            x = rms(residual, p[f"{layer}.input_layernorm.weight"])
         else:
             x = residual = torch.cat([e, h], -1) @ p["fc.weight"].T + p["fc.bias"]
         at = torch.arange(j, j + n, device=ids.device)
-        q = rotate((x @ p[f"{layer}.self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1), at)
-        k = rotate((x @ p[f"{layer}.self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1), at)
-        v = (x @ p[f"{layer}.self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)
+        def proj(name):  # (q/k/v biases: MTP layers of a Qwen2 body)
+            y = x @ p[f"{layer}.self_attn.{name}.weight"].T
+            return y + p[f"{layer}.self_attn.{name}.bias"] if f"{layer}.self_attn.{name}.bias" in p else y
+
+        q = rotate(proj("q_proj").view(n, nh, hd).transpose(0, 1), at)
+        k = rotate(proj("k_proj").view(n, nkv, hd).transpose(0, 1), at)
+        v = proj("v_proj").view(n, nkv, hd).transpose(0, 1)
         keys.append(k.repeat_interleave(nh // nkv, 0))
         values.append(v.repeat_interleave(nh // nkv, 0))
         scale = hd ** -0.5
@@ -325,6 +378,8 @@ def unrolled(head: DraftHead, embed: nn.Embedding, ids: torch.Tensor, hidden: to
         m = rms(attended, p[f"{layer}.post_attention_layernorm.weight"])
         gate, up = m @ p[f"{layer}.mlp.gate_proj.weight"].T, m @ p[f"{layer}.mlp.up_proj.weight"].T
         h = (torch.nn.functional.silu(gate) * up) @ p[f"{layer}.mlp.down_proj.weight"].T + attended
+        if mtp:
+            h = rms(h, p[f"{layer}.final_layernorm.weight"])
         logits = rms(h, p["norm.weight"]) @ p["lm_head.weight"].T if eagle3 else h @ lm_head_weight.T
         out.append((logits, h))
     return out

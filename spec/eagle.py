@@ -35,6 +35,7 @@ class EagleDrafter:
     def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, max_rows: int):
         device = pool.device
         self.head, self.model, self.pool, self.depth = head, model, pool, depth
+        self.source = "mtp" if head.cfg.kind == "mtp" else "eagle"  # (its drafts' name in the statistics)
         self.aux_layers = head.cfg.aux_layers
         self.aux_width = len(self.aux_layers) * model.config.hidden_size
         self.tokens = torch.zeros(max_rows + 1, depth, dtype=torch.long, device=device)  # target ids
@@ -64,8 +65,8 @@ class EagleDrafter:
         return self._head(ids, aux, ctx)
 
     def _head(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        # (EAGLE-1 has no lm_head of its own: the target's, over the whole vocabulary)
-        lm_head = self.model.lm_head_weight if self.head.cfg.kind == "eagle" else None
+        # (EAGLE-1 and MTP layers have no lm_head of their own: the target's, over the whole vocabulary)
+        lm_head = None if self.head.cfg.kind == "eagle3" else self.model.lm_head_weight
         return self.head(ids, hidden, ctx, self.model.model.embed_tokens, lm_head)
 
     def forget(self, rows: torch.Tensor) -> None:

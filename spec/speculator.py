@@ -55,7 +55,7 @@ class Speculator:
         self.depth = cfg.max_draft_tokens
         # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
-        self.drafts_ahead = "eagle" in cfg.drafters
+        self.drafts_ahead = "eagle" in cfg.drafters or "mtp" in cfg.drafters
         self.watch = HeadWatch(cfg.head_min_accept) if self.drafts_ahead else None
         self._head_on: torch.Tensor | None = None  # the head's device switch (EagleDrafter.on), once attached
         self._head_active = True

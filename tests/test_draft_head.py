@@ -18,7 +18,7 @@ from rollout.models.config import ModelConfig
 from rollout.models.llama import ForwardContext
 from rollout.models.loader import build_model, load_checkpoint
 from rollout.models.weights import WeightError
-from spec.draft_head import HeadConfig, check_head, load_head, read_vocab_map, unrolled
+from spec.draft_head import DraftHead, HeadConfig, check_head, load_head, read_vocab_map, unrolled
 
 TARGET = ModelConfig.from_dict(dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
@@ -141,6 +141,38 @@ def test_the_head_layer_over_the_paged_cache_matches_it_written_out(tmp_path, ki
     torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
     assert caches[0].abs().sum() == 0 and caches[1].abs().sum() > 0  # its KV went to its own layer
+
+
+def test_an_mtp_layer_over_the_paged_cache_matches_it_written_out():
+    """MiMo's MTP layer (input_proj over the normed hidden state and embedding, a Qwen2 decoder
+    layer with q/k/v biases, a final norm, the target's lm_head) over one sequence in permuted
+    slots, against the layer written out in plain torch."""
+    target = ModelConfig.from_dict(dict(model_type="mimo", vocab_size=512, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        num_nextn_predict_layers=1))
+    head = DraftHead(HeadConfig.mtp(target), target, layer=1)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen) + (1.0 if p.dim() == 1 and p.shape[0] == 64 else 0.0))
+    assert "mtp_layers.0.self_attn.q_proj.bias" in head.weight_targets()
+    t = 7
+    ids = torch.randint(0, 512, (t,), generator=gen)
+    hidden = torch.randn(t, 64, generator=gen)
+    embed = torch.nn.Embedding(512, 64)
+    lm_head_weight = torch.randn(512, 64, generator=gen)
+    slots = torch.randperm(32, generator=gen)[:t]
+    meta, backend = _one_sequence(slots)
+    cos, sin = rope_tables(target, t, torch.device("cpu"))
+    caches = [torch.zeros(32, 2, 16) for _ in range(2)]
+    ctx = ForwardContext(meta, backend, caches, [torch.zeros(32, 2, 16) for _ in range(2)], cos, sin)
+    with torch.no_grad():
+        logits, out = head(ids, hidden, ctx, embed, lm_head_weight)
+        (want_logits, want_out), = unrolled(head, embed, ids, hidden, cos, sin, 1, lm_head_weight)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no MTP layers"):
+        HeadConfig.mtp(TARGET)
 
 
 def test_the_target_hands_a_head_the_hidden_states_entering_its_layers_as_hf_computes_them(tmp_path):

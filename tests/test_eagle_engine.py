@@ -167,6 +167,50 @@ def test_a_push_that_leaves_the_head_behind_switches_it_off_and_a_push_of_its_we
     assert "pushed with version 2" in eagle.spec.watch.transitions[-1]
 
 
+def test_spec_mtp_drafts_with_the_checkpoints_own_mtp_layer(tmp_path):
+    """A MiMo checkpoint (a Qwen2 body with `model.mtp_layers.0.*`): its body decodes as the same
+    weights saved as Qwen2 do, and --spec mtp drafts with its MTP layer, greedy equal to spec off
+    token for token with equal logprobs, the drafts counted under `mtp`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from rollout.models.config import ModelConfig
+    from spec.draft_head import DraftHead, HeadConfig
+
+    qwen, mimo = tmp_path / "qwen2", tmp_path / "mimo"
+    make_tiny_model("qwen2", qwen, seed=3)
+    make_tiny_model("qwen2", mimo, seed=3)
+    config = json.loads((mimo / "config.json").read_text())
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (mimo / "config.json").write_text(json.dumps(config))
+    target = ModelConfig.from_dir(mimo)
+    layer = DraftHead(HeadConfig.mtp(target), target, layer=target.num_layers)
+    gen = torch.Generator().manual_seed(4)
+    tensors = load_file(str(mimo / "model.safetensors"))
+    for name, t in layer.weight_targets().items():
+        tensors[f"model.{name}"] = 0.2 * torch.randn(t.shape, generator=gen) + (1.0 if name.endswith("norm.weight") else 0.0)
+    save_file(tensors, str(mimo / "model.safetensors"))
+
+    make = lambda path, spec, **kw: Engine(model=str(path), spec=spec, device="cpu", max_running_seqs=8, **kw)  # noqa: E731
+    params = SamplingParams(temperature=0, max_new_tokens=24, n=2)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
+    want = make(qwen, "off").generate(prompts, params, return_logprob=True)
+    assert [[o.token_ids for o in g] for g in make(mimo, "off").generate(prompts, params)] == \
+        [[o.token_ids for o in g] for g in want]
+    mtp = make(mimo, "mtp", spec_adaptive=False)
+    got = mtp.generate(prompts, params, return_logprob=True)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    stats = mtp.stats()
+    assert stats["rollout/spec_draft_tokens/mtp"] == stats["rollout/spec_draft_tokens"] > 0
+    with pytest.raises(ValueError, match="no MTP layers"):
+        make(qwen, "mtp")
+
+
 def test_eagle_needs_a_head_and_a_head_needs_eagle_or_auto():
     with pytest.raises(ValueError, match="draft model"):
         SpecConfig(method="eagle")

@@ -46,7 +46,7 @@ from rollout.models.weights import (
     copy_weights,
     iter_checkpoint,
 )
-from spec.draft_head import load_head
+from spec.draft_head import load_head, load_mtp
 from spec.eagle import EagleDrafter
 from spec.speculator import Speculator
 
@@ -126,7 +126,10 @@ class Engine:
         else:
             load_checkpoint(self.model, self.model_path)
         head = None
-        if "eagle" in cfg.spec.drafters:
+        if "mtp" in cfg.spec.drafters:
+            head = load_mtp(self.model_path, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
+            head.to(self.device)
+        elif "eagle" in cfg.spec.drafters:
             head = load_head(cfg.spec.draft_model, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
             head.to(self.device)
         self.pool = KVPool(
@@ -462,7 +465,7 @@ class Engine:
         totals.emitted_tokens += plain_appended
         for source, (drafts, accepted, appended, seqs, _) in by_source.items():
             totals.record(source, drafts, accepted, appended, steps=seqs)
-        if (head := by_source.get("eagle")) is not None:
+        if self.runner.eagle is not None and (head := by_source.get(self.runner.eagle.source)) is not None:
             self.spec.observe_head(head[3], head[4])
 
     def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:

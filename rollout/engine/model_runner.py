@@ -348,9 +348,10 @@ class ModelRunner:
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
             top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
         if self.eagle is None or self.draft is None:  # one drafter
-            sources = ["ngram" if self.eagle is None else "eagle"] * s
+            sources = ["ngram" if self.eagle is None else self.eagle.source] * s
         else:
-            sources = [SOURCES[h] for h in ints[:, n + 3].tolist()]
+            names = ("ngram", self.eagle.source)  # by the step's from-head column
+            sources = [names[h] for h in ints[:, n + 3].tolist()]
         return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top)
 
     # ---------------- the model ----------------
@@ -373,9 +374,6 @@ class ModelRunner:
         """Forget the captured graphs (they hold the addresses of the weights and the KV pool)."""
         if self.graphs is not None:
             self.graphs.clear()
-
-
-SOURCES = ("ngram", "eagle")  # a tree's drafter, by the step's from-head column
 
 
 def _path(bits: int, length: int) -> list[int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mimo")  # (mimo: a Qwen2 body with MTP layers)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,6 +36,7 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (MiMo's model.mtp_layers.N.*)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -69,11 +70,12 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias")),  # Qwen2 always has q/k/v bias
+            attention_bias=model_type in ("qwen2", "mimo") or bool(raw.get("attention_bias")),  # Qwen2 always has q/k/v bias
             qk_norm=model_type == "qwen3",
             rope_scaling=rope,
             eos_token_ids=eos_ids,
             sliding_window=raw.get("sliding_window") if use_window else None,
+            mtp_layers=raw.get("num_nextn_predict_layers", 0) or 0,
         )
 
     @classmethod

@@ -39,11 +39,15 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> C
     return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
 
 
+MTP_PREFIX = "model.mtp_layers."  # a checkpoint's multi-token-prediction layers: a draft head's (spec/draft_head.py)
+
+
 def load_checkpoint(model: CausalLM, path: Path) -> None:
     targets = model.weight_targets()
     optional = ["lm_head.weight"] if model.config.tie_word_embeddings else []
-    check_weights(targets, checkpoint_specs(path), require_all=True, optional=optional)
-    copy_weights(targets, iter_checkpoint(path))
+    specs = [s for s in checkpoint_specs(path) if not s[0].startswith(MTP_PREFIX)]
+    check_weights(targets, specs, require_all=True, optional=optional)
+    copy_weights(targets, ((n, t) for n, t in iter_checkpoint(path) if not n.startswith(MTP_PREFIX)))
 
 
 def randomize(model: CausalLM, seed: int) -> None:
