@@ -39,7 +39,7 @@ check)  # after a change to the drafting path: its kernel tests, the engine's GP
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
   timeout 240 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_draft_rows_kernel.py \
     tests/test_tree_accept.py tests/test_triton_attention.py 2>&1 | tee "$OUT/kernels.log" | tail -3
-  timeout 330 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py -k "${TESTS:-.}" 2>&1 | tee "$OUT/engine.log" | tail -12
+  timeout 420 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py tests/test_eagle_engine.py -k "${TESTS:-.}" 2>&1 | tee "$OUT/engine.log" | tail -12
   versions=$(ls -d ab/*/ 2>/dev/null)  # each version `bench/ab_versions.sh prepare` left in ab/, if any
   for v in $versions ""; do  # ... then this checkout
     for shape in "128 2000" "512 300"; do

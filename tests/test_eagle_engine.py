@@ -236,8 +236,8 @@ def test_rollout_bench_compares_eagle_with_spec_off(target_and_head, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_model(default_model_dir, tmp_path):
-    """The head's chain drafting captured in the decode/verify graphs (fp32, greedy): the same
-    tokens and logprobs as the eager steps and as spec off. The head is untrained (the target's
+    """The head's chain drafting captured in the decode/verify graphs (fp32, greedy), alone and in
+    the hybrid: the same tokens and logprobs as the eager steps and as spec off. The head is untrained (the target's
     lm_head and norm, random layer): its drafts are verified, rarely accepted."""
     off = Engine(model=str(default_model_dir), spec="off", device="cuda", dtype="float32", kv_cache_tokens=50_000)
     cfg = train_eagle.head_config(off.model.config, train_eagle.parse_args(["--out", "-", "--draft-vocab", "2048"]))
@@ -248,15 +248,14 @@ def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_mode
     prompts = [t.question for t in arithmetic_tasks(3, seed=2)] + ["Name three primary colors."]
     params = SamplingParams(temperature=0, max_new_tokens=32, n=2)
     want = off.generate(prompts, params, return_logprob=True)
-    for graphs in (True, False):
-        eagle = Engine(model=str(default_model_dir), spec="eagle", spec_draft_model=str(tmp_path / "head"), spec_adaptive=False,
-                       device="cuda",
-                       dtype="float32", kv_cache_tokens=50_000, cuda_graphs=graphs)
+    for spec, graphs in (("eagle", True), ("eagle", False), ("auto", True)):  # (auto with a head: the hybrid)
+        eagle = Engine(model=str(default_model_dir), spec=spec, spec_draft_model=str(tmp_path / "head"),
+                       spec_adaptive=False, device="cuda", dtype="float32", kv_cache_tokens=50_000, cuda_graphs=graphs)
         assert (eagle.runner.graphs is not None) == graphs
         got = eagle.generate(prompts, params, return_logprob=True)
         for w, g in zip(want, got):
             for a, b in zip(w, g):
                 assert a.token_ids == b.token_ids
                 torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
-        assert eagle.stats()["rollout/spec_draft_tokens"] > 0
+        assert eagle.stats()["rollout/spec_draft_tokens/eagle"] > 0
         del eagle
