@@ -71,7 +71,7 @@ class EagleDrafter:
 
     def forget(self, rows: torch.Tensor) -> None:
         """These rows start without drafts (a fork's first step)."""
-        self.keys[rows] = -1
+        self.keys.index_fill_(0, rows, -1)  # (a scalar fill: index assignment copies a host tensor, which capture refuses)
 
     def draft(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor,
               backend, cos: torch.Tensor, sin: torch.Tensor) -> None:
