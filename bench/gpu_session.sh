@@ -13,7 +13,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-bench | quick}
+stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-bench | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -111,13 +111,25 @@ profile)  # where a verify step's device time and a decode step's host time go (
     | grep -v -i -e warn | tee "$OUT/verify.log"
   $P host --output-len 256 --top 30 2>&1 | grep -v -i -e warn | tee "$OUT/host.log"
   ;;
-eagle)  # issue 25: the default model's EAGLE-3 head trained here (recipes/train_eagle.py), then ShareGPT b1 off / n-gram / eagle
-  timeout 540 python3 recipes/train_eagle.py --out /root/mcache/smol-eagle3 --sharegpt $SHAREGPT --prompts 1024 \
-    --max-minutes 6 2>&1 | grep -v -i warn | tee "$OUT/train-eagle.log" | tail -25
+eagle)  # issue 25: the default model's EAGLE-3 head trained here (recipes/train_eagle.py), kept in /root/mcache and $OUT
+  timeout 580 python3 recipes/train_eagle.py --out "$OUT/smol-eagle3" --sharegpt $SHAREGPT --prompts 3000 \
+    --max-minutes 7 2>&1 | grep -v -i warn | tee "$OUT/train-eagle.log" | tail -25
+  cp -r "$OUT/smol-eagle3" /root/mcache/
   ;;
-eagle-bench)  # after `eagle`, while the machine is warm
-  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,eagle --spec-draft-model /root/mcache/smol-eagle3 \
-    --batch-sizes 1 --temperature 0 --output-len 256 --repeats 3 | tee "$OUT/eagle-sharegpt.log"
+eagle-bench)  # after `eagle` (HEAD: another head's directory): its acceptance by chain length, then ShareGPT b1 off / n-gram / eagle / hybrid
+  H=${HEAD:-/root/mcache/smol-eagle3}
+  timeout 200 python3 bench/step_profile.py head --head $H --sharegpt-file $SHAREGPT 2>&1 | grep -v -i warn \
+    | tee "$OUT/head-steps.log" | tail -8
+  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,eagle,auto --spec-draft-model $H \
+    --batch-sizes 1 --temperature 0 --output-len 256 --repeats 3 | tee "$OUT/eagle-sharegpt.log" | tail -6
+  ;;
+rl-head)  # the rl rows with the hybrid beside n-gram alone (HEAD as above)
+  bench $RL --spec-modes off,ngram,auto --spec-draft-model ${HEAD:-/root/mcache/smol-eagle3} --temperature ${TEMPS:-1.0,0.7} \
+    --repeats ${REPEATS:-2} | tee "$OUT/rl-head.log" | tail -8
+  ;;
+head-big)  # a draft-and-verify step of a random EAGLE-3 head of the published shape against a decode step, Llama-3.1-8B shape, b1
+  timeout 500 python3 bench/step_profile.py head --random-model llama3-8b --head-steps 1,3,5 --prompts 2 --output-len 128 \
+    2>&1 | grep -v -i warn | tee "$OUT/head-big.log" | tail -7
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"

@@ -7,6 +7,8 @@
     python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--fixed]
     python bench/step_profile.py verify [--seqs 128] [--context 2000] [--draft-rows 0,16,...]
     python bench/step_profile.py budget [--seqs 512]
+    python bench/step_profile.py head --head DIR [--spec eagle] [--head-steps 1,2,3,5,8] [--sharegpt-file F]
+    python bench/step_profile.py head --random-model llama3-8b [--prompts 2] [--output-len 128]
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
@@ -33,6 +35,10 @@
   line), recording a step's period, and scoring one step's returned trees, at `--seqs`
   sequences, with the budget in the state a long rollout leaves it (every bucket and capacity
   measured, acceptance known per bucket).
+- head: a draft head's acceptance, tok/s and step time by chain length (`--spec-head-steps`),
+  every step verifying the whole chain, ShareGPT prompts one at a time, against spec off in the
+  same run; with `--random-model`, random prompts to a target of that shape and a random EAGLE-3
+  head of the shape published for it (what a draft-and-verify step costs against a decode step).
 
 Each prints a Markdown table.
 """
@@ -82,7 +88,7 @@ def draft(args: argparse.Namespace) -> None:
     found = int((run_draft()[1][:, 1:] >= 0).any(dim=1).sum())
     draft_ms = triton.testing.do_bench(run_draft, return_mode="median")
     graphs = engine.runner.graphs
-    decode = graphs.graph(graphs.shape(args.seqs, 0, False, "sample"))
+    decode = graphs.graph(graphs.shape(args.seqs, 0, False, False, "sample"))
     decode.inputs.rows.copy_(rows)  # the filled rows: attention over their whole context
     decode.inputs.params[0].fill_(1.0)  # temperature
     step_ms = triton.testing.do_bench(decode.graph.replay, return_mode="median")
@@ -237,7 +243,7 @@ def verify(args: argparse.Namespace) -> None:
     print("| draft rows | graph replay ms | vs none |\n|---|---|---|")
     base = None
     for c in counts:
-        graph = graphs.graph(graphs.shape(s, c, c > 0, "sample"))
+        graph = graphs.graph(graphs.shape(s, c, c > 0, False, "sample"))
         x = inputs(c)
         for dst, src in zip((graph.inputs.i64, graph.inputs.i32, graph.inputs.f32), (x.i64, x.i32, x.f32)):
             dst.copy_(src)
@@ -253,7 +259,7 @@ def verify(args: argparse.Namespace) -> None:
         x = inputs(c)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                engine.runner.run_decode(x, c, c > 0, "sample", max_kv_len=args.context + 20)
+                engine.runner.run_decode(x, c, c > 0, False, "sample", max_kv_len=args.context + 20)
                 table.lengths[:s] = args.context
             torch.cuda.synchronize()
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[: args.top]
@@ -262,6 +268,79 @@ def verify(args: argparse.Namespace) -> None:
         print("| kernel | us per step | share |\n|---|---|---|")
         for e in events:
             print(f"| {e.key[:70]} | {e.device_time_total / 5:.1f} | {e.device_time_total / 5 / total:.1%} |")
+
+
+def head(args: argparse.Namespace) -> None:
+    """A draft head's acceptance and speed by chain length, every step verifying the whole chain
+    (the budget off): ShareGPT prompts one at a time (rollout bench's, which train_eagle leaves
+    out), spec off first in the same run."""
+    import time
+
+    import numpy as np
+
+    from rollout import Engine, SamplingParams
+    from rollout.tools.bench import speed_model_dir, workload_prompts
+
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.output_len, seed=0)
+    model, load, head_dir = "default", "auto", args.head
+    opts = argparse.Namespace(workload="sharegpt", seed=0, sharegpt_file=args.sharegpt_file, max_prompt_len=1024,
+                              prompt_len=128)
+    if args.random_model:  # random weights; an EAGLE-3 head of the published shape for that target
+        model, load, opts.workload = speed_model_dir(args.random_model), "dummy", "decode"
+        head_dir = head_dir or _random_eagle3_head(model, RANDOM_HEADS[args.random_model])
+    print("| spec | head steps | tok/s | vs off | step ms (median) | vs off | accept len | first drafts accepted | drafts accepted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = None
+    for steps in [0] + [int(x) for x in args.head_steps.split(",")]:
+        kw = {"spec": "off"} if not steps else {"spec": args.spec, "spec_draft_model": head_dir, "spec_adaptive": False,
+                                                "spec_head_steps": steps, "spec_max_draft_tokens": max(8, steps)}
+        engine = Engine(model=model, load_format=load, device=args.device, kv_cache_tokens=50_000, **kw)
+        prompts, _ = workload_prompts(opts, engine.tokenizer, args.prompts)
+        engine.generate(prompts[:1], params)  # (warm-up)
+        engine.reset_stats()
+        engine.step_log.clear()
+        t0 = time.perf_counter()
+        tokens = sum(len(engine.generate([p], params)[0][0].token_ids) for p in prompts)
+        rate = tokens / (time.perf_counter() - t0)
+        step_ms = float(np.median([r.wall_ms for r in engine.step_log if not r.prefill]))
+        base = base or (rate, step_ms)
+        st = engine.stats()
+        get = lambda k: st.get(f"rollout/spec_{k}", 0.0)  # noqa: E731
+        print(f"| {kw['spec']} | {steps or '-'} | {rate:,.0f} | {rate / base[0]:.2f}x | {step_ms:.2f} | {step_ms / base[1]:.2f}x "
+              f"| {get('accept_length') or 1:.2f} | {get('head_version_first_accept'):.2f} | {get('accept_rate'):.3f} |")
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+RANDOM_HEADS = {  # EAGLE-3 heads as published for these targets (hidden, intermediate, heads, kv heads, draft vocabulary)
+    "llama3-8b": (4096, 14336, 32, 8, 32000),  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B
+    "qwen3-8b": (4096, 12288, 32, 8, 32000),
+}
+
+
+def _random_eagle3_head(model_dir: str, shape: tuple[int, ...]) -> str:
+    """An EAGLE-3 head with random weights of `shape` for the target in `model_dir`, written as
+    recipes/train_eagle.py writes heads; returns its directory."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from rollout.models.config import ModelConfig
+    from spec.draft_head import DraftHead, HeadConfig, default_aux_layers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+    import train_eagle
+
+    target = ModelConfig.from_dir(model_dir)
+    hidden, inter, heads, kv_heads, draft_vocab = shape
+    cfg = HeadConfig(kind="eagle3", hidden_size=hidden, intermediate_size=inter, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, target_hidden_size=target.hidden_size,
+                     vocab_size=target.vocab_size, draft_vocab_size=draft_vocab)
+    torch.manual_seed(0)
+    head = DraftHead(cfg, target, layer=target.num_layers)
+    out = Path(tempfile.mkdtemp(prefix="rollout-head-"))
+    train_eagle.write_head(head, torch.arange(draft_vocab), target, default_aux_layers(target.num_layers), out)
+    return str(out)
 
 
 def budget(args: argparse.Namespace) -> None:
@@ -338,8 +417,18 @@ def main() -> None:
     v.add_argument("--context", type=int, default=2000)
     v.add_argument("--draft-rows", default=None, help="comma-separated (default: the budget's for --seqs)")
     v.add_argument("--top", type=int, default=15)
+    e = sub.add_parser("head", help="a draft head's acceptance and speed by chain length, the whole chain verified")
+    e.add_argument("--head", default=None, help="the head's directory (with --random-model: a random head of the published shape)")
+    e.add_argument("--random-model", choices=sorted(RANDOM_HEADS), default=None, help="a target of this shape, random weights")
+    e.add_argument("--spec", default="eagle", choices=("eagle", "auto"))
+    e.add_argument("--head-steps", default="1,2,3,5,8")
+    e.add_argument("--sharegpt-file", default=None)
+    e.add_argument("--prompts", type=int, default=8)
+    e.add_argument("--output-len", type=int, default=256)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    {"draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "verify": verify, "budget": budget}[args.profile](args)
+    {"head": head, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "verify": verify, "budget": budget}[args.profile](args)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids, sharegpt_p
 from spec.draft_head import DraftHead, HeadConfig, default_aux_layers, unrolled  # noqa: E402
 
 MAX_PROMPT_TOKENS = 1024  # longer ShareGPT prompts are left out (as rollout bench cuts them)
+BENCH_HELD_OUT = 512  # ShareGPT prompts left to rollout bench (its batches take the first ones)
 STEP_WEIGHT = 0.8  # the loss of unrolled step j is weighted STEP_WEIGHT ** j (later drafts matter less)
 
 
@@ -214,10 +215,15 @@ def write_head(head: DraftHead, draft_ids: torch.Tensor, target: ModelConfig, la
 
 
 def prompts_for(engine: Engine, args: argparse.Namespace) -> list[list[int]]:
-    """Chat prompts: arithmetic tasks, and ShareGPT first turns for half when a file is given."""
+    """Chat prompts: arithmetic tasks, and ShareGPT first turns for half when a file is given;
+    none of those `rollout bench` measures on (its ShareGPT prompts are the first BENCH_HELD_OUT
+    of the same shuffle, its arithmetic tasks those of seed 0)."""
     tok = engine.tokenizer
-    share = sharegpt_prompts(args.prompts // 2, seed=args.seed, path=args.sharegpt) if args.sharegpt else []
-    questions = [t.question for t in arithmetic_tasks(args.prompts - len(share), seed=args.seed)] + share
+    share = []
+    if args.sharegpt:
+        share = sharegpt_prompts(BENCH_HELD_OUT + args.prompts // 2, seed=0, path=args.sharegpt)[BENCH_HELD_OUT:]
+    tasks = arithmetic_tasks(args.prompts - len(share), seed=args.seed + 1)
+    questions = [t.question for t in tasks] + share
     return [ids for ids in (chat_prompt_ids(tok, q) for q in questions) if len(ids) <= MAX_PROMPT_TOKENS]
 
 

@@ -74,6 +74,7 @@ class StepPlan:
     draft_rows: int  # drafts verified at most (0: plain decoding)
     drafting: bool  # the drafter runs (draft rows, or for the statistics only)
     shadow: bool  # its whole trees come back to the host
+    chain: bool = False  # a draft head leaves chains for the next step (spec/eagle.py)
 
 
 def rows_at(fraction: float, num_seqs: int, depth: int) -> int:

@@ -46,18 +46,18 @@ class EagleDrafter:
         self.scratch = torch.as_tensor(pool.alloc((max_rows + 1) * max(depth - 1, 1)), device=device).long()
         self.scratch = self.scratch.view(max_rows + 1, -1)
 
-    def trees(self, rows: torch.Tensor, roots: torch.Tensor):
-        """(tokens, parents, depths, ancestors, keys) [S, depth + 1] of the chains left for `rows`
-        (a chain of no drafts where none was left), roots [S] their last tokens."""
-        s, n = rows.shape[0], self.depth + 1
-        node = torch.arange(n, device=rows.device)
-        keys = torch.where(self.on, self.keys[rows], -1)
-        has = torch.cat([torch.ones(s, 1, dtype=torch.bool, device=rows.device), keys >= 0], dim=1)
-        tokens = torch.cat([roots[:, None], self.tokens[rows]], dim=1)
-        parents = torch.where(has, node - 1, PADDING)
-        depths = node.expand(s, n).contiguous()
-        ancestors = ((1 << (node + 1)) - 1).expand(s, n).contiguous()
-        keys = torch.cat([torch.full((s, 1), -1, dtype=torch.long, device=rows.device), torch.where(keys >= 0, keys, -1)], 1)
+    def trees(self, rows: torch.Tensor, roots: torch.Tensor, width: int):
+        """(tokens, parents, depths, ancestors, keys) [S, width + 1] of the chains left for `rows`
+        (a chain of no drafts where none was left; padding past the chain's depth), roots [S] their
+        last tokens."""
+        s, d = rows.shape[0], self.depth
+        node = torch.arange(width + 1, device=rows.device)
+        pad = torch.full((s, width - d + 1), -1, dtype=torch.long, device=rows.device)  # the root's key, then padding
+        keys = torch.cat([pad[:, :1], torch.where(self.on, self.keys[rows], -1), pad[:, 1:]], dim=1)
+        tokens = torch.cat([roots[:, None], self.tokens[rows], pad[:, 1:].clamp(min=0)], dim=1)
+        parents = torch.where((node == 0) | (keys >= 0), node - 1, PADDING)
+        depths = node.expand(s, -1).contiguous()
+        ancestors = ((1 << (node + 1)) - 1).expand(s, -1).contiguous()
         return tokens, parents, depths, ancestors, keys
 
     def extend(self, ids: torch.Tensor, aux: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,10 +2,11 @@
 
     spec = Speculator(config.spec, token_table)
     spec.join(seq) / spec.leave(seq, keep)       a sequence starts or stops running
-    plan = spec.plan(num_seqs, free_slots, draining)   a decode step's draft rows (0: plain decoding), drafting, shadow
+    plan = spec.plan(num_seqs, free_slots, draining)   a decode step's draft rows (0: plain decoding), drafting, chain, shadow
     spec.before_decode(plan.drafting)            what the drafter reads goes to the device, if it runs
-    ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)) ...
+    ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.chain, plan.shadow)) ...
     spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
+    spec.observe_index(misses)                   a hybrid's drafting step: sequences the index had nothing for
     spec.stats()
 
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token
@@ -52,17 +53,18 @@ class _Trees:
 class Speculator:
     def __init__(self, cfg: SpecConfig, table: TokenTable):
         self.enabled = cfg.enabled
-        self.depth = cfg.max_draft_tokens
+        self.depth = cfg.tree_width
         # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
         self.drafts_ahead = "eagle" in cfg.drafters or "mtp" in cfg.drafters
         self.watch = HeadWatch(cfg.head_min_accept) if self.drafts_ahead else None
         self._head_on: torch.Tensor | None = None  # the head's device switch (EagleDrafter.on), once attached
         self._head_active = True
-        self.budget = DraftBudget(cfg.max_draft_tokens, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
+        self.budget = DraftBudget(self.depth, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
         self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if ngram else None
+        self._index_misses = 1  # a hybrid: sequences the index had nothing for in its last drafting step (none seen yet)
         self._waiting: deque[_Trees] = deque()
         self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified
 
@@ -79,6 +81,20 @@ class Speculator:
         """A step verified `chains` of the head's chains; `hits` had their first draft accepted."""
         if self.watch is not None:
             self.watch.observe(chains, hits)
+
+    def observe_index(self, misses: int) -> None:
+        self._index_misses = misses
+
+    @property
+    def step_kinds(self) -> list[tuple[bool, bool]]:
+        """The (drafting, chain) pairs a decode step may have (a CUDA graph each)."""
+        if not self.enabled:
+            return [(False, False)]
+        if not self.drafts_ahead:
+            return [(False, False), (True, False)]
+        if self.draft is None:  # a head alone: a drafting step is its chain
+            return [(False, False), (True, True)]
+        return [(False, False), (True, False), (True, True)]
 
     def join(self, seq: Sequence) -> None:
         if self.enabled:
@@ -117,12 +133,18 @@ class Speculator:
             if active != self._head_active and self._head_on is not None:
                 self._head_on.fill_(active)  # (queued: no wait for the device)
                 self._head_active = active
+            # In a hybrid the chains serve only the sequences the index has nothing for: none had
+            # in its last drafting step (read one step late), none are made (ShareGPT b1 on the
+            # H200, chains of 7 made at every drafting step: the hybrid's steps took 1.51 ms, the
+            # index's alone 0.90, and the index had a tree in 64 of its 69 steps).
             rows, drafting = plan.draft_rows, plan.drafting or self.budget.shadow_next
             if not active and self.draft is None:  # the head alone, switched off: plain decoding, no chains
                 rows, drafting = 0, False
             elif self.watch.probing and not rows:  # a probe verifies the head's chains whatever the estimates say
                 rows = self.budget.fewest_rows(num_seqs, free_slots)
-            plan = StepPlan(rows, drafting or rows > 0, plan.shadow)
+            drafting = drafting or rows > 0
+            chain = drafting and active and (self.draft is None or self._index_misses > 0 or self.watch.probing)
+            plan = StepPlan(rows, drafting, plan.shadow, chain)
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,

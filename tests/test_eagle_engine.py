@@ -52,6 +52,7 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
         for a, b in zip(w, g):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    assert eagle.runner.eagle.depth == eagle.spec.depth == 3  # (--spec-head-steps' default: the chain is the tree)
     stats = eagle.stats()
     assert stats["rollout/spec_draft_tokens"] > 0
     assert stats["rollout/spec_accepted_tokens"] > 0.1 * stats["rollout/output_tokens"]  # the head drafts the target's choices
@@ -102,6 +103,34 @@ def test_hybrid_drafts_from_the_index_where_it_matches_and_from_the_head_elsewhe
     assert stats["rollout/spec_accepted_tokens/eagle"] > 0
     per_sample = [o.spec["by_source"] for g in got for o in g]
     assert sum(s.get("ngram", {}).get("draft_tokens", 0) for s in per_sample) == by["ngram"]
+
+
+def test_a_hybrid_runs_the_heads_chain_only_while_the_index_misses(target_and_head, monkeypatch):
+    """The chain serves the sequences the index has nothing for: a hybrid's drafting step makes
+    chains only if the index missed some sequence in the last drafting step collected before it
+    was planned; where the index matched everywhere the head's steps are saved. Tokens stay spec off's."""
+    target, head, off, prompts = target_and_head
+    hybrid = Engine(model=str(target), spec="auto", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
+                    max_running_seqs=16)
+    events, plan, observe_index = [], hybrid.spec.plan, hybrid.spec.observe_index
+    monkeypatch.setattr(hybrid.spec, "plan", lambda *a, **k: events.append(("plan", plan(*a, **k))) or events[-1][1])
+    monkeypatch.setattr(hybrid.spec, "observe_index", lambda m: (events.append(("misses", m)), observe_index(m)))
+    chains, draft = [], hybrid.runner.eagle.draft
+    monkeypatch.setattr(hybrid.runner.eagle, "draft", lambda *a: chains.append(1) or draft(*a))
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    batch = [[7, 8, 9, 10, 11] * 4, [20, 21, 22] * 6, prompts[0]]  # (repeats: the index matches; a prompt where it may not)
+    want = off.generate(batch, params)
+    got = hybrid.generate(batch, params)
+    assert [o[0].token_ids for o in want] == [o[0].token_ids for o in got]
+    misses, planned = 1, []
+    for kind, value in events:
+        if kind == "misses":
+            misses = value
+        else:
+            assert value.chain == (value.drafting and misses > 0)
+            planned.append(value)
+    assert any(p.drafting and not p.chain for p in planned) and any(p.chain for p in planned)
+    assert len(chains) == sum(p.chain for p in planned) + sum(r.prefill for r in hybrid.step_log)
 
 
 def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and_head, monkeypatch):

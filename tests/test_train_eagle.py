@@ -52,3 +52,21 @@ def test_a_head_trained_on_the_targets_samples_learns_them_and_loads(tmp_path):
         (trained, _), = unrolled(head, embed, tokens[1:], aux[:-1], cos, sin)
         (read, _), = unrolled(loaded.float(), embed, tokens[1:], aux[:-1], cos, sin)
     assert (trained.argmax(-1) == read.argmax(-1)).float().mean() > 0.9  # the same head, in bf16
+
+
+def test_the_heads_prompts_leave_out_the_benchmarks(tmp_path, monkeypatch):
+    """The head trains on none of the prompts rollout bench measures: neither its ShareGPT batches
+    (the first of the same shuffle) nor its arithmetic tasks (seed 0)."""
+    import json
+
+    from rollout.tools.datasets import arithmetic_tasks, sharegpt_prompts
+
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question number {i} please"}]}) + "\n"
+                            for i in range(train_eagle.BENCH_HELD_OUT + 40)))
+    seen: list[str] = []
+    monkeypatch.setattr(train_eagle, "chat_prompt_ids", lambda tok, q: seen.append(q) or [1])
+    args = train_eagle.parse_args(["--out", "-", "--prompts", "64", "--sharegpt", str(path)])
+    assert len(train_eagle.prompts_for(type("E", (), {"tokenizer": None})(), args)) == 64
+    bench = set(sharegpt_prompts(train_eagle.BENCH_HELD_OUT, path=path)) | {t.question for t in arithmetic_tasks(64)}
+    assert len(seen) == 64 and not bench & set(seen)

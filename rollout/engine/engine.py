@@ -152,7 +152,7 @@ class Engine:
         self._build_speculation()
         self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
         if head is not None:
-            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.max_draft_tokens, cfg.max_running_seqs)
+            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.max_running_seqs)
             self.spec.attach_head(self.runner.eagle.on)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
         if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
@@ -163,7 +163,7 @@ class Engine:
             mc = self.model_config
             attn_out = torch.zeros(max_tokens, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
             self.runner.graphs = CudaGraphs(self.runner.run_decode, attn_out, self.table.padding_row,
-                                            cfg.max_running_seqs, capacities, cfg.spec.enabled)
+                                            cfg.max_running_seqs, capacities, self.spec.step_kinds)
             t0 = time.perf_counter()
             count = self.runner.graphs.capture_all()
             log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
@@ -339,7 +339,7 @@ class Engine:
             self.spec.before_decode(plan.drafting)
             self._draft_steps += plan.draft_rows > 0
             slots = self.scheduler.step_slots(len(batch.seqs) + plan.draft_rows)
-            step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.shadow)
+            step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.chain, plan.shadow)
         step.began = began
         return step
 
@@ -369,6 +369,8 @@ class Engine:
         self._steps += 1
         if not prefill:
             self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost)
+            if emitted.index_misses is not None:
+                self.spec.observe_index(emitted.index_misses)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between

@@ -84,37 +84,44 @@ class ModelRunner:
         self.eagle = None  # spec.eagle.EagleDrafter, set by the engine with --spec eagle
         self._rows: BatchRows | None = None  # the last decode batch's
 
+    @property
+    def width(self) -> int:
+        """Draft nodes per sequence per step: the n-gram trees' (a hybrid's chains are padded to
+        them), or a head's chain."""
+        return self.draft.depth if self.draft else self.eagle.depth if self.eagle else 0
+
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
     def launch_decode(self, batch: Batch, slots: np.ndarray, draft_rows: int, drafting: bool,
-                      shadow: bool = False) -> StepInFlight:
+                      chain: bool = False, shadow: bool = False) -> StepInFlight:
         """Queue a decode or verify step of every sequence in `batch` on the device: its roots and
         at most `draft_rows` drafts, with the KV slots of those rows in `slots` [S + draft_rows]
         (the scheduler's); it may follow a step not yet collected. `drafting`: the drafter runs
-        (draft_rows > 0 needs it; with none it only looks, for the statistics); `shadow`: its
-        whole trees come back to the host."""
+        (draft_rows > 0 needs it; with none it only looks, for the statistics); `chain`: a draft
+        head leaves chains for the next step (spec/eagle.py); `shadow`: the whole trees come back
+        to the host."""
         seqs = batch.seqs
         s = len(seqs)
         b = self._batch_rows(batch)
         mode, top = b.sampling.mode, b.top
         clock = DeviceClock(self.device)
         plain = not b.editing and not top
-        shape = self.graphs.shape(s, draft_rows, drafting, mode) if self.graphs is not None and plain else None
+        shape = self.graphs.shape(s, draft_rows, drafting, chain, mode) if self.graphs is not None and plain else None
         if shape is not None:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, b))
         else:
             inputs = DecodeInputs(*(to_device(a, self.device) for a in DecodeInputs.host_arrays(slots, b)), s, len(slots))
             edit = (lambda layout: self._edits(seqs, layout)) if b.editing else None
             # the host's tokens trail the device by the step in flight, if any: at most the widest step
-            widest = (self.draft.depth if self.draft else 0) + 1
+            widest = self.width + 1
             max_kv = min(max(len(q.tokens) for q in seqs) + 2 * widest, self.pool.max_context)
-            out = self.run_decode(inputs, draft_rows, drafting, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
+            out = self.run_decode(inputs, draft_rows, drafting, chain, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
         tensors = [out.ints, out.logprobs]
         if shadow and out.trees is not None:
             tensors += list(out.trees)
         if top:
             tensors += list(out.top)
-        return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows,
+        return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows, drafting=drafting,
                             shadow=shadow and out.trees is not None, top=bool(top))
 
     def _batch_rows(self, batch: Batch) -> BatchRows:
@@ -123,7 +130,7 @@ class ModelRunner:
             self._rows = BatchRows.of(batch)
         return self._rows
 
-    def run_decode(self, x: DecodeInputs, draft_rows: int, drafting: bool, mode: str, edit=None,
+    def run_decode(self, x: DecodeInputs, draft_rows: int, drafting: bool, chain: bool, mode: str, edit=None,
                    top_logprobs: int = 0, attn_out: torch.Tensor | None = None,
                    max_kv_len: int | None = None) -> DecodeOutputs:
         """The step on the device (what a CUDA graph captures): draft, choose the batch's best
@@ -143,14 +150,14 @@ class ModelRunner:
                                                   x.rows, d.scan[x.groups.long()], d.window, d.min_match, d.cands,
                                                   d.depth, d.depth)
             if eagle is not None:  # hybrid: the index's tree where it found one, else the chain the step before left
-                chain = eagle.trees(rows, table.tokens[rows, kv].long())
+                chains = eagle.trees(rows, table.tokens[rows, kv].long(), d.depth)
                 from_head = (key[:, 1:] < 0).all(dim=1)
                 tok, par, dep, anc, key = (torch.where(from_head[:, None], c.to(t.dtype), t)
-                                           for t, c in zip((tok, par, dep, anc, key), chain))
+                                           for t, c in zip((tok, par, dep, anc, key), chains))
                 from_head = from_head.long()
             trees = (tok, dep, anc, key)
         elif eagle is not None:  # the chains the step before left
-            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long())
+            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long(), eagle.depth)
             trees = (tok, dep, anc, key)
         if draft_rows:
             layout = lay_out_drafts(tok, par, dep, anc, key, kv, out_pos, x.slots, draft_rows)
@@ -187,7 +194,7 @@ class ModelRunner:
             par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
-        if eagle is not None and not drafting:  # (the budget expects no drafts next: the head's KV is kept, no chain)
+        if eagle is not None and not chain:  # (no drafts from the head next: its KV is kept, no chain)
             eagle.forget(rows)
         elif eagle is not None:  # the next step's chains, from each sequence's deepest accepted node
             deepest = bits.double().log2().floor().long()
@@ -347,12 +354,14 @@ class ModelRunner:
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
             top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
+        misses = None
         if self.eagle is None or self.draft is None:  # one drafter
             sources = ["ngram" if self.eagle is None else self.eagle.source] * s
         else:
             names = ("ngram", self.eagle.source)  # by the step's from-head column
             sources = [names[h] for h in ints[:, n + 3].tolist()]
-        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top)
+            misses = int(ints[:, n + 3].sum()) if step.drafting else None
+        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -81,6 +81,7 @@ class Emitted:
     drafted: list[int]  # draft tokens verified for each sequence (accepted: its tokens less one)
     sources: list[str] | None = None  # each sequence's drafter (decode and verify steps)
     top: list[list[tuple[list[int], list[float]]]] | None = None  # per token: the most likely tokens and their logprobs
+    index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,7 @@ class StepInFlight:
     result: HostCopy
     slots: np.ndarray | None = None  # [S + draft_rows] decode/verify: each row's KV slot
     rows: np.ndarray | None = None  # [S] decode/verify: each sequence's row at launch
+    drafting: bool = False  # decode/verify: the drafter ran
     shadow: bool = False  # the drafter's whole trees come back too
     top: bool = False
     trees: tuple[np.ndarray, ...] | None = None  # those trees (tokens, depths, ancestors, keys [S, depth + 1]), once collected
