@@ -293,7 +293,8 @@ def head(args: argparse.Namespace) -> None:
     base = None
     for steps in [0] + [int(x) for x in args.head_steps.split(",")]:
         kw = {"spec": "off"} if not steps else {"spec": args.spec, "spec_draft_model": head_dir, "spec_adaptive": False,
-                                                "spec_head_steps": steps, "spec_max_draft_tokens": max(8, steps)}
+                                                "spec_head_steps": steps, "spec_max_draft_tokens": max(8, steps),
+                                                "spec_head_min_accept": 0.0}  # (the whole chain, whatever is accepted)
         engine = Engine(model=model, load_format=load, device=args.device, kv_cache_tokens=50_000, **kw)
         prompts, _ = workload_prompts(opts, engine.tokenizer, args.prompts)
         engine.generate(prompts[:1], params)  # (warm-up)
