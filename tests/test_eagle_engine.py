@@ -288,3 +288,24 @@ def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_mode
                 torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
         assert eagle.stats()["rollout/spec_draft_tokens/eagle"] > 0
         del eagle
+
+
+def test_a_hybrids_draft_rows_go_to_the_index_before_the_head():
+    """Keys of a hybrid's trees: every index draft outranks every head draft (the head fills what
+    the index leaves), each drafter's drafts keep their order, roots and padding stay -1."""
+    from kernels.ngram_draft import KEY_SCALE
+    from rollout.engine.model_runner import index_first
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randint(0, KEY_SCALE, (64, 9), generator=g)
+    keys[:, 0] = -1
+    keys[torch.rand(64, 9, generator=g) < 0.2] = -1
+    from_head = torch.rand(64, generator=g) < 0.5
+    out = index_first(keys, from_head)
+    assert ((out < 0) == (keys < 0)).all() and (out < KEY_SCALE).all()
+    real = keys >= 0
+    head, index = out[real & from_head[:, None]], out[real & ~from_head[:, None]]
+    assert head.numel() and index.numel() and head.max() < index.min()
+    for mask in (real & from_head[:, None], real & ~from_head[:, None]):
+        a, b = keys[mask], out[mask]
+        assert ((a[:, None] > a[None, :]) <= (b[:, None] >= b[None, :])).all()  # order kept (ties may merge)

@@ -30,7 +30,7 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.draft_rows import lay_out_drafts
-from kernels.ngram_draft import draft_trees
+from kernels.ngram_draft import KEY_SCALE, draft_trees
 from kernels.tree_accept import accept_trees
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.logits_processing import LogitEdits, logit_edits
@@ -68,6 +68,17 @@ def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> t
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device), emb.sin().to(device)
+
+
+def index_first(keys: torch.Tensor, from_head: torch.Tensor) -> torch.Tensor:
+    """A hybrid's keys [S, N] (-1: root and padding) so that the batch's draft rows go to the
+    index's drafts before any of the head's (kernels/draft_rows.py takes the best keys): the index's
+    in the upper half of the key range, the head's in the lower, each in its own order. The head
+    fills what the index leaves, and the two drafters' keys, which estimate acceptance each its
+    own way, are never compared."""
+    half = KEY_SCALE // 2
+    shifted = torch.where(from_head[:, None], keys // 2, half + keys // 2)
+    return torch.where(keys >= 0, shifted, keys)
 
 
 class ModelRunner:
@@ -154,6 +165,7 @@ class ModelRunner:
                 from_head = (key[:, 1:] < 0).all(dim=1)
                 tok, par, dep, anc, key = (torch.where(from_head[:, None], c.to(t.dtype), t)
                                            for t, c in zip((tok, par, dep, anc, key), chains))
+                key = index_first(key, from_head)
                 from_head = from_head.long()
             trees = (tok, dep, anc, key)
         elif eagle is not None:  # the chains the step before left
