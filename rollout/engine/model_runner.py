@@ -5,9 +5,9 @@ A prefill step (prompt chunks, with one decode token of every running sequence r
 runs eagerly: the host knows every token, position and KV slot, lays them out, and records
 the prompt and the drawn tokens in the token table (rollout/engine/token_table.py).
 
-A decode or verify step is one device function (`run_decode`), captured as a CUDA graph
-per (batch bucket, draft rows, drafting, sampling mode) on the GPU. The host gives it only the
-sequences' rows, KV slots from the scheduler (one per row: a root per sequence, and the step's
+A decode or verify step is one device function (`run_decode`), captured as a CUDA graph per
+(batch bucket, draft rows, drafting, a head's chain, sampling mode) on the GPU. The host gives
+it only the sequences' rows, KV slots from the scheduler (one per row: a root per sequence, and the step's
 draft rows) and sampling parameters; everything else comes from the device: each sequence's
 last token and length from the token table, its draft tree from the drafter
 (kernels/ngram_draft.py, when drafting), which of the batch's drafts get the step's draft rows
