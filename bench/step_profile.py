@@ -310,7 +310,8 @@ def head(args: argparse.Namespace) -> None:
         print(f"| {kw['spec']} | {steps or '-'} | {rate:,.0f} | {rate / base[0]:.2f}x | {step_ms:.2f} | {step_ms / base[1]:.2f}x "
               f"| {get('accept_length') or 1:.2f} | {get('head_version_first_accept'):.2f} | {get('accept_rate'):.3f} |")
         del engine
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 RANDOM_HEADS = {  # EAGLE-3 heads as published for these targets (hidden, intermediate, heads, kv heads, draft vocabulary)

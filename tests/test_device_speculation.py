@@ -36,11 +36,11 @@ def outputs(engine, prompts, params):
     return [o for group in engine.generate(prompts, params, return_logprob=True) for o in group]
 
 
-def same(a, b) -> None:
+def same(a, b, atol: float = 1e-5) -> None:
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
     for x, y in zip(a, b):
-        assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0) <= 1e-5
+        assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0) <= atol
 
 
 @pytest.mark.parametrize("spec", [FIXED, FEW_ROWS], ids=["every-draft", "best-drafts"])

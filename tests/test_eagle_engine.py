@@ -20,6 +20,7 @@ from rollout.tools.datasets import arithmetic_tasks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import train_eagle  # noqa: E402
+from test_device_speculation import outputs, same  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +47,14 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
                    device="cpu", max_running_seqs=16, max_prefill_tokens=16)  # (long prompts come in chunks)
     params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
     batch = prompts[:6] + [list(range(3, 40))]
-    want = off.generate(batch, params, return_logprob=True)
-    got = eagle.generate(batch, params, return_logprob=True)
-    for w, g in zip(want, got):
-        for a, b in zip(w, g):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    got = outputs(eagle, batch, params)
+    same(outputs(off, batch, params), got)
     assert eagle.runner.eagle.depth == eagle.spec.depth == 3  # (--spec-head-steps' default: the chain is the tree)
     stats = eagle.stats()
     assert stats["rollout/spec_draft_tokens"] > 0
     assert stats["rollout/spec_accepted_tokens"] > 0.1 * stats["rollout/output_tokens"]  # the head drafts the target's choices
     assert stats["rollout/spec_draft_tokens/eagle"] == stats["rollout/spec_draft_tokens"]  # counted by source
-    assert got[0][0].spec["by_source"].keys() == {"eagle"}
+    assert got[0].spec["by_source"].keys() == {"eagle"}
 
 
 def test_an_eagle1_head_drafts_in_the_step_and_greedy_equals_spec_off(target_and_head, tmp_path):
@@ -72,12 +69,8 @@ def test_an_eagle1_head_drafts_in_the_step_and_greedy_equals_spec_off(target_and
                     device="cpu", max_running_seqs=16)
     assert eagle1.runner.eagle.aux_layers == (4,)  # (the tiny target's 4 layers: past the last)
     params = SamplingParams(temperature=0, max_new_tokens=24, n=2)
-    want = off.generate(prompts[:4], params, return_logprob=True)
-    got = eagle1.generate(prompts[:4], params, return_logprob=True)
-    for w, g in zip(want, got):
-        for a, b in zip(w, g):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    got = outputs(eagle1, prompts[:4], params)
+    same(outputs(off, prompts[:4], params), got)
     assert eagle1.stats()["rollout/spec_draft_tokens/eagle"] > 0
 
 
@@ -91,17 +84,13 @@ def test_hybrid_drafts_from_the_index_where_it_matches_and_from_the_head_elsewhe
                     max_running_seqs=16)
     params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
     batch = prompts[:4] + [[7, 8, 9, 10, 11] * 4, [20, 21, 22] * 6]  # (repeats: the index finds matches in these)
-    want = off.generate(batch, params, return_logprob=True)
-    got = hybrid.generate(batch, params, return_logprob=True)
-    for w, g in zip(want, got):
-        for a, b in zip(w, g):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    got = outputs(hybrid, batch, params)
+    same(outputs(off, batch, params), got)
     stats = hybrid.stats()
     by = {src: stats[f"rollout/spec_draft_tokens/{src}"] for src in ("ngram", "eagle")}
     assert by["ngram"] > 0 and by["eagle"] > 0 and sum(by.values()) == stats["rollout/spec_draft_tokens"]
     assert stats["rollout/spec_accepted_tokens/eagle"] > 0
-    per_sample = [o.spec["by_source"] for g in got for o in g]
+    per_sample = [o.spec["by_source"] for o in got]
     assert sum(s.get("ngram", {}).get("draft_tokens", 0) for s in per_sample) == by["ngram"]
 
 
@@ -225,15 +214,10 @@ def test_spec_mtp_drafts_with_the_checkpoints_own_mtp_layer(tmp_path):
     params = SamplingParams(temperature=0, max_new_tokens=24, n=2)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 12))] for _ in range(3)]
-    want = make(qwen, "off").generate(prompts, params, return_logprob=True)
-    assert [[o.token_ids for o in g] for g in make(mimo, "off").generate(prompts, params)] == \
-        [[o.token_ids for o in g] for g in want]
+    want = outputs(make(qwen, "off"), prompts, params)
+    same(want, outputs(make(mimo, "off"), prompts, params))
     mtp = make(mimo, "mtp", spec_adaptive=False)
-    got = mtp.generate(prompts, params, return_logprob=True)
-    for w, g in zip(want, got):
-        for a, b in zip(w, g):
-            assert a.token_ids == b.token_ids
-            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    same(want, outputs(mtp, prompts, params))
     stats = mtp.stats()
     assert stats["rollout/spec_draft_tokens/mtp"] == stats["rollout/spec_draft_tokens"] > 0
     with pytest.raises(ValueError, match="no MTP layers"):
@@ -276,16 +260,12 @@ def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_mode
                            tmp_path / "head")
     prompts = [t.question for t in arithmetic_tasks(3, seed=2)] + ["Name three primary colors."]
     params = SamplingParams(temperature=0, max_new_tokens=32, n=2)
-    want = off.generate(prompts, params, return_logprob=True)
+    want = outputs(off, prompts, params)
     for spec, graphs in (("eagle", True), ("eagle", False), ("auto", True)):  # (auto with a head: the hybrid)
         eagle = Engine(model=str(default_model_dir), spec=spec, spec_draft_model=str(tmp_path / "head"),
                        spec_adaptive=False, device="cuda", dtype="float32", kv_cache_tokens=50_000, cuda_graphs=graphs)
         assert (eagle.runner.graphs is not None) == graphs
-        got = eagle.generate(prompts, params, return_logprob=True)
-        for w, g in zip(want, got):
-            for a, b in zip(w, g):
-                assert a.token_ids == b.token_ids
-                torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+        same(want, outputs(eagle, prompts, params), atol=1e-4)
         assert eagle.stats()["rollout/spec_draft_tokens/eagle"] > 0
         del eagle
 

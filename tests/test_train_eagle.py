@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tiny_models import make_tiny_model
@@ -67,6 +68,6 @@ def test_the_heads_prompts_leave_out_the_benchmarks(tmp_path, monkeypatch):
     seen: list[str] = []
     monkeypatch.setattr(train_eagle, "chat_prompt_ids", lambda tok, q: seen.append(q) or [1])
     args = train_eagle.parse_args(["--out", "-", "--prompts", "64", "--sharegpt", str(path)])
-    assert len(train_eagle.prompts_for(type("E", (), {"tokenizer": None})(), args)) == 64
+    assert len(train_eagle.prompts_for(SimpleNamespace(tokenizer=None), args)) == 64
     bench = set(sharegpt_prompts(train_eagle.BENCH_HELD_OUT, path=path)) | {t.question for t in arithmetic_tasks(64)}
     assert len(seen) == 64 and not bench & set(seen)
