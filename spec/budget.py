@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout.engine.step import bucket
+from rollout.engine.step import HeadWork, bucket
 
 SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance statistics
 COST_WINDOW = 5  # periods kept per bucket (plain) and per (bucket, draft rows)
@@ -74,7 +74,7 @@ class StepPlan:
     draft_rows: int  # drafts verified at most (0: plain decoding)
     drafting: bool  # the drafter runs (draft rows, or for the statistics only)
     shadow: bool  # its whole trees come back to the host
-    chain: bool = False  # a draft head leaves chains for the next step (spec/eagle.py)
+    head: HeadWork = HeadWork.NONE  # what a draft head does in the step (spec/eagle.py)
 
 
 def rows_at(fraction: float, num_seqs: int, depth: int) -> int:

@@ -40,7 +40,9 @@ class EagleDrafter:
         self.aux_width = len(self.aux_layers) * model.config.hidden_size
         self.tokens = torch.zeros(max_rows + 1, depth, dtype=torch.long, device=device)  # target ids
         self.keys = torch.full((max_rows + 1, depth), -1, dtype=torch.long, device=device)
-        self.on = torch.ones(1, dtype=torch.bool, device=device)  # off: its chains are masked (spec/head_watch.py)
+        # rows whose head KV holds every token (the head ran over their prompt and every step
+        # since): only they draft chains (a sleeping head's sequences fall behind: HeadCycle)
+        self.tracked = torch.zeros(max_rows + 1, dtype=torch.bool, device=device)
         self.d2t = head.draft_to_target.to(device)
         # each KV row's scratch slots for its chain's drafts after the first (never freed)
         self.scratch = torch.as_tensor(pool.alloc((max_rows + 1) * max(depth - 1, 1)), device=device).long()
@@ -53,7 +55,7 @@ class EagleDrafter:
         s, d = rows.shape[0], self.depth
         node = torch.arange(width + 1, device=rows.device)
         pad = torch.full((s, width - d + 1), -1, dtype=torch.long, device=rows.device)  # the root's key, then padding
-        keys = torch.cat([pad[:, :1], torch.where(self.on, self.keys[rows], -1), pad[:, 1:]], dim=1)
+        keys = torch.cat([pad[:, :1], torch.where(self.tracked[rows, None], self.keys[rows], -1), pad[:, 1:]], dim=1)
         tokens = torch.cat([roots[:, None], self.tokens[rows], pad[:, 1:].clamp(min=0)], dim=1)
         parents = torch.where((node == 0) | (keys >= 0), node - 1, PADDING)
         depths = node.expand(s, -1).contiguous()
@@ -72,6 +74,15 @@ class EagleDrafter:
     def forget(self, rows: torch.Tensor) -> None:
         """These rows start without drafts (a fork's first step)."""
         self.keys.index_fill_(0, rows, -1)  # (a scalar fill: index assignment copies a host tensor, which capture refuses)
+
+    def untrack(self, rows: torch.Tensor) -> None:
+        """The head skipped these rows' tokens (it sleeps): no chains for them from now on."""
+        self.tracked.index_fill_(0, rows, False)
+        self.forget(rows)
+
+    def track(self, rows: torch.Tensor, like: torch.Tensor | None = None) -> None:
+        """These rows' head KV is whole (their prompt starts now), or as whole as `like` rows' (forks)."""
+        self.tracked[rows] = True if like is None else self.tracked[like]
 
     def draft(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor,
               backend, cos: torch.Tensor, sin: torch.Tensor) -> None:

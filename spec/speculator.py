@@ -2,9 +2,10 @@
 
     spec = Speculator(config.spec, token_table)
     spec.join(seq) / spec.leave(seq, keep)       a sequence starts or stops running
-    plan = spec.plan(num_seqs, free_slots, draining)   a decode step's draft rows (0: plain decoding), drafting, chain, shadow
+    plan = spec.plan(num_seqs, free_slots, draining)   a decode step's draft rows (0: plain decoding), drafting, head work, shadow
     spec.before_decode(plan.drafting)            what the drafter reads goes to the device, if it runs
-    ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.chain, plan.shadow)) ...
+    ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.head, plan.shadow)) ...
+    spec.head_for_prefill(new_prompts)           whether a prefill step runs the draft head
     spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
     spec.observe_index(misses)                   a hybrid's drafting step: sequences the index had nothing for
     spec.stats()
@@ -22,14 +23,13 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from rollout.config import SpecConfig
 from rollout.engine.sequence import Sequence
-from rollout.engine.step import DraftSettings
+from rollout.engine.step import DraftSettings, HeadWork
 from rollout.engine.token_table import TokenTable
 from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
-from spec.head_watch import HeadWatch
+from spec.head_watch import HeadCycle, HeadWatch
 from spec.index import NgramIndex
 
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
@@ -58,8 +58,7 @@ class Speculator:
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
         self.drafts_ahead = "eagle" in cfg.drafters or "mtp" in cfg.drafters
         self.watch = HeadWatch(cfg.head_min_accept) if self.drafts_ahead else None
-        self._head_on: torch.Tensor | None = None  # the head's device switch (EagleDrafter.on), once attached
-        self._head_active = True
+        self.cycle = HeadCycle() if self.drafts_ahead else None
         self.budget = DraftBudget(self.depth, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
@@ -68,33 +67,37 @@ class Speculator:
         self._waiting: deque[_Trees] = deque()
         self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified
 
-    def attach_head(self, switch: torch.Tensor) -> None:
-        """The head's device switch: set as the watch decides, before the step it applies to."""
-        self._head_on, self._head_active = switch, True
-        switch.fill_(True)
-
     def on_weights(self, version: int, head_pushed: bool) -> None:
         if self.watch is not None:
             self.watch.on_weights(version, head_pushed)
+            self.cycle.wake_next = self.cycle.wake_next or head_pushed
 
     def observe_head(self, chains: int, hits: int) -> None:
-        """A step verified `chains` of the head's chains; `hits` had their first draft accepted."""
+        """A step verified `chains` (> 0) of the head's chains; `hits` had their first draft accepted."""
         if self.watch is not None:
             self.watch.observe(chains, hits)
+            self.cycle.verified()
+
+    def head_for_prefill(self, new_prompts: bool) -> bool:
+        """Whether a prefill step runs the draft head (`new_prompts`: it admits prompts' first chunks)."""
+        if self.cycle is None:
+            return False
+        return self.cycle.admit(self.watch.switched_off) if new_prompts else self.cycle.awake
 
     def observe_index(self, misses: int) -> None:
         self._index_misses = misses
 
     @property
-    def step_kinds(self) -> list[tuple[bool, bool]]:
-        """The (drafting, chain) pairs a decode step may have (a CUDA graph each)."""
+    def step_kinds(self) -> list[tuple[bool, HeadWork]]:
+        """The (drafting, head work) pairs a decode step may have (a CUDA graph each)."""
+        none, pass_, chain = HeadWork.NONE, HeadWork.PASS, HeadWork.CHAIN
         if not self.enabled:
-            return [(False, False)]
+            return [(False, none)]
         if not self.drafts_ahead:
-            return [(False, False), (True, False)]
+            return [(False, none), (True, none)]
         if self.draft is None:  # a head alone: a drafting step is its chain
-            return [(False, False), (True, True)]
-        return [(False, False), (True, False), (True, True)]
+            return [(False, none), (False, pass_), (True, chain)]
+        return [(False, none), (True, none), (False, pass_), (True, pass_), (True, chain)]
 
     def join(self, seq: Sequence) -> None:
         if self.enabled:
@@ -126,25 +129,26 @@ class Speculator:
         if self.drafts_ahead:
             # Chains for the next step where it will likely verify them (this one does: the
             # budget's choice changes seldom from one step to the next) or where its trees come
-            # back for the statistics. A head's chain is depth - 1 steps of its own, run for
-            # every sequence: at a large batch where nothing is verified, a third of the step.
-            # (The n-gram drafter of a hybrid runs in the same steps: every drafting one.)
-            active = self.watch.active()
-            if active != self._head_active and self._head_on is not None:
-                self._head_on.fill_(active)  # (queued: no wait for the device)
-                self._head_active = active
-            # In a hybrid the chains serve only the sequences the index has nothing for: none had
-            # in its last drafting step (read one step late), none are made (ShareGPT b1 on the
-            # H200, chains of 7 made at every drafting step: the hybrid's steps took 1.51 ms, the
-            # index's alone 0.90, and the index had a tree in 64 of its 69 steps).
+            # back for the statistics. A head's chain is a step of its own per draft, run for
+            # every sequence. In a hybrid the chains serve only the sequences the index has
+            # nothing for: none had in its last drafting step (read one step late), none are made
+            # (ShareGPT b1 on the H200, chains of 7 made at every drafting step: the hybrid's
+            # steps took 1.51 ms, the index's alone 0.90, and the index had a tree in 64 of its
+            # 69 steps). A sleeping head (spec/head_watch.py HeadCycle) does nothing.
+            awake = self.cycle.step(self.watch.switched_off)
+            probing = awake and not self.watch.on  # (a switched-off head's wake-up)
             rows, drafting = plan.draft_rows, plan.drafting or self.budget.shadow_next
-            if not active and self.draft is None:  # the head alone, switched off: plain decoding, no chains
-                rows, drafting = 0, False
-            elif self.watch.probing and not rows:  # a probe verifies the head's chains whatever the estimates say
-                rows = self.budget.fewest_rows(num_seqs, free_slots)
-            drafting = drafting or rows > 0
-            chain = drafting and active and (self.draft is None or self._index_misses > 0 or self.watch.probing)
-            plan = StepPlan(rows, drafting, plan.shadow, chain)
+            if not awake:
+                head = HeadWork.NONE
+                if self.draft is None:  # the head alone: plain decoding
+                    rows, drafting = 0, False
+            else:
+                if probing and not rows:  # a probe verifies the head's chains whatever the estimates say
+                    rows = self.budget.fewest_rows(num_seqs, free_slots)
+                drafting = drafting or rows > 0
+                chain = drafting and (self.draft is None or self._index_misses > 0 or probing)
+                head = HeadWork.CHAIN if chain else HeadWork.PASS
+            plan = StepPlan(rows, drafting, plan.shadow, head)
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
@@ -185,6 +189,7 @@ class Speculator:
         out.update({f"rollout/spec_cost_ms_{k}": v for k, v in self.budget.costs().items()})
         if self.watch is not None:
             out.update(self.watch.stats())
+            out.update(self.cycle.stats())
         return out
 
 

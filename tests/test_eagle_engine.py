@@ -15,6 +15,7 @@ from tiny_models import make_tiny_model
 from rollout import Engine, SamplingParams
 from rollout.config import SpecConfig
 from rollout.models.weights import WeightError
+from rollout.engine.step import HeadWork
 from spec.budget import SHADOW_EVERY, StepPlan
 from rollout.tools.datasets import arithmetic_tasks
 
@@ -116,10 +117,12 @@ def test_a_hybrid_runs_the_heads_chain_only_while_the_index_misses(target_and_he
         if kind == "misses":
             misses = value
         else:
-            assert value.chain == (value.drafting and misses > 0)
-            planned.append(value)
-    assert any(p.drafting and not p.chain for p in planned) and any(p.chain for p in planned)
-    assert len(chains) == sum(p.chain for p in planned) + sum(r.prefill for r in hybrid.step_log)
+            chain = value.head == HeadWork.CHAIN
+            assert chain == (value.drafting and misses > 0) and value.head != HeadWork.NONE  # (awake throughout)
+            planned.append(chain)
+    drafting = [p.drafting for kind, p in events if kind == "plan"]
+    assert any(d and not c for d, c in zip(drafting, planned)) and any(planned)
+    assert len(chains) == sum(planned) + sum(r.prefill for r in hybrid.step_log)
 
 
 def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and_head, monkeypatch):
@@ -147,6 +150,33 @@ def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and
     assert len(chains) <= sum(drafting) + prefills < len(plans)  # (a prefill leaves chains for the prompts it ends)
     assert returned and all((keys[:, 1:] >= 0).any() for keys in returned)  # the trees that came back hold chains
     assert eagle.stats()["rollout/spec_draft_tokens"] == 0
+
+
+def test_a_head_the_budget_does_not_verify_sleeps_and_wakes_for_new_prompts(target_and_head, monkeypatch):
+    """Not verified for IDLE_STEPS steps the head goes to sleep: its pass over the steps' rows stops
+    (and the running sequences' chains with it); once it slept SLEEP_STEPS steps, the next prompts
+    admitted wake it and their chains are verified. Tokens stay spec off's throughout."""
+    import spec.head_watch as head_watch
+
+    monkeypatch.setattr(head_watch, "IDLE_STEPS", 4)
+    monkeypatch.setattr(head_watch, "SLEEP_STEPS", 8)
+    target, head, off, prompts = target_and_head
+    eagle = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
+                   max_running_seqs=16)
+    passes, extend = [], eagle.runner.eagle.extend
+    monkeypatch.setattr(eagle.runner.eagle, "extend", lambda *a: passes.append(1) or extend(*a))
+    budget_plan = eagle.spec.budget.plan
+    monkeypatch.setattr(eagle.spec.budget, "plan", lambda *a, **k: StepPlan(0, False, False))  # (verifies nothing)
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    want = off.generate(prompts[:6], params)
+    assert [o[0].token_ids for o in eagle.generate(prompts[:3], params)] == [o[0].token_ids for o in want[:3]]
+    stats = eagle.stats()
+    assert stats["rollout/spec_head_sleeps"] == 1 and stats["rollout/spec_head_awake"] == 0.0
+    assert len(passes) <= 1 + 5 < len(eagle.step_log)  # (the prefill's, then the steps before it slept)
+    monkeypatch.setattr(eagle.spec.budget, "plan", budget_plan)
+    assert [o[0].token_ids for o in eagle.generate(prompts[3:6], params)] == [o[0].token_ids for o in want[3:]]
+    stats = eagle.stats()
+    assert stats["rollout/spec_head_awake"] == 1.0 and stats["rollout/spec_draft_tokens/eagle"] > 0
 
 
 def test_a_push_that_leaves_the_head_behind_switches_it_off_and_a_push_of_its_weights_back_on(target_and_head, tmp_path):

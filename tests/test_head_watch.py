@@ -1,22 +1,21 @@
-"""The draft head's watch (spec/head_watch.py): switched off under a weight version whose drafts
-it no longer predicts, probed while off, back on after probes that pay or a push of its weights."""
+"""The draft head's watch and sleep cycle (spec/head_watch.py): switched off under a weight
+version whose drafts it no longer predicts, back on after probes that pay or a push of its
+weights; asleep while it is not verified or switched off, awake again for new prompts."""
 
 from __future__ import annotations
 
-from spec.head_watch import MIN_CHAINS, PROBE_EVERY, PROBE_STEPS, HeadWatch
+from spec.head_watch import IDLE_STEPS, MIN_CHAINS, SLEEP_STEPS, HeadCycle, HeadWatch
 
 
-def test_a_head_accepted_too_rarely_is_switched_off_and_probed():
+def test_a_head_accepted_too_rarely_is_switched_off_and_on_after_probes_that_pay():
     w = HeadWatch(min_accept=0.2)
     w.on_weights(1, head_pushed=False)
     w.observe(MIN_CHAINS - 1, 0)
     assert w.on  # (too few drafts to decide)
     w.observe(1, 0)
     assert not w.on and w.switched_off == 1
-    active = [w.active() for _ in range(2 * PROBE_EVERY)]
-    assert sum(active) == 2 * PROBE_STEPS and not any(active[: PROBE_EVERY - PROBE_STEPS])
     w.observe(MIN_CHAINS, MIN_CHAINS // 2)  # the probes' drafts pay again
-    assert w.on and w.switched_on == 1 and w.active()
+    assert w.on and w.switched_on == 1
     assert w.stats()["rollout/spec_head_on"] == 1.0 and len(w.transitions) == 2
 
 
@@ -30,3 +29,22 @@ def test_a_push_of_the_heads_weights_switches_it_on_and_counts_start_over():
     assert w.on and w.version == 3 and "pushed" in w.transitions[-1]
     w.observe(MIN_CHAINS, MIN_CHAINS // 4)  # (0.25: pays)
     assert w.on and w.stats()["rollout/spec_head_version_first_accept"] == 0.25
+
+
+def test_a_head_not_verified_sleeps_and_wakes_for_new_prompts_after_a_while():
+    c = HeadCycle()
+    assert all(c.step(0) for _ in range(IDLE_STEPS // 2))
+    c.verified()  # (its chains were verified: idle from here)
+    assert [c.step(0) for _ in range(IDLE_STEPS + 3)] == [True] * IDLE_STEPS + [False] * 3
+    assert c.sleeps == 1 and not c.admit(0)  # (too soon)
+    for _ in range(SLEEP_STEPS):
+        c.step(0)
+    assert c.admit(0) and c.step(0) and c.stats()["rollout/spec_head_awake"] == 1.0
+
+
+def test_a_switched_off_head_sleeps_and_a_push_of_its_weights_wakes_it_at_the_next_admission():
+    c = HeadCycle()
+    assert c.step(0) and not c.step(1)  # the watch switched it off
+    c.wake_next = True
+    assert c.admit(1) and c.step(1)  # (a probe: the watch is still off, the switch-off is not new)
+    assert not c.step(2)

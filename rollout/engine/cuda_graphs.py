@@ -1,4 +1,4 @@
-"""CUDA graphs of decode and verify steps: one per (batch bucket, draft rows, drafting, chain, sampling mode).
+"""CUDA graphs of decode and verify steps: one per (batch bucket, draft rows, drafting, head work, sampling mode).
 
 A decode step of a small model is mostly kernel-launch time; replaying a captured graph turns
 hundreds of launches into one. A graph holds the whole of a decode step (`ModelRunner.run_decode`): the
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.engine.step import BATCH_BUCKETS, DecodeInputs, DecodeOutputs, bucket
+from rollout.engine.step import BATCH_BUCKETS, DecodeInputs, DecodeOutputs, HeadWork, bucket
 
 MODES = ("greedy", "sample")  # captured up front; truncation is captured when first used
 
-Shape = tuple[int, int, bool, bool, str]  # batch bucket, draft rows, drafting, a head's chain, sampling mode
+Shape = tuple[int, int, bool, HeadWork, str]  # batch bucket, draft rows, drafting, a draft head's work, sampling mode
 
 
 @dataclass
@@ -39,11 +39,11 @@ class _Graph:
 
 class CudaGraphs:
     def __init__(self, run_decode: Callable[..., DecodeOutputs], attn_out: torch.Tensor, padding_row: int,
-                 max_batch: int, capacities: Callable[[int], list[int]], kinds: list[tuple[bool, bool]]):
-        """`run_decode(inputs, draft_rows, drafting, chain, mode, attn_out=...)` is the step to capture
+                 max_batch: int, capacities: Callable[[int], list[int]], kinds: list[tuple[bool, HeadWork]]):
+        """`run_decode(inputs, draft_rows, drafting, head, mode, attn_out=...)` is the step to capture
         (ModelRunner's); `attn_out` [max rows, heads, head_dim] its attention output buffer, shared by
         every graph; `capacities(bucket)`: the draft rows a step of that bucket may have (0 included);
-        `kinds`: the (drafting, chain) pairs a step may have (Speculator.step_kinds)."""
+        `kinds`: the (drafting, head work) pairs a step may have (Speculator.step_kinds)."""
         self.run_decode = run_decode
         self.device = attn_out.device
         self.padding_row = padding_row
@@ -63,12 +63,12 @@ class CudaGraphs:
         self._graphs.clear()
         self._mempool = torch.cuda.graph_pool_handle()
 
-    def shape(self, num_seqs: int, draft_rows: int, drafting: bool, chain: bool, mode: str) -> Shape | None:
+    def shape(self, num_seqs: int, draft_rows: int, drafting: bool, head: HeadWork, mode: str) -> Shape | None:
         """The graph serving this step, or None (too large: run eagerly)."""
         b = bucket(num_seqs)
         if b not in self.batch_sizes or b + draft_rows > self.max_tokens:
             return None
-        return b, draft_rows, drafting, chain, mode
+        return b, draft_rows, drafting, head, mode
 
     def shapes(self) -> list[Shape]:
         """Every shape the engine may ask for with the plain modes."""
@@ -110,7 +110,7 @@ class CudaGraphs:
         """The captured graph of this shape, captured now if it was not."""
         return self._graphs.get(shape) or self._capture(*shape)
 
-    def _capture(self, b: int, draft_rows: int, drafting: bool, chain: bool, mode: str) -> _Graph:
+    def _capture(self, b: int, draft_rows: int, drafting: bool, head: HeadWork, mode: str) -> _Graph:
         dev = self.device
         r = b + draft_rows
         i64 = torch.zeros(r + 2 * b, dtype=torch.int64, device=dev)
@@ -121,7 +121,7 @@ class CudaGraphs:
         inputs = DecodeInputs(i64, i32, f32, b, r)
 
         def step() -> DecodeOutputs:
-            return self.run_decode(inputs, draft_rows, drafting, chain, mode, attn_out=self._attn_out[:r])
+            return self.run_decode(inputs, draft_rows, drafting, head, mode, attn_out=self._attn_out[:r])
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -134,7 +134,7 @@ class CudaGraphs:
             out = step()
         host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
         g = _Graph(graph, inputs, host, out)
-        self._graphs[(b, draft_rows, drafting, chain, mode)] = g
+        self._graphs[(b, draft_rows, drafting, head, mode)] = g
         return g
 
 

@@ -153,7 +153,6 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
         if head is not None:
             self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.max_running_seqs)
-            self.spec.attach_head(self.runner.eagle.on)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
         if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
             from rollout.engine.cuda_graphs import CudaGraphs
@@ -189,8 +188,6 @@ class Engine:
         self.spec = Speculator(self.config.spec, self.table)
         if hasattr(self, "runner"):
             self.runner.draft = self.spec.draft
-            if self.runner.eagle is not None:
-                self.spec.attach_head(self.runner.eagle.on)
 
     def recover(self) -> list[Request]:
         """After a step raised: drop every request and start over with an empty KV pool (the model
@@ -333,13 +330,15 @@ class Engine:
 
     def _launch(self, batch: Batch, began: float) -> StepInFlight:
         if batch.is_prefill:
-            step = self.runner.launch_prefill(batch, *self.scheduler.place_prefill(batch))
+            slots, positions, starts = self.scheduler.place_prefill(batch)
+            head = self.spec.head_for_prefill(new_prompts=bool((starts == 0).any()))
+            step = self.runner.launch_prefill(batch, slots, positions, starts, head)
         else:
             plan = self.spec.plan(len(batch.seqs), self.scheduler.free_slots, draining=not self.scheduler.waiting)
             self.spec.before_decode(plan.drafting)
             self._draft_steps += plan.draft_rows > 0
             slots = self.scheduler.step_slots(len(batch.seqs) + plan.draft_rows)
-            step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.chain, plan.shadow)
+            step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.head, plan.shadow)
         step.began = began
         return step
 

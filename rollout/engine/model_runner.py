@@ -6,7 +6,7 @@ runs eagerly: the host knows every token, position and KV slot, lays them out, a
 the prompt and the drawn tokens in the token table (rollout/engine/token_table.py).
 
 A decode or verify step is one device function (`run_decode`), captured as a CUDA graph per
-(batch bucket, draft rows, drafting, a head's chain, sampling mode) on the GPU. The host gives
+(batch bucket, draft rows, drafting, a draft head's work, sampling mode) on the GPU. The host gives
 it only the sequences' rows, KV slots from the scheduler (one per row: a root per sequence, and the step's
 draft rows) and sampling parameters; everything else comes from the device: each sequence's
 last token and length from the token table, its draft tree from the drafter
@@ -44,6 +44,7 @@ from rollout.engine.step import (
     DeviceClock,
     DraftSettings,
     Emitted,
+    HeadWork,
     HostCopy,
     SamplingRows,
     StepInFlight,
@@ -104,20 +105,19 @@ class ModelRunner:
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
     def launch_decode(self, batch: Batch, slots: np.ndarray, draft_rows: int, drafting: bool,
-                      chain: bool = False, shadow: bool = False) -> StepInFlight:
+                      head: HeadWork = HeadWork.NONE, shadow: bool = False) -> StepInFlight:
         """Queue a decode or verify step of every sequence in `batch` on the device: its roots and
         at most `draft_rows` drafts, with the KV slots of those rows in `slots` [S + draft_rows]
         (the scheduler's); it may follow a step not yet collected. `drafting`: the drafter runs
-        (draft_rows > 0 needs it; with none it only looks, for the statistics); `chain`: a draft
-        head leaves chains for the next step (spec/eagle.py); `shadow`: the whole trees come back
-        to the host."""
+        (draft_rows > 0 needs it; with none it only looks, for the statistics); `head`: a draft
+        head's work (spec/eagle.py); `shadow`: the whole trees come back to the host."""
         seqs = batch.seqs
         s = len(seqs)
         b = self._batch_rows(batch)
         mode, top = b.sampling.mode, b.top
         clock = DeviceClock(self.device)
         plain = not b.editing and not top
-        shape = self.graphs.shape(s, draft_rows, drafting, chain, mode) if self.graphs is not None and plain else None
+        shape = self.graphs.shape(s, draft_rows, drafting, head, mode) if self.graphs is not None and plain else None
         if shape is not None:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, b))
         else:
@@ -126,7 +126,7 @@ class ModelRunner:
             # the host's tokens trail the device by the step in flight, if any: at most the widest step
             widest = self.width + 1
             max_kv = min(max(len(q.tokens) for q in seqs) + 2 * widest, self.pool.max_context)
-            out = self.run_decode(inputs, draft_rows, drafting, chain, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
+            out = self.run_decode(inputs, draft_rows, drafting, head, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
         tensors = [out.ints, out.logprobs]
         if shadow and out.trees is not None:
             tensors += list(out.trees)
@@ -141,7 +141,7 @@ class ModelRunner:
             self._rows = BatchRows.of(batch)
         return self._rows
 
-    def run_decode(self, x: DecodeInputs, draft_rows: int, drafting: bool, chain: bool, mode: str, edit=None,
+    def run_decode(self, x: DecodeInputs, draft_rows: int, drafting: bool, head: HeadWork, mode: str, edit=None,
                    top_logprobs: int = 0, attn_out: torch.Tensor | None = None,
                    max_kv_len: int | None = None) -> DecodeOutputs:
         """The step on the device (what a CUDA graph captures): draft, choose the batch's best
@@ -193,25 +193,28 @@ class ModelRunner:
             slot_table=self.pool.slot_table, out_slots=x.slots, tree_mask=tree, max_q_len=q_len,
             max_kv_len=max_kv_len or self.pool.max_context,
         )
-        aux = None if eagle is None else torch.empty(ids.shape[0], eagle.aux_width, dtype=self.pool.dtype, device=self.device)
+        runs_head = eagle is not None and head != HeadWork.NONE
+        aux = torch.empty(ids.shape[0], eagle.aux_width, dtype=self.pool.dtype, device=self.device) if runs_head else None
         logits = self.forward(ids, positions, meta, None, attn_out, aux)
         if edit is not None:
             edit(None if layout is None else (tok, par, layout.node_of_row)).apply(logits)
         drawn, lps = sample(logits, st)  # [R]
-        if eagle is not None:  # the head over the same rows: each row's draw and hidden states
-            head = eagle.extend(drawn, aux, self._context(meta, positions))
+        if runs_head:  # the head over the same rows: each row's draw and hidden states
+            extended = eagle.extend(drawn, aux, self._context(meta, positions))
         if layout is not None:
             drawn, lps = layout.nodes(drawn), layout.nodes(lps)
         out_tok, out_lp, accepted, bits = accept_trees(
             par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
-        if eagle is not None and not chain:  # (no drafts from the head next: its KV is kept, no chain)
+        if eagle is not None and head == HeadWork.NONE:  # (it sleeps: these rows' head KV falls behind)
+            eagle.untrack(rows)
+        elif eagle is not None and head == HeadWork.PASS:  # (no drafts from the head next: its KV is kept, no chain)
             eagle.forget(rows)
         elif eagle is not None:  # the next step's chains, from each sequence's deepest accepted node
             deepest = bits.double().log2().floor().long()
             at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
-            eagle.draft(rows, head[0][at], head[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin)
+            eagle.draft(rows, extended[0][at], extended[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin)
         ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None], from_head[:, None]], dim=1)
         top = None
         if top_logprobs:
@@ -237,10 +240,12 @@ class ModelRunner:
 
     # ---------------- prefill steps ----------------
     @torch.inference_mode()
-    def launch_prefill(self, batch: Batch, slots: np.ndarray, positions: np.ndarray, starts: np.ndarray) -> StepInFlight:
+    def launch_prefill(self, batch: Batch, slots: np.ndarray, positions: np.ndarray, starts: np.ndarray,
+                       head: bool = False) -> StepInFlight:
         """Prompt chunks (and decode tokens riding along) in the KV slots the scheduler placed them
         (Scheduler.place_prefill: each token's slot and position, each item's start); a finished prompt
-        draws for its sample and its forks, which take the prompt's tokens now."""
+        draws for its sample and its forks, which take the prompt's tokens now. `head`: a draft
+        head runs over the step's rows (else it sleeps: spec/head_watch.py HeadCycle)."""
         ids, q_lens, rows, logits_rows, draw_seqs = [], [], [], [], []
         num_tokens = 0
         for item, start in zip(batch.items, starts.tolist()):
@@ -267,7 +272,7 @@ class ModelRunner:
             max_q_len=int(q_lens_a.max()), max_kv_len=int((starts_a + q_lens_a).max()),
         )
         draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
-        eagle = self.eagle
+        eagle = self.eagle if head else None
         aux = None if eagle is None else torch.empty(num_tokens, eagle.aux_width, dtype=self.pool.dtype, device=self.device)
         positions_d = to_device(positions, self.device)
         all_logits = self.forward(to_device(input_ids, self.device), positions_d, meta, None if eagle else
@@ -291,6 +296,9 @@ class ModelRunner:
                                   np.array([q.row for q in draw_seqs], dtype=np.int64), lengths_now)
         if eagle is not None:
             self._eagle_after_prefill(batch, starts, input_ids, positions_d, meta, aux, drawn, logits_rows)
+        elif self.eagle is not None:  # (it sleeps: these rows' head KV falls behind)
+            rows = [r for item in batch.items for r in [item.seq.row, *(f.row for f in item.seq.forks if item.samples)]]
+            self.eagle.untrack(to_device(np.array(rows, dtype=np.int64), self.device))
         tensors = [torch.stack([drawn.double(), lps.double()])]
         top = max((q.request.top_logprobs_num for q in draw_seqs), default=0)
         if top:
@@ -302,26 +310,34 @@ class ModelRunner:
                              meta: AttentionMetadata, aux: torch.Tensor, drawn: torch.Tensor, logits_rows: list[int]) -> None:
         """The head over a prefill step's rows (row r's input: the token after it, the prompt's
         or, at a sampling item's last row, its first sample's draw), then chains for the sampled
-        sequences (their forks start without: they share the prompt's last slot)."""
-        nexts, first_draw, sampled, forks, d = [], [], [], [], 0
+        sequences (their forks start without: they share the prompt's last slot). A prompt whose
+        first chunk this is has its head KV whole from here on (EagleDrafter.tracked)."""
+        nexts, first_draw, sampled, forks, fork_of, starting, d = [], [], [], [], [], [], 0
         for item, start in zip(batch.items, starts.tolist()):
             seq = item.seq
+            if start == 0:
+                starting.append(seq.row)
             following = seq.tokens[start + 1 : start + item.num_new + 1]
             nexts.append(np.asarray(following + [0] * (item.num_new - len(following)), dtype=np.int64))
             if item.samples:
                 first_draw.append(d)
                 sampled.append(seq.row)
                 forks += [f.row for f in seq.forks]
+                fork_of += [seq.row] * len(seq.forks)
                 d += 1 + len(seq.forks)
         ids = to_device(np.concatenate(nexts), self.device)
         last = to_device(np.array(logits_rows, dtype=np.int64), self.device)
         ids[last] = drawn[to_device(np.array(first_draw, dtype=np.int64), self.device)]
+        if starting:
+            self.eagle.track(to_device(np.array(starting, dtype=np.int64), self.device))
         logits, hidden = self.eagle.extend(ids, aux, self._context(meta, positions))
         if sampled:
             rows = to_device(np.array(sampled, dtype=np.int64), self.device)
             self.eagle.draft(rows, logits[last], hidden[last], self.table.lengths[rows].long(), self.backend, self.cos, self.sin)
         if forks:
-            self.eagle.forget(to_device(np.array(forks, dtype=np.int64), self.device))
+            fork_rows = to_device(np.array(forks, dtype=np.int64), self.device)
+            self.eagle.track(fork_rows, like=to_device(np.array(fork_of, dtype=np.int64), self.device))
+            self.eagle.forget(fork_rows)
 
     # ---------------- collecting ----------------
     def collect(self, step: StepInFlight) -> Emitted:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -82,6 +83,14 @@ class Emitted:
     sources: list[str] | None = None  # each sequence's drafter (decode and verify steps)
     top: list[list[tuple[list[int], list[float]]]] | None = None  # per token: the most likely tokens and their logprobs
     index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
+
+
+class HeadWork(IntEnum):
+    """What a step asks of a draft head (spec/eagle.py)."""
+
+    NONE = 0  # the head sleeps: no pass, the running sequences' head KV falls behind (their chains end)
+    PASS = 1  # its pass over the step's rows: their head KV is kept, no chains for the next step
+    CHAIN = 2  # the pass, and chains for the next step
 
 
 @dataclass(frozen=True)
