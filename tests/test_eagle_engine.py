@@ -179,6 +179,31 @@ def test_a_head_the_budget_does_not_verify_sleeps_and_wakes_for_new_prompts(targ
     assert stats["rollout/spec_head_awake"] == 1.0 and stats["rollout/spec_draft_tokens/eagle"] > 0
 
 
+def test_a_hybrid_whose_head_sleeps_and_wakes_stays_spec_off_under_preemption(target_and_head, monkeypatch):
+    """The head falling asleep and waking every few steps while sequences are preempted and
+    their prompts come in chunks: the tokens and logprobs stay spec off's."""
+    import spec.head_watch as head_watch
+
+    monkeypatch.setattr(head_watch, "IDLE_STEPS", 3)
+    monkeypatch.setattr(head_watch, "SLEEP_STEPS", 5)
+    target, head, _, _ = target_and_head
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 40))] for _ in range(10)] + [[7, 8, 9, 10, 11] * 5]
+    kw = dict(device="cpu", max_running_seqs=8, kv_cache_tokens=400, max_prefill_tokens=24)
+    off = Engine(model=str(target), spec="off", **kw)
+    hybrid = Engine(model=str(target), spec="auto", spec_draft_model=str(head), **kw)
+    for max_new in (30, 50):
+        params = SamplingParams(temperature=0, max_new_tokens=max_new, n=2)
+        want = off.generate(prompts, params, return_logprob=True)
+        got = hybrid.generate(prompts, params, return_logprob=True)
+        for w, g in zip(want, got):
+            for a, b in zip(w, g):
+                assert a.token_ids == b.token_ids
+                torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    stats = hybrid.stats()
+    assert stats["rollout/num_preempted"] > 0 and stats["rollout/spec_head_sleeps"] > 2
+
+
 def test_a_push_that_leaves_the_head_behind_switches_it_off_and_a_push_of_its_weights_back_on(target_and_head, tmp_path):
     """The target's weights replaced by another model's: the head's drafts stop matching, it is
     switched off for that version (the hybrid's n-gram index carries on; the output is that
