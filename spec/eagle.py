@@ -75,10 +75,12 @@ class EagleDrafter:
         """These rows start without drafts (a fork's first step)."""
         self.keys.index_fill_(0, rows, -1)  # (a scalar fill: index assignment copies a host tensor, which capture refuses)
 
-    def untrack(self, rows: torch.Tensor) -> None:
-        """The head skipped these rows' tokens (it sleeps): no chains for them from now on."""
-        self.tracked.index_fill_(0, rows, False)
-        self.forget(rows)
+    def sleep(self) -> None:
+        """The head stops running (spec/head_watch.py HeadCycle): every row's head KV falls behind
+        from here on, so none drafts chains again (a row tracks again once a prompt starts in it
+        while the head runs). Queued on the stream behind the steps in flight, whose chains it drops."""
+        self.tracked.fill_(False)
+        self.keys.fill_(-1)
 
     def track(self, rows: torch.Tensor, like: torch.Tensor | None = None) -> None:
         """These rows' head KV is whole (their prompt starts now), or as whole as `like` rows' (forks)."""

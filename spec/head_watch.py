@@ -76,7 +76,8 @@ class HeadWatch:
         }
 
 
-IDLE_STEPS = 128  # decode steps the head stays awake with none of its chains verified
+IDLE_STEPS = 128  # decode steps the head stays awake with none of its chains verified, once the budget is informed
+INFORMED_AFTER = 3  # evaluations of trees since it woke before the budget's choice counts (spec/budget.py)
 SLEEP_STEPS = 1024  # decode steps it sleeps before an admission of new prompts wakes it (a probe)
 
 
@@ -89,10 +90,16 @@ class HeadCycle:
     that the watch switches off, goes to sleep: no pass, and the running sequences, whose head KV
     falls behind, draft no chains again. It wakes before an admission of new prompts (their
     prompts give it their KV) once it slept SLEEP_STEPS steps, or at the next admission after a
-    push of its weights."""
+    push of its weights.
+
+    Idle steps count only once the budget has evaluated trees INFORMED_AFTER times since the head
+    woke: before that its estimates are borrowed or still rising from nothing, and it verifies
+    nothing whether the head pays or not (ShareGPT b1 on the H200: the head alone fell asleep in
+    its first rollout, drafted in none of the runs, and ran 0.94x of spec off)."""
 
     awake: bool = True
-    idle: int = 0  # decode steps awake since its chains were last verified
+    idle: int = 0  # decode steps awake since its chains were last verified (once informed)
+    evaluations: int = 0  # the budget's evaluations of trees since it woke
     asleep: int = 0  # decode steps asleep
     wake_next: bool = False  # its weights were pushed: the next admission wakes it
     sleeps: int = 0
@@ -101,7 +108,7 @@ class HeadCycle:
     def step(self, watch_offs: int) -> bool:
         """Plan one decode step (`watch_offs`: HeadWatch.switched_off): whether the head runs in it."""
         if self.awake:
-            self.idle += 1
+            self.idle += self.evaluations >= INFORMED_AFTER
             if self.idle > IDLE_STEPS:
                 self._sleep(f"none of its chains verified in {IDLE_STEPS} steps")
             elif watch_offs > self._offs:
@@ -113,10 +120,13 @@ class HeadCycle:
     def verified(self) -> None:
         self.idle = 0
 
+    def evaluated(self) -> None:
+        self.evaluations += 1
+
     def admit(self, watch_offs: int) -> bool:
         """New prompts are about to be admitted: whether the head runs over them (and so drafts for them)."""
         if not self.awake and (self.wake_next or self.asleep >= SLEEP_STEPS):
-            self.awake, self.idle, self.wake_next, self._offs = True, 0, False, watch_offs
+            self.awake, self.idle, self.evaluations, self.wake_next, self._offs = True, 0, 0, False, watch_offs
             log.info("draft head awake for the prompts admitted now")
         return self.awake
 

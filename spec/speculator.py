@@ -137,18 +137,18 @@ class Speculator:
             # 69 steps). A sleeping head (spec/head_watch.py HeadCycle) does nothing.
             awake = self.cycle.step(self.watch.switched_off)
             probing = awake and not self.watch.on  # (a switched-off head's wake-up)
-            rows, drafting = plan.draft_rows, plan.drafting or self.budget.shadow_next
+            rows, drafting, shadow = plan.draft_rows, plan.drafting or self.budget.shadow_next, plan.shadow
             if not awake:
                 head = HeadWork.NONE
-                if self.draft is None:  # the head alone: plain decoding
-                    rows, drafting = 0, False
+                if self.draft is None:  # the head alone: plain decoding, and no (empty) trees to score
+                    rows, drafting, shadow = 0, False, False
             else:
                 if probing and not rows:  # a probe verifies the head's chains whatever the estimates say
                     rows = self.budget.fewest_rows(num_seqs, free_slots)
                 drafting = drafting or rows > 0
                 chain = drafting and (self.draft is None or self._index_misses > 0 or probing)
                 head = HeadWork.CHAIN if chain else HeadWork.PASS
-            plan = StepPlan(rows, drafting, plan.shadow, head)
+            plan = StepPlan(rows, drafting, shadow, head)
         return plan
 
     def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
@@ -164,6 +164,8 @@ class Speculator:
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known
             trees = self._waiting.popleft()
             self.budget.observe_acceptance(len(trees.seqs), *score_trees(trees))
+            if self.cycle is not None:
+                self.cycle.evaluated()
         for t in self._waiting:
             t.age += 1
 

@@ -160,6 +160,7 @@ def test_a_head_the_budget_does_not_verify_sleeps_and_wakes_for_new_prompts(targ
 
     monkeypatch.setattr(head_watch, "IDLE_STEPS", 4)
     monkeypatch.setattr(head_watch, "SLEEP_STEPS", 8)
+    monkeypatch.setattr(head_watch, "INFORMED_AFTER", 0)  # (the budget below evaluates nothing)
     target, head, off, prompts = target_and_head
     eagle = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
                    max_running_seqs=16)
@@ -173,6 +174,8 @@ def test_a_head_the_budget_does_not_verify_sleeps_and_wakes_for_new_prompts(targ
     stats = eagle.stats()
     assert stats["rollout/spec_head_sleeps"] == 1 and stats["rollout/spec_head_awake"] == 0.0
     assert len(passes) <= 1 + 5 < len(eagle.step_log)  # (the prefill's, then the steps before it slept)
+    drafter = eagle.runner.eagle  # asleep, no row keeps a chain (dropped once, as it fell asleep)
+    assert not drafter.tracked.any() and (drafter.keys < 0).all()
     monkeypatch.setattr(eagle.spec.budget, "plan", budget_plan)
     assert [o[0].token_ids for o in eagle.generate(prompts[3:6], params)] == [o[0].token_ids for o in want[3:]]
     stats = eagle.stats()

@@ -4,7 +4,7 @@ weights; asleep while it is not verified or switched off, awake again for new pr
 
 from __future__ import annotations
 
-from spec.head_watch import IDLE_STEPS, MIN_CHAINS, SLEEP_STEPS, HeadCycle, HeadWatch
+from spec.head_watch import IDLE_STEPS, INFORMED_AFTER, MIN_CHAINS, SLEEP_STEPS, HeadCycle, HeadWatch
 
 
 def test_a_head_accepted_too_rarely_is_switched_off_and_on_after_probes_that_pay():
@@ -31,15 +31,24 @@ def test_a_push_of_the_heads_weights_switches_it_on_and_counts_start_over():
     assert w.on and w.stats()["rollout/spec_head_version_first_accept"] == 0.25
 
 
+def inform(c: HeadCycle) -> None:
+    for _ in range(INFORMED_AFTER):
+        c.evaluated()
+
+
 def test_a_head_not_verified_sleeps_and_wakes_for_new_prompts_after_a_while():
     c = HeadCycle()
+    assert all(c.step(0) for _ in range(3 * IDLE_STEPS))  # (the budget has no estimates yet: nothing counts)
+    inform(c)
     assert all(c.step(0) for _ in range(IDLE_STEPS // 2))
     c.verified()  # (its chains were verified: idle from here)
     assert [c.step(0) for _ in range(IDLE_STEPS + 3)] == [True] * IDLE_STEPS + [False] * 3
     assert c.sleeps == 1 and not c.admit(0)  # (too soon)
     for _ in range(SLEEP_STEPS):
         c.step(0)
-    assert c.admit(0) and c.step(0) and c.stats()["rollout/spec_head_awake"] == 1.0
+    assert c.admit(0) and all(c.step(0) for _ in range(2 * IDLE_STEPS))  # (awake, and uninformed again)
+    inform(c)
+    assert not all(c.step(0) for _ in range(IDLE_STEPS + 1)) and c.sleeps == 2
 
 
 def test_a_switched_off_head_sleeps_and_a_push_of_its_weights_wakes_it_at_the_next_admission():

@@ -95,6 +95,7 @@ class ModelRunner:
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, set by the engine on CUDA
         self.eagle = None  # spec.eagle.EagleDrafter, set by the engine with --spec eagle
         self._rows: BatchRows | None = None  # the last decode batch's
+        self._head_runs = True  # the draft head ran in the last step launched (it starts awake)
 
     @property
     def width(self) -> int:
@@ -117,6 +118,7 @@ class ModelRunner:
         mode, top = b.sampling.mode, b.top
         clock = DeviceClock(self.device)
         plain = not b.editing and not top
+        self._head_ran(head != HeadWork.NONE)
         shape = self.graphs.shape(s, draft_rows, drafting, head, mode) if self.graphs is not None and plain else None
         if shape is not None:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, b))
@@ -134,6 +136,13 @@ class ModelRunner:
             tensors += list(out.top)
         return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows, drafting=drafting,
                             shadow=shadow and out.trees is not None, top=bool(top))
+
+    def _head_ran(self, runs: bool) -> None:
+        """Whether the draft head runs in the step being launched: as it stops, every row stops
+        drafting chains (EagleDrafter.sleep), once, rather than in every step it sleeps through."""
+        if self.eagle is not None and self._head_runs and not runs:
+            self.eagle.sleep()
+        self._head_runs = runs
 
     def _batch_rows(self, batch: Batch) -> BatchRows:
         """The batch's BatchRows: kept from the last decode step while the running set is the same."""
@@ -207,11 +216,9 @@ class ModelRunner:
             par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
-        if eagle is not None and head == HeadWork.NONE:  # (it sleeps: these rows' head KV falls behind)
-            eagle.untrack(rows)
-        elif eagle is not None and head == HeadWork.PASS:  # (no drafts from the head next: its KV is kept, no chain)
+        if eagle is not None and head == HeadWork.PASS:  # (no drafts from the head next: its KV is kept, no chain)
             eagle.forget(rows)
-        elif eagle is not None:  # the next step's chains, from each sequence's deepest accepted node
+        elif eagle is not None and head == HeadWork.CHAIN:  # the next step's chains, from each sequence's deepest accepted node
             deepest = bits.double().log2().floor().long()
             at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
             eagle.draft(rows, extended[0][at], extended[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin)
@@ -272,6 +279,7 @@ class ModelRunner:
             max_q_len=int(q_lens_a.max()), max_kv_len=int((starts_a + q_lens_a).max()),
         )
         draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
+        self._head_ran(head)
         eagle = self.eagle if head else None
         aux = None if eagle is None else torch.empty(num_tokens, eagle.aux_width, dtype=self.pool.dtype, device=self.device)
         positions_d = to_device(positions, self.device)
@@ -296,9 +304,6 @@ class ModelRunner:
                                   np.array([q.row for q in draw_seqs], dtype=np.int64), lengths_now)
         if eagle is not None:
             self._eagle_after_prefill(batch, starts, input_ids, positions_d, meta, aux, drawn, logits_rows)
-        elif self.eagle is not None:  # (it sleeps: these rows' head KV falls behind)
-            rows = [r for item in batch.items for r in [item.seq.row, *(f.row for f in item.seq.forks if item.samples)]]
-            self.eagle.untrack(to_device(np.array(rows, dtype=np.int64), self.device))
         tensors = [torch.stack([drawn.double(), lps.double()])]
         top = max((q.request.top_logprobs_num for q in draw_seqs), default=0)
         if top:
