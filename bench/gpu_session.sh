@@ -105,11 +105,12 @@ recipe-head)  # issue 25's stale heads: the recipe with the n-gram index alone a
       --out "$OUT/recipe-head-$i-$spec" 2>&1 | grep -E "^\|" | tail -10
   done | tee "$OUT/recipe-head.log"
   ;;
-profile)  # where a verify step's device time and a decode step's host time go (bench/step_profile.py verify, host)
+profile)  # where a verify step's device time and a decode step's host time go (bench/step_profile.py verify, host, collect)
   P="timeout 300 python3 bench/step_profile.py"
   { $P verify --seqs 128 --context 2000; $P verify --seqs 512 --context 300; } 2>&1 \
     | grep -v -i -e warn | tee "$OUT/verify.log"
   $P host --output-len 256 --top 30 2>&1 | grep -v -i -e warn | tee "$OUT/host.log"
+  $P collect --output-len 256 2>&1 | grep -v -i -e warn | tee "$OUT/collect.log"
   ;;
 eagle)  # issue 25: the default model's EAGLE-3 head trained here (recipes/train_eagle.py), kept in /root/mcache and $OUT
   timeout 580 python3 recipes/train_eagle.py --out "$OUT/smol-eagle3" --sharegpt $SHAREGPT --prompts 3000 \

@@ -5,6 +5,7 @@
     python bench/step_profile.py sampling
     python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
     python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--fixed]
+    python bench/step_profile.py collect [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 64] [--device cuda]
     python bench/step_profile.py verify [--seqs 128] [--context 2000] [--draft-rows 0,16,...]
     python bench/step_profile.py budget [--seqs 512]
     python bench/step_profile.py head --head DIR [--spec eagle] [--head-steps 1,2,3,5,8] [--sharegpt-file F]
@@ -26,6 +27,10 @@
   budget off, every step verifies as many drafts as fit): cProfile around the measured
   rollout's steps, functions by their own time per decode step; the wait for the device is the
   `synchronize` row.
+- collect: the host's time to collect a decode step, by part (the device's results read into
+  tokens, the KV slots settled, the tokens appended to their sequences), per decode step and per
+  sequence in it, wall clock around each part (cProfile's per-call cost inflates these ~2x), spec
+  off against n-gram; on any device (the CPU's host runs the same Python).
 - verify: what a step's draft rows cost the device, apart from acceptance: `--seqs` sequences
   with `--context` tokens of KV each, the captured decode/verify graph of each number of draft
   rows replayed (what the engine runs; default: the budget's choices for that batch), then the
@@ -211,6 +216,36 @@ def host(args: argparse.Namespace) -> None:
                   f"{total / len(decode) * 1e6:.1f} |")
 
     _each_mode(args, run, adaptive=not args.fixed)
+
+
+def collect(args: argparse.Namespace) -> None:
+    import time
+
+    def run(mode, engine, prompts, params) -> None:
+        spent = {"emit": 0.0, "settle": 0.0, "append": 0.0}
+
+        def timed(part, fn):
+            def call(*a, **k):
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                spent[part] += time.perf_counter() - t0
+                return out
+            return call
+
+        # (instance attributes: the engine calls them through self)
+        engine.runner._emit_decode = timed("emit", engine.runner._emit_decode)
+        engine.scheduler.settle_step = timed("settle", engine.scheduler.settle_step)
+        engine._append = timed("append", engine._append)
+        engine.generate(prompts, params)
+        decode = [r for r in engine.step_log if not r.prefill]
+        seqs = sum(r.num_seqs for r in decode)
+        print(f"\n{mode}: {len(decode)} decode steps, {seqs / len(decode):.0f} sequences a step on average "
+              f"({sum(r.draft_rows > 0 for r in decode)} verified drafts)")
+        print("| part | us per decode step | us per sequence |\n|---|---|---|")
+        for part, s in [*spent.items(), ("all three", sum(spent.values()))]:  # (append: prefill steps' too)
+            print(f"| {part} | {s / len(decode) * 1e6:.0f} | {s / seqs * 1e6:.2f} |")
+
+    _each_mode(args, run)
 
 
 def verify(args: argparse.Namespace) -> None:
@@ -404,7 +439,8 @@ def main() -> None:
     sub.add_parser("sampling", help="the fused sampling kernels against the torch reference")
     t = sub.add_parser("steps", help="where a rollout's steps spend their time, spec off against n-gram")
     h = sub.add_parser("host", help="the host's time per decode step by function (cProfile), spec off against n-gram")
-    for p, output_len in ((t, 2048), (h, 256)):  # the rl workload of _each_mode
+    c = sub.add_parser("collect", help="the host's time to collect a decode step, by part (wall clock), spec off against n-gram")
+    for p, output_len in ((t, 2048), (h, 256), (c, 64)):  # the rl workload of _each_mode
         p.add_argument("--prompts", type=int, default=64)
         p.add_argument("--n", type=int, default=8)
         p.add_argument("--temperature", type=float, default=1.0)
@@ -430,7 +466,7 @@ def main() -> None:
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    {"head": head, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "verify": verify, "budget": budget}[args.profile](args)
+    {"head": head, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "collect": collect, "verify": verify, "budget": budget}[args.profile](args)
 
 
 if __name__ == "__main__":
