@@ -9,7 +9,11 @@ from rollout.tools.bench import GcTimer
 from rollout.tools.cli import main
 
 
-def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_model_dir, tmp_path):
+def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_model_dir, tmp_path, monkeypatch):
+    from rollout.tools import bench
+
+    seeds, run_rollout = [], bench.run_rollout
+    monkeypatch.setattr(bench, "run_rollout", lambda *a, seed, **k: seeds.append((a[4], seed)) or run_rollout(*a, seed=seed, **k))
     main([
         "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "grpo", "--prompt-set",
         "arithmetic", "--spec-modes", "off,ngram", "--batch-sizes", "2", "--n", "2", "--output-len", "8",
@@ -26,6 +30,10 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     assert off["draft_steps"] == 0  # (how many n-gram drafts depends on the measured costs)
     assert ngram["indexed"] == 1.0  # every sample's tokens are in its history row
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
+    measured = seeds[1::2]  # (each after its warm-up) round by round: off, then n-gram
+    assert [spec for spec, _ in measured] == ["off", "ngram"] * 2
+    assert measured[0][1] == measured[1][1] != measured[2][1] == measured[3][1]  # a round's seed is every mode's, rounds differ
+    assert len({seed for _, seed in seeds}) == 4  # (warm-ups too: no round's samples are another's)
 
 
 def test_the_rl_workload_reports_its_long_tail_and_plots_its_timeline(default_model_dir, tmp_path):

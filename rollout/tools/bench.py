@@ -329,7 +329,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         config.kv_cache_memory_fraction /= len(modes) - i  # (a share of what the engines before left free)
         engines[spec] = Engine(config=config)
     freeze_heap()  # as the server's engine process does
-    for _ in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
+    for r in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
+        # Each round draws its own samples (every mode the same seeds in it): on the GPU the modes'
+        # samples part ways (a verify step's bf16 logits are not a decode step's), and a
+        # rollout's wall time can hang on its longest sample (rl at T=0.7: spec off's ran to
+        # the 2,048-token limit), so rounds of one seed would repeat one draw, not sample them.
+        seed = args.seed + 20_000 * r
         for spec in modes:
             args.spec = spec
             engine = engines[spec]
@@ -339,9 +344,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     prompts, n = workload_prompts(args, tokenizer, b)
                     # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it
                     # is also the previous epoch whose samples the drafter remembers (and the only one)
-                    run_rollout(engine, args, prompts, n, spec, b, seed=args.seed + 10_000)
-                    row, timeline = run_rollout(engine, args, prompts, n, spec, b, seed=args.seed,
-                                                keep_history=args.keep_history)
+                    run_rollout(engine, args, prompts, n, spec, b, seed=seed + 10_000)
+                    row, timeline = run_rollout(engine, args, prompts, n, spec, b, seed=seed, keep_history=args.keep_history)
                     runs.append(row)
                     timelines.append(timeline)
                     print(markdown(runs[-1:]).splitlines()[-1], flush=True)
