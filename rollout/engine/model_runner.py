@@ -118,7 +118,7 @@ class ModelRunner:
         mode, top = b.sampling.mode, b.top
         clock = DeviceClock(self.device)
         plain = not b.editing and not top
-        self._head_ran(head != HeadWork.NONE)
+        self._set_head_running(head != HeadWork.NONE)
         shape = self.graphs.shape(s, draft_rows, drafting, head, mode) if self.graphs is not None and plain else None
         if shape is not None:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, b))
@@ -137,7 +137,7 @@ class ModelRunner:
         return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows, drafting=drafting,
                             shadow=shadow and out.trees is not None, top=bool(top))
 
-    def _head_ran(self, runs: bool) -> None:
+    def _set_head_running(self, runs: bool) -> None:
         """Whether the draft head runs in the step being launched: as it stops, every row stops
         drafting chains (EagleDrafter.sleep), once, rather than in every step it sleeps through."""
         if self.eagle is not None and self._head_runs and not runs:
@@ -279,7 +279,7 @@ class ModelRunner:
             max_q_len=int(q_lens_a.max()), max_kv_len=int((starts_a + q_lens_a).max()),
         )
         draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
-        self._head_ran(head)
+        self._set_head_running(head)
         eagle = self.eagle if head else None
         aux = None if eagle is None else torch.empty(num_tokens, eagle.aux_width, dtype=self.pool.dtype, device=self.device)
         positions_d = to_device(positions, self.device)
