@@ -177,7 +177,7 @@ class ModelRunner:
                 key = index_first(key, from_head)
                 from_head = from_head.long()
             trees = (tok, dep, anc, key)
-        elif eagle is not None:  # the chains the step before left
+        elif eagle is not None and drafting:  # the chains the step before left (a step that does not draft reads none)
             tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long(), eagle.depth)
             trees = (tok, dep, anc, key)
         if draft_rows:
