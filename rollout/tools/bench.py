@@ -304,6 +304,24 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+GRAPH_SHARE = 0.05  # of the GPU's free memory, left per engine after the first for its CUDA graphs
+
+
+def _pool_shares(fraction: float, engines: int, device: str):
+    """For `engines` engines on one GPU: a function giving the next engine's
+    kv_cache_memory_fraction (of the memory free as it is built) such that every engine's KV
+    pool is the same share of the memory free before the first, all of them together `fraction`
+    of it less GRAPH_SHARE per engine after the first. Each engine's graphs and activations come
+    out of what the pools leave: the last of three engines taking `fraction` of what the others
+    left had too little for a draft head's graphs on an H100 (4.9 GB: out of memory at capture).
+    None off the GPU or for one engine (its own config decides)."""
+    if engines == 1 or device == "cpu" or not torch.cuda.is_available():
+        return None
+    gpu = torch.device("cuda" if device == "auto" else device)
+    pool = max(fraction - GRAPH_SHARE * (engines - 1), GRAPH_SHARE) * torch.cuda.mem_get_info(gpu)[0] / engines
+    return lambda: min(pool / torch.cuda.mem_get_info(gpu)[0], fraction)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from rollout.engine.engine import Engine, freeze_heap, thaw_heap
 
@@ -323,10 +341,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     modes = args.spec_modes.split(",")
     engines = {}
     draft_model = getattr(args, "spec_draft_model", None)
-    for i, spec in enumerate(modes):  # one engine per mode, kept across rounds: GPU memory split between them
+    pool_share = _pool_shares(args.kv_cache_memory_fraction, len(modes), args.device)
+    for spec in modes:  # one engine per mode, kept across rounds: GPU memory split between them
         args.spec, args.spec_draft_model = spec, draft_model if spec in ("eagle", "auto") else None  # (a head's modes)
         config = EngineConfig.from_args(args)
-        config.kv_cache_memory_fraction /= len(modes) - i  # (a share of what the engines before left free)
+        if pool_share is not None and not config.kv_cache_tokens:
+            config.kv_cache_memory_fraction = pool_share()
         engines[spec] = Engine(config=config)
     freeze_heap()  # as the server's engine process does
     for r in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
