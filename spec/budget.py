@@ -20,19 +20,13 @@ S (1 + acc(C)) / cost(b, C).
   sequence priced into 64 rows at 512 sequences, which can confirm 0.125 at most. A bucket
   not yet evaluated borrows the nearest one's estimate, capped at the drafts each fraction
   gives a sequence there.
-- While nothing waits to be admitted (a rollout's whole batch is running, as in RL), the batch
-  ends with its slowest sequences, but a sequence that ends sooner makes every later step
-  cheaper by its share of the step. So a step's cost is split in two: its fixed part (what a
-  step of the fewest sequences measured costs: launches, weights; `_fixed_share`), which only
-  the slowest sequences' acceptance shortens, and the rest (attention over each sequence's
-  KV, its rows in the products, the host's work per sequence), which every sequence's does.
-  acc(C) is the blend of the two by those shares: the mean estimate and, for the fixed part, at
-  most the drafts the slowest tenth of the running sequences have accepted (`slowest`; each
-  sequence keeps its own rate, moved by each evaluation of its trees). With one estimate for
-  all, the rl workload at T=1.0 drafted on over a third of its steps while saving 16 of 2,050;
-  with the slowest tenth's alone it drafted in none, where a quarter of its samples run to the
-  length limit for 80% of the rollout in steps that reading their KV dominates (bench/RESULTS.md).
-  Before a bucket smaller than b was measured, the whole step counts as fixed.
+- While nothing waits to be admitted (a rollout's whole batch is running, as in RL), a step
+  that speeds some sequences up does not end the batch sooner: it ends with its slowest
+  sequences. Then acc(C) is at most the drafts the slowest tenth of the running sequences
+  have accepted (`slowest`): each sequence keeps its own rate, moved by each evaluation of its
+  trees. With one estimate for all, the rl workload at T=1.0 (every sample runs to the length
+  limit, drafts accepted for a few repetitive ones) drafted on over a third of its steps, raising
+  tokens per second while saving 16 of 2,050 steps (bench/RESULTS.md).
 - cost(b, C) is a step's period: the wall time from one step's completion to the next's.
   Steps overlap the host's work, so the period is whichever of the device and the host is
   slower, as measured, with nothing modelled (a model of the two apart priced drafting as free
@@ -138,8 +132,7 @@ class DraftBudget:
             a, r = self._fitted_line() or (0.0, PRIOR_ROW_SHARE * plain / b)
             acc = self.accepted_at(b)
             if draining and self.slowest is not None:
-                fixed = self._fixed_share(b, plain)
-                acc = fixed * np.minimum(acc, self.slowest) + (1 - fixed) * acc
+                acc = np.minimum(acc, self.slowest)
 
             def value(i: int, c: int) -> float:  # tokens per second, per sequence
                 seen = self._added.get((b, c), ())
@@ -179,12 +172,6 @@ class DraftBudget:
     def _plain_cost(self, b: int) -> float | None:
         periods = self._plain.get(b)
         return min(periods) if periods else None
-
-    def _fixed_share(self, b: int, plain: float) -> float:
-        """The share of a plain step at bucket b that does not shrink as its sequences finish: the
-        least plain step of any bucket up to b (at most b's own), over b's."""
-        floor = min(min(v) for k, v in self._plain.items() if k <= b and v)
-        return min(floor / plain, 1.0)
 
     def _fitted_line(self) -> tuple[float, float] | None:
         """What drafting adds, (a, r) of `_fit`, or None before a drafting step was measured;

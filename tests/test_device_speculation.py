@@ -243,32 +243,6 @@ def test_a_draining_batch_drafts_only_for_what_its_slowest_sequences_accept():
     assert np.isnan(budget._seq_acc[:, 0]).sum() == 62
 
 
-def test_a_draining_batch_weighs_the_part_of_a_step_each_sequence_costs_at_the_mean_acceptance():
-    """A sequence that ends sooner makes the later steps cheaper by its share: where a step of one
-    sequence costs a fifth of a step of 16 (reading each sequence's KV is the rest), drafts that
-    a quarter of the sequences accept pay while the batch drains; where a step costs the same
-    whatever the batch, they do not (only the slowest sequences' acceptance shortens it)."""
-    def budget_with(one_seq_ms: float) -> DraftBudget:
-        budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=64)
-        for _ in range(5):
-            budget.observe_step(1, 0, one_seq_ms / 1e3)
-            budget.observe_step(16, 0, 0.010)
-        for _ in range(MEASURED_AFTER):
-            budget.observe_step(16, 16, 0.012)  # 16 rows add 2 ms
-        fast, slow = np.full(len(FRACTIONS), 2.0), np.zeros(len(FRACTIONS))
-        for _ in range(60):  # 4 of 16 sequences accept 2 drafts a step: 0.5 on average
-            budget.observe_acceptance(16, np.array([fast] * 4 + [slow] * 12), np.arange(16) + 30)
-        assert budget.slowest.tolist() == pytest.approx([0.0] * len(FRACTIONS), abs=1e-3)
-        return budget
-
-    kv_bound = budget_with(one_seq_ms=2.0)
-    assert kv_bound._fixed_share(16, 0.010) == pytest.approx(0.2)
-    assert kv_bound.plan(16, 10_000, draining=True).draft_rows > 0  # 0.8 x 0.5 of 10 ms saved against 2 ms added
-    flat = budget_with(one_seq_ms=10.0)
-    assert flat.plan(16, 10_000, draining=True).draft_rows == 0
-    assert flat.plan(16, 10_000).draft_rows > 0  # (while requests wait, tokens per second decide)
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_the_device_keeps_the_best_drafts_of_the_batch_as_the_host_replays_it(seed):
     """kernels/draft_rows.py on random trees: each tree keeps its first few drafts, the batch the
