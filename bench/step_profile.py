@@ -175,20 +175,35 @@ def steps(args: argparse.Namespace) -> None:
     from rollout.engine.step import bucket
 
     def run(mode, engine, prompts, params) -> None:
+        emitted, complete = [], engine._complete
+
+        def counted(step, updated):  # the tokens each step appended, beside its step_log record
+            before = engine.output_tokens
+            complete(step, updated)
+            emitted.append(engine.output_tokens - before)
+
+        engine._complete = counted
         engine.generate(prompts, params)
         groups: dict[tuple[int, int], list] = {}
-        for r in engine.step_log:
+        for r, k in zip(engine.step_log, emitted):
             if not r.prefill:
-                groups.setdefault((bucket(r.num_seqs), r.draft_rows), []).append(r)
+                groups.setdefault((bucket(r.num_seqs), r.draft_rows), []).append((r, k))
         total = sum(r.wall_ms for r in engine.step_log)
-        print(f"\n{mode}: {engine.stats()['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
+        stats = engine.stats()
+        print(f"\n{mode}: {stats['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
               f"{total / 1e3:.2f} s of steps")
-        print("| bucket | draft rows | steps | share of time | wall ms | device ms | host ms |\n|---|---|---|---|---|---|---|")
-        for (b, w), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        print("| bucket | draft rows | steps | share of time | wall ms | device ms | host ms | tokens per sequence |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for (b, w), rks in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+            rs = [r for r, _ in rks]
             med = lambda f, rs=rs: statistics.median(f(r) for r in rs)  # noqa: E731
             share = sum(r.wall_ms for r in rs) / total
+            per_seq = sum(k for _, k in rks) / sum(r.num_seqs for r in rs)
             print(f"| {b} | {w} | {len(rs)} | {share:.1%} | {med(lambda r: r.wall_ms):.2f} | "
-                  f"{med(lambda r: r.device_ms):.2f} | {med(lambda r: r.host_ms):.2f} |")
+                  f"{med(lambda r: r.device_ms):.2f} | {med(lambda r: r.host_ms):.2f} | {per_seq:.2f} |")
+        budget = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in stats.items() if "accept_" in k}
+        if budget:
+            print(f"the budget's estimates at the end: {budget}")
 
     _each_mode(args, run)
 
