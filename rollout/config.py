@@ -179,6 +179,8 @@ class SpecConfig:
     max_draft_tokens: int = option(8, "the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63")
     head_steps: int = option(3, "a draft head's chain length (SGLang's --speculative-num-steps), at most max_draft_tokens: "
                              "each draft is a step of the head for every sequence, worth it only while its drafts are accepted")
+    head_topk: int = option(1, "a draft head's first level: its most likely tokens there (SGLang's --speculative-eagle-topk, "
+                            "here at the first level only; the chain goes on from the likeliest)")
     max_verify_tokens: int = option(2048, "rows a step computes over the whole batch (a root per sequence and its drafts); speculation narrows as the batch grows")
     min_match: int = option(1, "the shortest suffix of a sequence that drafts")
     max_match: int = option(6, "the longest suffix matched (the search window)")
@@ -195,8 +197,8 @@ class SpecConfig:
             raise ValueError("spec matching needs 1 <= min_match <= max_match <= 32")
         if self.history_rows < 0 or self.history_per_prompt < 0 or self.max_verify_tokens < 1:
             raise ValueError("spec history_rows and history_per_prompt must be >= 0, max_verify_tokens >= 1")
-        if self.head_steps < 1:
-            raise ValueError("spec head_steps must be >= 1")
+        if self.head_steps < 1 or self.head_topk < 1:
+            raise ValueError("spec head_steps and head_topk must be >= 1")
         if self.method == "eagle" and self.draft_model is None:
             raise ValueError("spec eagle needs a draft model (--spec-draft-model PATH)")
         if self.method in ("off", "ngram", "mtp") and self.draft_model is not None:
@@ -222,10 +224,15 @@ class SpecConfig:
         return min(self.head_steps, self.max_draft_tokens)
 
     @property
+    def head_siblings(self) -> int:
+        """The drafts beside a head's first (its first level's others), within max_draft_tokens."""
+        return min(self.head_topk - 1, self.max_draft_tokens - self.head_depth)
+
+    @property
     def tree_width(self) -> int:
-        """Draft nodes per sequence per step: a head's chain when the head drafts alone, else the
-        n-gram trees' (a hybrid's chains are padded to them)."""
-        return self.head_depth if "ngram" not in self.drafters else self.max_draft_tokens
+        """Draft nodes per sequence per step: a head's tree when the head drafts alone, else the
+        n-gram trees' (a hybrid's head trees are padded to them)."""
+        return self.head_depth + self.head_siblings if "ngram" not in self.drafters else self.max_draft_tokens
 
 
 @dataclass

@@ -1,19 +1,21 @@
 """Drafting with a learned head (EAGLE-3, or EAGLE-1) inside the step, on the device.
 
-A step leaves each sequence a chain of `depth` drafts for the next one (`tokens`, `keys` by KV
-row), so the next step verifies them like any tree (`trees`: keys are the chain's cumulative
-probability, quantised as the n-gram drafter's are, so the draft-rows kernel and the accept
-walk serve both). The chain is made at the end of the step that verifies the one before:
+A step leaves each sequence a chain of `depth` drafts and `siblings` more beside its first for
+the next one (`tokens`, `keys` by KV row), so the next step verifies them like any tree
+(`trees`: keys are each draft's path probability, quantised as the n-gram drafter's are, so
+the draft-rows kernel and the accept walk serve both). The chain is made at the end of the
+step that verifies the one before:
 
 - the head runs over the step's own rows (`extend`), with the target's attention metadata,
   tree mask and slots: row r's input is the token the target drew at r and the hidden states
   the target wrote entering the head's aux layers. Every accepted node's head KV so lands in
   its accepted slot (the accept walk only moves slots), and a rejected node's is dropped with
   its slot;
-- the deepest accepted node's output gives the first draft (`draft`); each further draft is
-  one row per sequence, standing one position on, its KV in a scratch slot of the sequence's
-  own, entered into the slot table past the sequence's end (the next step's layout writes over
-  those entries).
+- the deepest accepted node's output gives the first draft (`draft`), and its next likeliest
+  tokens the first draft's siblings (`siblings`: --spec-head-topk less one; leaves); each
+  further draft of the chain is one row per sequence, standing one position on, its KV in a
+  scratch slot of the sequence's own, entered into the slot table past the sequence's end (the
+  next step's layout writes over those entries).
 
 The n samples of a prompt share its last slot, whose head KV depends on each sample's first
 token: the first sample's is kept, so its forks' first chains are drafted from a slightly
@@ -32,14 +34,16 @@ from spec.draft_head import DraftHead
 
 
 class EagleDrafter:
-    def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, max_rows: int):
+    def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, max_rows: int, siblings: int = 0):
         device = pool.device
         self.head, self.model, self.pool, self.depth = head, model, pool, depth
+        self.siblings = siblings  # drafts beside the first: the head's next likeliest tokens there, as leaves
         self.source = "mtp" if head.cfg.kind == "mtp" else "eagle"  # (its drafts' name in the statistics)
         self.aux_layers = head.cfg.aux_layers
         self.aux_width = len(self.aux_layers) * model.config.hidden_size
-        self.tokens = torch.zeros(max_rows + 1, depth, dtype=torch.long, device=device)  # target ids
-        self.keys = torch.full((max_rows + 1, depth), -1, dtype=torch.long, device=device)
+        # by KV row: the chain's drafts, then the siblings'; target ids
+        self.tokens = torch.zeros(max_rows + 1, self.nodes, dtype=torch.long, device=device)
+        self.keys = torch.full((max_rows + 1, self.nodes), -1, dtype=torch.long, device=device)
         # rows whose head KV holds every token (the head ran over their prompt and every step
         # since): only they draft chains (a sleeping head's sequences fall behind: HeadCycle)
         self.tracked = torch.zeros(max_rows + 1, dtype=torch.bool, device=device)
@@ -48,18 +52,39 @@ class EagleDrafter:
         self.scratch = torch.as_tensor(pool.alloc((max_rows + 1) * max(depth - 1, 1)), device=device).long()
         self.scratch = self.scratch.view(max_rows + 1, -1)
 
+    @property
+    def nodes(self) -> int:
+        """Drafts in a tree: the chain and its first level's siblings."""
+        return self.depth + self.siblings
+
     def trees(self, rows: torch.Tensor, roots: torch.Tensor, width: int):
-        """(tokens, parents, depths, ancestors, keys) [S, width + 1] of the chains left for `rows`
-        (a chain of no drafts where none was left; padding past the chain's depth), roots [S] their
-        last tokens."""
-        s, d = rows.shape[0], self.depth
-        node = torch.arange(width + 1, device=rows.device)
-        pad = torch.full((s, width - d + 1), -1, dtype=torch.long, device=rows.device)  # the root's key, then padding
-        keys = torch.cat([pad[:, :1], torch.where(self.tracked[rows, None], self.keys[rows], -1), pad[:, 1:]], dim=1)
-        tokens = torch.cat([roots[:, None], self.tokens[rows], pad[:, 1:].clamp(min=0)], dim=1)
-        parents = torch.where((node == 0) | (keys >= 0), node - 1, PADDING)
-        depths = node.expand(s, -1).contiguous()
-        ancestors = ((1 << (node + 1)) - 1).expand(s, -1).contiguous()
+        """(tokens, parents, depths, ancestors, keys) [S, width + 1] of the trees left for `rows`
+        (none where none was left; padding past the tree), roots [S] their last tokens. The drafts
+        stand in key order: a key is its path's probability, never above its parent's, so the
+        first few drafts of a tree, which a step verifies (kernels/draft_rows.py), hold their
+        parents, and along a path the nodes are in depth order, as the accept walk reads them."""
+        s, d, n = rows.shape[0], self.depth, self.nodes
+        dev = rows.device
+        keys = torch.where(self.tracked[rows, None], self.keys[rows], -1)  # [S, n]: the chain, then the siblings
+        order = torch.sort(keys, dim=1, descending=True, stable=True).indices  # (none, -1, last)
+        place = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=dev).expand(s, -1).contiguous())
+        node = place + 1  # [S, n]: each draft's node
+        root = torch.zeros(s, 1, dtype=torch.long, device=dev)
+        parent = torch.cat([root, node[:, : d - 1], root.expand(s, self.siblings)], dim=1)
+        depth = torch.cat([torch.arange(1, d + 1, device=dev), torch.ones(self.siblings, dtype=torch.long, device=dev)])
+        bit = 1 << node
+        above = torch.cat([1 + bit[:, :d].cumsum(dim=1), 1 + bit[:, d:]], dim=1)  # (distinct bits: the sum is their OR)
+        by_key = [t.gather(1, order) for t in (self.tokens[rows], parent, depth.expand(s, -1), above)]
+        keys = keys.gather(1, order)
+        at = torch.arange(width + 1, device=dev)
+        pad = torch.full((s, width - n), -1, dtype=torch.long, device=dev)
+        keys = torch.cat([root - 1, keys, pad], dim=1)
+        drafted = keys >= 0
+        tokens = torch.cat([roots[:, None], by_key[0], pad.clamp(min=0)], dim=1)
+        parents = torch.cat([root - 1, by_key[1], pad], dim=1)
+        parents = torch.where((at == 0) | drafted, parents, PADDING)
+        depths = torch.where(drafted, torch.cat([root, by_key[2], pad], dim=1), at)
+        ancestors = torch.where(drafted, torch.cat([root + 1, by_key[3], pad], dim=1), (1 << (at + 1)) - 1)
         return tokens, parents, depths, ancestors, keys
 
     def extend(self, ids: torch.Tensor, aux: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +118,8 @@ class EagleDrafter:
         s = rows.shape[0]
         dev = rows.device
         lp = torch.log_softmax(logits.float(), dim=-1)
-        best_lp, best = lp.max(dim=-1)
-        tok, cum = self.d2t[best], best_lp
+        top_lp, top = lp.topk(1 + self.siblings, dim=-1)  # the chain's first draft and its siblings
+        tok, cum = self.d2t[top[:, 0]], top_lp[:, 0]
         tokens, keys = [tok], [cum]
         slot_table = self.pool.slot_table
         for k in range(1, self.depth):
@@ -114,6 +139,7 @@ class EagleDrafter:
             tok, cum = self.d2t[best], cum + step_lp
             tokens.append(tok)
             keys.append(cum)
-        self.tokens[rows] = torch.stack(tokens, dim=1)
-        # the chain's probability so far, quantised as the n-gram keys (non-increasing along it)
-        self.keys[rows] = (KEY_SCALE * torch.stack(keys, dim=1).exp()).long().clamp(0, KEY_SCALE - 1)
+        self.tokens[rows] = torch.cat([torch.stack(tokens, dim=1), self.d2t[top[:, 1:]]], dim=1)
+        # each draft's path probability, quantised as the n-gram keys (non-increasing along a path)
+        paths = torch.cat([torch.stack(keys, dim=1), top_lp[:, 1:]], dim=1)
+        self.keys[rows] = (KEY_SCALE * paths.exp()).long().clamp(0, KEY_SCALE - 1)

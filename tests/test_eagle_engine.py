@@ -58,6 +58,57 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     assert got[0].spec["by_source"].keys() == {"eagle"}
 
 
+def test_a_heads_tree_is_its_chain_and_its_first_levels_siblings_in_key_order():
+    """EagleDrafter.trees: a chain of 3 (keys 600, 300, 100 along it) and 2 siblings of its first
+    draft (keys 200, 50) lay out by key: a step that verifies a tree's first few drafts holds their
+    parents, and along a path the nodes are in depth order. Without siblings it is the chain."""
+    from kernels.ngram_draft import PADDING
+    from spec.eagle import EagleDrafter
+
+    head = object.__new__(EagleDrafter)
+    head.depth, head.siblings = 3, 2
+    head.tokens = torch.tensor([[11, 12, 13, 21, 22], [0, 0, 0, 0, 0]])
+    head.keys = torch.tensor([[600, 300, 100, 200, 50], [-1, -1, -1, -1, -1]])
+    head.tracked = torch.tensor([True, True])
+    tokens, parents, depths, ancestors, keys = head.trees(torch.tensor([0, 1]), torch.tensor([9, 8]), width=6)
+    # nodes: root, 11 (600), 12 (300), 21 (200), 13 (100), 22 (50), padding
+    assert tokens[0].tolist() == [9, 11, 12, 21, 13, 22, 0]
+    assert keys[0].tolist() == [-1, 600, 300, 200, 100, 50, -1]
+    assert parents[0].tolist() == [-1, 0, 1, 0, 2, 0, PADDING]
+    assert depths[0].tolist()[:6] == [0, 1, 2, 1, 3, 1]
+    assert ancestors[0].tolist()[:6] == [0b1, 0b11, 0b111, 0b1001, 0b10111, 0b100001]
+    assert parents[1].tolist() == [-1] + [PADDING] * 6 and tokens[1, 0] == 8  # (nothing left for it)
+    chain = object.__new__(EagleDrafter)
+    chain.depth, chain.siblings = 3, 0
+    chain.tokens, chain.keys, chain.tracked = head.tokens[:, :3], head.keys[:, :3], head.tracked
+    tokens, parents, depths, ancestors, keys = chain.trees(torch.tensor([0]), torch.tensor([9]), width=4)
+    node = torch.arange(5)
+    assert tokens[0].tolist() == [9, 11, 12, 13, 0] and parents[0].tolist() == [-1, 0, 1, 2, PADDING]
+    assert depths[0].tolist() == node.tolist() and ancestors[0].tolist() == ((1 << (node + 1)) - 1).tolist()
+
+
+def test_greedy_with_a_heads_first_level_of_three_equals_spec_off(target_and_head):
+    """--spec-head-topk 3: the head's two next likeliest first tokens stand beside its chain, alone
+    and in the hybrid; greedy decoding is spec off's token for token."""
+    target, head, off, prompts = target_and_head
+    params = SamplingParams(temperature=0, max_new_tokens=32, n=2)
+    batch = prompts[:4] + [[7, 8, 9, 10, 11] * 4]
+    want = outputs(off, batch, params)
+    first_accepted = {}
+    for spec, topk in (("eagle", 1), ("eagle", 3), ("auto", 3)):
+        engine = Engine(model=str(target), spec=spec, spec_draft_model=str(head), spec_head_topk=topk, spec_adaptive=False,
+                        device="cpu", max_running_seqs=16)
+        assert engine.runner.eagle.nodes == 2 + topk and engine.spec.depth == (2 + topk if spec == "eagle" else 8)
+        same(want, outputs(engine, batch, params))
+        stats = engine.stats()
+        assert stats["rollout/spec_accepted_tokens/eagle"] > 0
+        first_accepted[spec, topk] = stats["rollout/spec_head_version_first_accept"]
+    assert first_accepted["eagle", 3] > first_accepted["eagle", 1]  # a sibling is taken where the first draft is not
+    assert SpecConfig(method="eagle", draft_model="h", head_topk=9).head_siblings == 8 - 3  # (within max_draft_tokens)
+    with pytest.raises(ValueError, match="head_topk"):
+        SpecConfig(head_topk=0)
+
+
 def test_an_eagle1_head_drafts_in_the_step_and_greedy_equals_spec_off(target_and_head, tmp_path):
     """EAGLE-1 (LlamaForCausalLMEagle: fc over the token's embedding and the target's last hidden
     state after the final norm, the target's lm_head): a random head's chains are verified and
@@ -306,7 +357,7 @@ def test_rollout_bench_compares_eagle_with_spec_off(target_and_head, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_model(default_model_dir, tmp_path):
     """The head's chain drafting captured in the decode/verify graphs (fp32, greedy), alone and in
-    the hybrid: the same tokens and logprobs as the eager steps and as spec off. The head is untrained (the target's
+    the hybrid, with and without siblings: the same tokens and logprobs as the eager steps and as spec off. The head is untrained (the target's
     lm_head and norm, random layer): its drafts are verified, rarely accepted."""
     off = Engine(model=str(default_model_dir), spec="off", device="cuda", dtype="float32", kv_cache_tokens=50_000)
     cfg = train_eagle.head_config(off.model.config, train_eagle.parse_args(["--out", "-", "--draft-vocab", "2048"]))
@@ -317,8 +368,9 @@ def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_mode
     prompts = [t.question for t in arithmetic_tasks(3, seed=2)] + ["Name three primary colors."]
     params = SamplingParams(temperature=0, max_new_tokens=32, n=2)
     want = outputs(off, prompts, params)
-    for spec, graphs in (("eagle", True), ("eagle", False), ("auto", True)):  # (auto with a head: the hybrid)
-        eagle = Engine(model=str(default_model_dir), spec=spec, spec_draft_model=str(tmp_path / "head"),
+    # (auto with a head: the hybrid; topk 3: the head's trees of its chain and two siblings)
+    for spec, graphs, topk in (("eagle", True, 1), ("eagle", False, 1), ("auto", True, 1), ("eagle", True, 3), ("auto", True, 3)):
+        eagle = Engine(model=str(default_model_dir), spec=spec, spec_draft_model=str(tmp_path / "head"), spec_head_topk=topk,
                        spec_adaptive=False, device="cuda", dtype="float32", kv_cache_tokens=50_000, cuda_graphs=graphs)
         assert (eagle.runner.graphs is not None) == graphs
         same(want, outputs(eagle, prompts, params), atol=1e-4)

@@ -152,7 +152,8 @@ class Engine:
         self._build_speculation()
         self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
         if head is not None:
-            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.max_running_seqs)
+            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.max_running_seqs,
+                                             siblings=cfg.spec.head_siblings)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
         if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
             from rollout.engine.cuda_graphs import CudaGraphs

@@ -101,7 +101,7 @@ class ModelRunner:
     def width(self) -> int:
         """Draft nodes per sequence per step: the n-gram trees' (a hybrid's chains are padded to
         them), or a head's chain."""
-        return self.draft.depth if self.draft else self.eagle.depth if self.eagle else 0
+        return self.draft.depth if self.draft else self.eagle.nodes if self.eagle else 0
 
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
@@ -178,7 +178,7 @@ class ModelRunner:
                 from_head = from_head.long()
             trees = (tok, dep, anc, key)
         elif eagle is not None and drafting:  # the chains the step before left (a step that does not draft reads none)
-            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long(), eagle.depth)
+            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long(), eagle.nodes)
             trees = (tok, dep, anc, key)
         if draft_rows:
             layout = lay_out_drafts(tok, par, dep, anc, key, kv, out_pos, x.slots, draft_rows)
