@@ -27,11 +27,9 @@ S (1 + acc(C)) / cost(b, C).
   trees. With one estimate for all, the rl workload at T=1.0 (every sample runs to the length
   limit, drafts accepted for a few repetitive ones) drafted on over a third of its steps, raising
   tokens per second while saving 16 of 2,050 steps (bench/RESULTS.md).
-- cost(b, C) is a step's period: the wall time from one step's completion to the next's, and
-  at least the step's own device time (a period is shorter only when the step before was
-  collected late: at b1 on the H100 the least of five periods was 0.43 ms against 0.78 ms
-  steps, and drafting was priced against that). Steps overlap the host's work, so the period
-  is whichever of the device and the host is slower, as measured, with nothing modelled (a model of the two apart priced drafting as free
+- cost(b, C) is a step's period: the wall time from one step's completion to the next's.
+  Steps overlap the host's work, so the period is whichever of the device and the host is
+  slower, as measured, with nothing modelled (a model of the two apart priced drafting as free
   on the host where the host had been slow for other reasons: bench/results/spec-8a4b12b/
   rl-budget.log). Other work lands on some periods (admissions and the joins after a prefill,
   the collector, the caller between steps) and only ever adds, so a plain step costs the least

@@ -368,9 +368,7 @@ class Engine:
         self.step_log.append(StepRecord(len(seqs), step.draft_rows, prefill, cost * 1e3, device_s * 1e3, host_s * 1e3))
         self._steps += 1
         if not prefill:
-            # (a step costs the budget at least its device time: a period is shorter only when the
-            # step before it was collected late, which lengthened that one's)
-            self.spec.observe(seqs, roots, step.trees, step.draft_rows, max(cost, device_s))
+            self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost)
             if emitted.index_misses is not None:
                 self.spec.observe_index(emitted.index_misses)
 
