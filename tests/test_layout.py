@@ -5,7 +5,6 @@ sees the graph as written rather than what one interpreter happened to load.
 """
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
