@@ -66,16 +66,20 @@ class EagleDrafter:
         s, d, n = rows.shape[0], self.depth, self.nodes
         dev = rows.device
         keys = torch.where(self.tracked[rows, None], self.keys[rows], -1)  # [S, n]: the chain, then the siblings
-        order = torch.sort(keys, dim=1, descending=True, stable=True).indices  # (none, -1, last)
-        place = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=dev).expand(s, -1).contiguous())
+        if self.siblings:
+            order = torch.sort(keys, dim=1, descending=True, stable=True).indices  # (none, -1, last)
+            place = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=dev).expand(s, -1).contiguous())
+        else:  # a chain's keys fall along it: it is in key order already (no sort in its steps)
+            place = torch.arange(n, device=dev).expand(s, -1)
         node = place + 1  # [S, n]: each draft's node
         root = torch.zeros(s, 1, dtype=torch.long, device=dev)
         parent = torch.cat([root, node[:, : d - 1], root.expand(s, self.siblings)], dim=1)
         depth = torch.cat([torch.arange(1, d + 1, device=dev), torch.ones(self.siblings, dtype=torch.long, device=dev)])
         bit = 1 << node
         above = torch.cat([1 + bit[:, :d].cumsum(dim=1), 1 + bit[:, d:]], dim=1)  # (distinct bits: the sum is their OR)
-        by_key = [t.gather(1, order) for t in (self.tokens[rows], parent, depth.expand(s, -1), above)]
-        keys = keys.gather(1, order)
+        by_key = [self.tokens[rows], parent, depth.expand(s, -1), above]
+        if self.siblings:
+            by_key, keys = [t.gather(1, order) for t in by_key], keys.gather(1, order)
         at = torch.arange(width + 1, device=dev)
         pad = torch.full((s, width - n), -1, dtype=torch.long, device=dev)
         keys = torch.cat([root - 1, keys, pad], dim=1)
