@@ -10,6 +10,7 @@
     python bench/step_profile.py budget [--seqs 512]
     python bench/step_profile.py head --head DIR [--spec eagle] [--head-steps 1,2,3,5,8] [--sharegpt-file F]
     python bench/step_profile.py head --random-model llama3-8b [--prompts 2] [--output-len 128]
+    python bench/step_profile.py accept --head DIR [--temperature 1.0] [--prompts 12] [--device cpu]
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
@@ -44,6 +45,11 @@
   every step verifying the whole chain, ShareGPT prompts one at a time, against spec off in the
   same run; with `--random-model`, random prompts to a target of that shape and a random EAGLE-3
   head of the shape published for it (what a draft-and-verify step costs against a decode step).
+- accept: what a draft head's first draft would be accepted at `--temperature`, offline and
+  teacher-forced on the default model's own samples of the rl prompts (as recipes/train_eagle.py
+  runs a head, 3 steps): drafted by argmax (the target's p(x); at T=0, whether x is its argmax),
+  drawn from the head (sum of min(p, q): kernels/sampled_tree_accept.py), or its top k as
+  siblings (their p summed), and a 3-draft chain's expected accepted drafts.
 
 Each prints a Markdown table.
 """
@@ -395,6 +401,72 @@ def _random_eagle3_head(model_dir: str, shape: tuple[int, ...]) -> str:
     return str(out)
 
 
+def accept(args: argparse.Namespace) -> None:
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rollout import Engine, SamplingParams
+    from rollout.tools.bench import workload_prompts
+    from spec.draft_head import HeadConfig, load_head, read_vocab_map, unrolled
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+    from train_eagle import Target
+
+    chain, top_k = 3, (2, 4, 8)  # the chain's drafts; first levels of this many siblings
+    t = args.temperature
+    engine = Engine(model="default", device=args.device)
+    cfg = HeadConfig.from_dir(args.head, engine.model.config)
+    head = load_head(args.head, engine.model.config, layer=engine.model.config.num_layers).to(engine.device)
+    d2t = read_vocab_map(args.head, cfg).to(engine.device)
+    target = Target(engine, cfg.aux_layers)
+    opts = SimpleNamespace(workload="rl", n=1, prompt_set="mixed", seed=0)
+    prompts, _ = workload_prompts(opts, engine.tokenizer, args.prompts)
+    outs = engine.generate(prompts, SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=1))
+    first = {"argmax": [], "sampled": [], **{f"top {k}": [] for k in top_k}}
+    by_chain = {"argmax": [], "sampled": []}
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt) + out[0].token_ids
+        aux, logp = target(ids)
+        tokens = torch.tensor(ids[1:], device=engine.device)
+        with torch.no_grad():
+            steps = unrolled(head, engine.model.model.embed_tokens, tokens, aux[: len(ids) - 1],
+                             engine.runner.cos, engine.runner.sin, steps=chain)
+        if t > 0:
+            p_all = torch.softmax(logp / t, dim=-1)
+        else:  # greedy: the target's argmax alone
+            p_all = torch.nn.functional.one_hot(logp.argmax(-1), logp.shape[-1]).to(logp.dtype)
+        by_step = []
+        for j, (logits, _) in enumerate(steps):
+            n = logits.shape[0]
+            p = p_all[j + 1 : j + 1 + n]  # step j at position i drafts the token the target gives at i + j + 1
+            q = torch.zeros_like(p)
+            q[:, d2t] = torch.softmax(logits.float() / max(t, 1e-6), dim=-1)
+            response = torch.arange(n, device=p.device) + j + 2 >= len(prompt)
+            by_argmax = p.gather(1, d2t[logits.argmax(-1)][:, None])[:, 0]
+            by_sampling = torch.minimum(p, q).sum(dim=-1)
+            by_step.append((by_argmax[response], by_sampling[response]))
+            if j == 0:  # the first level: the head's top k as siblings, their p summed
+                for k in top_k:
+                    siblings = d2t[logits.topk(k, dim=-1).indices]  # [n, k] target ids
+                    first[f"top {k}"].append(p.gather(1, siblings).sum(dim=-1)[response].mean().item())
+        first["argmax"].append(by_step[0][0].mean().item())
+        first["sampled"].append(by_step[0][1].mean().item())
+        m = min(len(a) for a, _ in by_step)
+        for k, kind in enumerate(("argmax", "sampled")):
+            alive, total = torch.ones(m, device=engine.device), torch.zeros(m, device=engine.device)
+            for step in by_step:
+                alive = alive * step[k][:m]
+                total += alive
+            by_chain[kind].append(total.mean().item())
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"{len(prompts)} samples at T={t}, head {args.head}")
+    print(f"| drafted by | first draft accepted | {chain}-draft chain: drafts accepted |\n|---|---|---|")
+    for kind in first:
+        print(f"| {kind} | {mean(first[kind]):.3f} | {mean(by_chain[kind]):.3f} |" if kind in by_chain else
+              f"| the head's {kind}, as siblings | {mean(first[kind]):.3f} | |")
+
+
 def budget(args: argparse.Namespace) -> None:
     import timeit
     from types import SimpleNamespace
@@ -480,8 +552,14 @@ def main() -> None:
     e.add_argument("--output-len", type=int, default=256)
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--device", default="cuda")
+    a = sub.add_parser("accept", help="a draft head's first-draft acceptance offline: argmax, drawn from it, its top k")
+    a.add_argument("--head", required=True)
+    a.add_argument("--temperature", type=float, default=1.0)
+    a.add_argument("--prompts", type=int, default=12)
+    a.add_argument("--max-new-tokens", type=int, default=192)
+    a.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    {"head": head, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "collect": collect, "verify": verify, "budget": budget}[args.profile](args)
+    {"accept": accept, "head": head, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "collect": collect, "verify": verify, "budget": budget}[args.profile](args)
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ class ModelRunner:
 
     @property
     def width(self) -> int:
-        """Draft nodes per sequence per step: the n-gram trees' (a hybrid's chains are padded to
-        them), or a head's chain."""
+        """Draft nodes per sequence per step: the n-gram trees' (a hybrid's head trees are padded
+        to them), or a head's tree (its chain and first-level siblings)."""
         return self.draft.depth if self.draft else self.eagle.nodes if self.eagle else 0
 
     # ---------------- decode and verify steps ----------------
