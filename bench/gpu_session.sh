@@ -13,7 +13,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-bench | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -117,19 +117,23 @@ eagle)  # issue 25: the default model's EAGLE-3 head trained here (recipes/train
     --max-minutes 7 2>&1 | grep -v -i warn | tee "$OUT/train-eagle.log" | tail -25
   cp -r "$OUT/smol-eagle3" /root/mcache/
   ;;
-eagle-bench)  # after `eagle` (HEAD: another head's directory): its acceptance by chain length, then ShareGPT b1 off / n-gram / eagle / hybrid
+eagle-bench)  # after `eagle` (HEAD: another head's directory): its acceptance by tree (TREES: depth[xtopk[xnodes]],...),
+  # then ShareGPT b1 off / n-gram / eagle / hybrid (TREE: --spec-head-* flags)
   H=${HEAD:-/root/mcache/smol-eagle3}
-  timeout 200 python3 bench/step_profile.py head --head $H --sharegpt-file $SHAREGPT 2>&1 | grep -v -i warn \
-    | tee "$OUT/head-steps.log" | tail -8
-  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,eagle,auto --spec-draft-model $H \
+  timeout 280 python3 bench/step_profile.py head --head $H --head-trees ${TREES:-1,2,3,5,8} --sharegpt-file $SHAREGPT 2>&1 \
+    | grep -v -i warn | tee "$OUT/head-trees.log" | tail -9
+  bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,eagle,auto --spec-draft-model $H ${TREE:-} \
     --batch-sizes 1 --temperature 0 --output-len 256 --repeats 3 | tee "$OUT/eagle-sharegpt.log" | tail -6
+  ;;
+eagle-check)  # draft heads on the GPU: chains and trees in CUDA graphs = eager = spec off (tests/test_eagle_engine.py -m gpu)
+  timeout 300 python3 -m pytest -q -m gpu -x tests/test_eagle_engine.py 2>&1 | tee "$OUT/eagle-gpu.log" | tail -3
   ;;
 rl-head)  # the rl rows with the hybrid beside n-gram alone (HEAD as above)
   bench $RL --spec-modes off,ngram,auto --spec-draft-model ${HEAD:-/root/mcache/smol-eagle3} --temperature ${TEMPS:-1.0,0.7} \
     --repeats ${REPEATS:-2} | tee "$OUT/rl-head.log" | tail -8
   ;;
 head-big)  # a draft-and-verify step of a random EAGLE-3 head of the published shape against a decode step, Llama-3.1-8B shape, b1
-  timeout 500 python3 bench/step_profile.py head --random-model llama3-8b --head-steps 1,3,5 --prompts 2 --output-len 128 \
+  timeout 500 python3 bench/step_profile.py head --random-model llama3-8b --head-trees 1,3,5 --prompts 2 --output-len 128 \
     2>&1 | grep -v -i warn | tee "$OUT/head-big.log" | tail -7
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left

@@ -8,7 +8,7 @@
     python bench/step_profile.py collect [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 64] [--device cuda]
     python bench/step_profile.py verify [--seqs 128] [--context 2000] [--draft-rows 0,16,...]
     python bench/step_profile.py budget [--seqs 512]
-    python bench/step_profile.py head --head DIR [--spec eagle] [--head-steps 1,2,3,5,8] [--sharegpt-file F]
+    python bench/step_profile.py head --head DIR [--spec eagle] [--head-trees 1,2,3,5,8,3x2,4x4] [--sharegpt-file F]
     python bench/step_profile.py head --random-model llama3-8b [--prompts 2] [--output-len 128]
     python bench/step_profile.py accept --head DIR [--temperature 1.0] [--prompts 12] [--device cpu]
 
@@ -41,8 +41,9 @@
   line), recording a step's period, and scoring one step's returned trees, at `--seqs`
   sequences, with the budget in the state a long rollout leaves it (every bucket and capacity
   measured, acceptance known per bucket).
-- head: a draft head's acceptance, tok/s and step time by chain length (`--spec-head-steps`),
-  every step verifying the whole chain, ShareGPT prompts one at a time, against spec off in the
+- head: a draft head's acceptance, tok/s and step time by tree, depth x topk (`--spec-head-steps`,
+  `--spec-head-topk`; a depth alone is a chain), every step verifying the whole tree (the
+  likeliest 8 nodes, or the chain however long), ShareGPT prompts one at a time, against spec off in the
   same run; with `--random-model`, random prompts to a target of that shape and a random EAGLE-3
   head of the shape published for it (what a draft-and-verify step costs against a decode step).
 - accept: what a draft head's first draft would be accepted at `--temperature`, offline and
@@ -327,7 +328,7 @@ def verify(args: argparse.Namespace) -> None:
 
 
 def head(args: argparse.Namespace) -> None:
-    """A draft head's acceptance and speed by chain length, every step verifying the whole chain
+    """A draft head's acceptance and speed by tree (depth x topk), every step verifying the whole tree
     (the budget off): ShareGPT prompts one at a time (rollout bench's, which train_eagle leaves
     out), spec off first in the same run."""
     import time
@@ -344,16 +345,19 @@ def head(args: argparse.Namespace) -> None:
     if args.random_model:  # random weights; an EAGLE-3 head of the published shape for that target
         model, load, opts.workload = speed_model_dir(args.random_model), "dummy", "decode"
         head_dir = head_dir or _random_eagle3_head(model, RANDOM_HEADS[args.random_model])
-    print("| spec | head steps | tok/s | vs off | step ms (median) | vs off | accept len | first drafts accepted | drafts accepted |")
+    print("| spec | head tree (depth x topk) | tok/s | vs off | step ms (median) | vs off | accept len | first drafts accepted | drafts accepted |")
     print("|---|---|---|---|---|---|---|---|---|")
     base = None
-    for steps in [0] + [int(x) for x in args.head_steps.split(",")]:
+    for tree in ["-"] + args.head_trees.split(","):
+        parts = [int(x) for x in tree.split("x")] if tree != "-" else [0]
+        steps, topk, nodes = parts + [1, 0][len(parts) - 1 :]
         kw = {"spec": "off"} if not steps else {"spec": args.spec, "spec_draft_model": head_dir, "spec_adaptive": False,
-                                                "spec_head_steps": steps, "spec_max_draft_tokens": max(8, steps),
-                                                "spec_head_min_accept": 0.0}  # (the whole chain, whatever is accepted)
+                                                "spec_head_steps": steps, "spec_head_topk": topk,
+                                                "spec_max_draft_tokens": nodes or max(8, steps),
+                                                "spec_head_min_accept": 0.0}  # (the whole tree, whatever is accepted)
         engine = Engine(model=model, load_format=load, device=args.device, kv_cache_tokens=50_000, **kw)
         prompts, _ = workload_prompts(opts, engine.tokenizer, args.prompts)
-        engine.generate(prompts[:1], params)  # (warm-up)
+        engine.generate(prompts if base is None else prompts[:1], params)  # (warm-up; the first engine's compiles every shape)
         engine.reset_stats()
         engine.step_log.clear()
         t0 = time.perf_counter()
@@ -363,7 +367,7 @@ def head(args: argparse.Namespace) -> None:
         base = base or (rate, step_ms)
         st = engine.stats()
         get = lambda k: st.get(f"rollout/spec_{k}", 0.0)  # noqa: E731
-        print(f"| {kw['spec']} | {steps or '-'} | {rate:,.0f} | {rate / base[0]:.2f}x | {step_ms:.2f} | {step_ms / base[1]:.2f}x "
+        print(f"| {kw['spec']} | {tree} | {rate:,.0f} | {rate / base[0]:.2f}x | {step_ms:.2f} | {step_ms / base[1]:.2f}x "
               f"| {get('accept_length') or 1:.2f} | {get('head_version_first_accept'):.2f} | {get('accept_rate'):.3f} |")
         del engine
         if torch.cuda.is_available():
@@ -542,11 +546,12 @@ def main() -> None:
     v.add_argument("--context", type=int, default=2000)
     v.add_argument("--draft-rows", default=None, help="comma-separated (default: the budget's for --seqs)")
     v.add_argument("--top", type=int, default=15)
-    e = sub.add_parser("head", help="a draft head's acceptance and speed by chain length, the whole chain verified")
+    e = sub.add_parser("head", help="a draft head's acceptance and speed by tree (depth x topk), the whole tree verified")
     e.add_argument("--head", default=None, help="the head's directory (with --random-model: a random head of the published shape)")
     e.add_argument("--random-model", choices=sorted(RANDOM_HEADS), default=None, help="a target of this shape, random weights")
     e.add_argument("--spec", default="eagle", choices=("eagle", "auto"))
-    e.add_argument("--head-steps", default="1,2,3,5,8")
+    e.add_argument("--head-trees", default="1,2,3,5,8",
+                   help="depths, or depth x topk [x nodes kept] (3x2: 3 levels of the 2 likeliest; 4x4x16: their 16 likeliest; else 8)")
     e.add_argument("--sharegpt-file", default=None)
     e.add_argument("--prompts", type=int, default=8)
     e.add_argument("--output-len", type=int, default=256)

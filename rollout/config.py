@@ -177,10 +177,10 @@ class SpecConfig:
     head_min_accept: float = option(0.2, "a draft head whose first drafts are accepted less often than this under a "
                                     "weight version is switched off for it (probed now and then; on when its weights are pushed)")
     max_draft_tokens: int = option(8, "the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63")
-    head_steps: int = option(3, "a draft head's chain length (SGLang's --speculative-num-steps), at most max_draft_tokens: "
-                             "each draft is a step of the head for every sequence, worth it only while its drafts are accepted")
-    head_topk: int = option(1, "a draft head's first level: its most likely tokens there (SGLang's --speculative-eagle-topk, "
-                            "here at the first level only; the chain goes on from the likeliest)")
+    head_steps: int = option(3, "a draft head's tree depth (SGLang's --speculative-num-steps), at most max_draft_tokens: "
+                             "each level is a step of the head for every sequence, worth it only while its drafts are accepted")
+    head_topk: int = option(1, "a draft head's likeliest tokens at each level of its tree (EAGLE-2's dynamic tree, SGLang's "
+                            "--speculative-eagle-topk); the tree keeps the max_draft_tokens likeliest; 1: a chain")
     max_verify_tokens: int = option(2048, "rows a step computes over the whole batch (a root per sequence and its drafts); speculation narrows as the batch grows")
     min_match: int = option(1, "the shortest suffix of a sequence that drafts")
     max_match: int = option(6, "the longest suffix matched (the search window)")
@@ -199,6 +199,9 @@ class SpecConfig:
             raise ValueError("spec history_rows and history_per_prompt must be >= 0, max_verify_tokens >= 1")
         if self.head_steps < 1 or self.head_topk < 1:
             raise ValueError("spec head_steps and head_topk must be >= 1")
+        if self.head_topk * (self.head_depth - 1) > 64:
+            raise ValueError("spec head_topk x (head_steps - 1) must be at most 64: the head's rows above a tree's "
+                             "last level share a tree mask (trees hold at most 64 tokens)")
         if self.method == "eagle" and self.draft_model is None:
             raise ValueError("spec eagle needs a draft model (--spec-draft-model PATH)")
         if self.method in ("off", "ngram", "mtp") and self.draft_model is not None:
@@ -220,19 +223,19 @@ class SpecConfig:
 
     @property
     def head_depth(self) -> int:
-        """A draft head's chain length."""
+        """A draft head's tree depth."""
         return min(self.head_steps, self.max_draft_tokens)
 
     @property
-    def head_siblings(self) -> int:
-        """The drafts beside a head's first (its first level's others), within max_draft_tokens."""
-        return min(self.head_topk - 1, self.max_draft_tokens - self.head_depth)
+    def head_nodes(self) -> int:
+        """Drafts in a head's tree: the likeliest of its depth x topk, within max_draft_tokens."""
+        return min(self.head_topk * self.head_depth, self.max_draft_tokens)
 
     @property
     def tree_width(self) -> int:
         """Draft nodes per sequence per step: a head's tree when the head drafts alone, else the
         n-gram trees' (a hybrid's head trees are padded to them)."""
-        return self.head_depth + self.head_siblings if "ngram" not in self.drafters else self.max_draft_tokens
+        return self.head_nodes if "ngram" not in self.drafters else self.max_draft_tokens
 
 
 @dataclass

@@ -1,24 +1,29 @@
-"""Drafting with a learned head (EAGLE-3, or EAGLE-1) inside the step, on the device.
+"""Drafting with a learned head (EAGLE-3, EAGLE-1 or an MTP layer) inside the step, on the device.
 
-A step leaves each sequence a chain of `depth` drafts and `siblings` more beside its first for
-the next one (`tokens`, `keys` by KV row), so the next step verifies them like any tree
-(`trees`: keys are each draft's path probability, quantised as the n-gram drafter's are, so
-the draft-rows kernel and the accept walk serve both). The chain is made at the end of the
-step that verifies the one before:
+A step leaves each sequence a tree of drafts for the next one (`tokens`, `parents`, `depths`,
+`ancestors`, `keys` by KV row, in key order), which the next step verifies like any tree (keys
+are each draft's path probability, quantised as the n-gram drafter's are, so the draft-rows
+kernel and the accept walk serve both). The tree is made at the end of the step that verifies
+the one before:
 
 - the head runs over the step's own rows (`extend`), with the target's attention metadata,
   tree mask and slots: row r's input is the token the target drew at r and the hidden states
   the target wrote entering the head's aux layers. Every accepted node's head KV so lands in
   its accepted slot (the accept walk only moves slots), and a rejected node's is dropped with
   its slot;
-- the deepest accepted node's output gives the first draft (`draft`), and its next likeliest
-  tokens the first draft's siblings (`siblings`: --spec-head-topk less one; leaves); each
-  further draft of the chain is one row per sequence, standing one position on, its KV in a
-  scratch slot of the sequence's own, entered into the slot table past the sequence's end (the
-  next step's layout writes over those entries).
+- the deepest accepted node's output gives the tree's first level, the head's `topk` likeliest
+  tokens there; each further level is a step of the head over the level before (EAGLE-2's
+  dynamic tree, `draft`): the `topk` likeliest of its nodes' children by path probability, of
+  `topk` each. The tree keeps the `width` likeliest nodes of all levels, which hold their
+  parents (a child is never likelier than its parent). A level's rows stand one position on
+  from their parents', their KV in scratch slots of the sequence's own, entered into the slot
+  table past the sequence's end (the next step's layout writes over those entries); a row sees
+  its ancestors there and not their cousins (a tree mask), so each head step reruns the levels
+  above it with the new one (with `topk` 1, a chain, the nodes above are all ancestors: one
+  row a step).
 
 The n samples of a prompt share its last slot, whose head KV depends on each sample's first
-token: the first sample's is kept, so its forks' first chains are drafted from a slightly
+token: the first sample's is kept, so its forks' first trees are drafted from a slightly
 different context. Verification keeps every sample exact; only their acceptance pays.
 """
 
@@ -34,61 +39,51 @@ from spec.draft_head import DraftHead
 
 
 class EagleDrafter:
-    def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, max_rows: int, siblings: int = 0):
+    def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, topk: int, width: int, max_rows: int):
         device = pool.device
-        self.head, self.model, self.pool, self.depth = head, model, pool, depth
-        self.siblings = siblings  # drafts beside the first: the head's next likeliest tokens there, as leaves
+        self.head, self.model, self.pool = head, model, pool
+        self.depth, self.topk = depth, topk  # levels of a tree, and the head's top k at each
+        self.nodes = width  # drafts kept of a tree's depth x topk, the likeliest
         self.source = "mtp" if head.cfg.kind == "mtp" else "eagle"  # (its drafts' name in the statistics)
         self.aux_layers = head.cfg.aux_layers
         self.aux_width = len(self.aux_layers) * model.config.hidden_size
-        # by KV row: the chain's drafts, then the siblings'; target ids
-        self.tokens = torch.zeros(max_rows + 1, self.nodes, dtype=torch.long, device=device)
-        self.keys = torch.full((max_rows + 1, self.nodes), -1, dtype=torch.long, device=device)
+        # by KV row, each tree in key order: target ids, parents (0: the root), depths, ancestors'
+        # bits (the root's and the node's own included), keys (-1: none)
+        rows = max_rows + 1
+        self.tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.parents = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.depths = torch.ones(rows, width, dtype=torch.long, device=device)
+        self.ancestors = torch.ones(rows, width, dtype=torch.long, device=device)
+        self.keys = torch.full((rows, width), -1, dtype=torch.long, device=device)
         # rows whose head KV holds every token (the head ran over their prompt and every step
-        # since): only they draft chains (a sleeping head's sequences fall behind: HeadCycle)
-        self.tracked = torch.zeros(max_rows + 1, dtype=torch.bool, device=device)
+        # since): only they draft (a sleeping head's sequences fall behind: HeadCycle)
+        self.tracked = torch.zeros(rows, dtype=torch.bool, device=device)
         self.d2t = head.draft_to_target.to(device)
-        # each KV row's scratch slots for its chain's drafts after the first (never freed)
-        self.scratch = torch.as_tensor(pool.alloc((max_rows + 1) * max(depth - 1, 1)), device=device).long()
-        self.scratch = self.scratch.view(max_rows + 1, -1)
+        # each KV row's scratch slots for the head's rows past its root (never freed)
+        self.scratch = torch.as_tensor(pool.alloc(rows * max(self.head_rows, 1)), device=device).long().view(rows, -1)
 
     @property
-    def nodes(self) -> int:
-        """Drafts in a tree: the chain and its first level's siblings."""
-        return self.depth + self.siblings
+    def head_rows(self) -> int:
+        """Nodes of a tree the head runs over: every level's but the last's."""
+        return (self.depth - 1) * self.topk
 
     def trees(self, rows: torch.Tensor, roots: torch.Tensor, width: int):
         """(tokens, parents, depths, ancestors, keys) [S, width + 1] of the trees left for `rows`
         (none where none was left; padding past the tree), roots [S] their last tokens. The drafts
-        stand in key order: a key is its path's probability, never above its parent's, so the
-        first few drafts of a tree, which a step verifies (kernels/draft_rows.py), hold their
-        parents, and along a path the nodes are in depth order, as the accept walk reads them."""
-        s, d, n = rows.shape[0], self.depth, self.nodes
-        dev = rows.device
-        keys = torch.where(self.tracked[rows, None], self.keys[rows], -1)  # [S, n]: the chain, then the siblings
-        if self.siblings:
-            order = torch.sort(keys, dim=1, descending=True, stable=True).indices  # (none, -1, last)
-            place = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=dev).expand(s, -1).contiguous())
-        else:  # a chain's keys fall along it: it is in key order already (no sort in its steps)
-            place = torch.arange(n, device=dev).expand(s, -1)
-        node = place + 1  # [S, n]: each draft's node
-        root = torch.zeros(s, 1, dtype=torch.long, device=dev)
-        parent = torch.cat([root, node[:, : d - 1], root.expand(s, self.siblings)], dim=1)
-        depth = torch.cat([torch.arange(1, d + 1, device=dev), torch.ones(self.siblings, dtype=torch.long, device=dev)])
-        bit = 1 << node
-        above = torch.cat([1 + bit[:, :d].cumsum(dim=1), 1 + bit[:, d:]], dim=1)  # (distinct bits: the sum is their OR)
-        by_key = [self.tokens[rows], parent, depth.expand(s, -1), above]
-        if self.siblings:
-            by_key, keys = [t.gather(1, order) for t in by_key], keys.gather(1, order)
+        stand in key order: a step verifies a tree's first few (kernels/draft_rows.py), which hold
+        their parents, and along a path the nodes are in depth order, as the accept walk reads them."""
+        s, n, dev = rows.shape[0], self.nodes, rows.device
+        keys = torch.where(self.tracked[rows, None], self.keys[rows], -1)
         at = torch.arange(width + 1, device=dev)
+        root = torch.zeros(s, 1, dtype=torch.long, device=dev)
         pad = torch.full((s, width - n), -1, dtype=torch.long, device=dev)
         keys = torch.cat([root - 1, keys, pad], dim=1)
         drafted = keys >= 0
-        tokens = torch.cat([roots[:, None], by_key[0], pad.clamp(min=0)], dim=1)
-        parents = torch.cat([root - 1, by_key[1], pad], dim=1)
+        tokens = torch.cat([roots[:, None], self.tokens[rows], pad.clamp(min=0)], dim=1)
+        parents = torch.cat([root - 1, self.parents[rows], pad], dim=1)
         parents = torch.where((at == 0) | drafted, parents, PADDING)
-        depths = torch.where(drafted, torch.cat([root, by_key[2], pad], dim=1), at)
-        ancestors = torch.where(drafted, torch.cat([root + 1, by_key[3], pad], dim=1), (1 << (at + 1)) - 1)
+        depths = torch.where(drafted, torch.cat([root, self.depths[rows], pad], dim=1), at)
+        ancestors = torch.where(drafted, torch.cat([root + 1, self.ancestors[rows], pad], dim=1), (1 << (at + 1)) - 1)
         return tokens, parents, depths, ancestors, keys
 
     def extend(self, ids: torch.Tensor, aux: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +101,8 @@ class EagleDrafter:
 
     def sleep(self) -> None:
         """The head stops running (spec/head_watch.py HeadCycle): every row's head KV falls behind
-        from here on, so none drafts chains again (a row tracks again once a prompt starts in it
-        while the head runs). Queued on the stream behind the steps in flight, whose chains it drops."""
+        from here on, so none drafts again (a row tracks again once a prompt starts in it while
+        the head runs). Queued on the stream behind the steps in flight, whose trees it drops."""
         self.tracked.fill_(False)
         self.keys.fill_(-1)
 
@@ -117,33 +112,79 @@ class EagleDrafter:
 
     def draft(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor,
               backend, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Chains for `rows` [S] from the head's output at their deepest accepted node (logits,
-        hidden [S, ...]); lengths [S]: their token counts now (the last token is the next root)."""
-        s = rows.shape[0]
-        dev = rows.device
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        top_lp, top = lp.topk(1 + self.siblings, dim=-1)  # the chain's first draft and its siblings
-        tok, cum = self.d2t[top[:, 0]], top_lp[:, 0]
-        tokens, keys = [tok], [cum]
-        slot_table = self.pool.slot_table
-        for k in range(1, self.depth):
-            at = lengths - 1 + (k - 1)  # where the draft before it stands: the root's position, then on
-            slot = self.scratch[rows, k - 1]
-            slot_table[rows, at] = slot.to(slot_table.dtype)
-            meta = AttentionMetadata(
-                seq_rows=rows.to(torch.int32), kv_lens=(at + 1).to(torch.int32),
-                qo_indptr=torch.arange(s + 1, dtype=torch.int32, device=dev), slot_table=slot_table,
-                out_slots=slot, tree_mask=None, max_q_len=1, max_kv_len=self.pool.max_context,
-            )
-            backend.plan(meta)
-            ctx = ForwardContext(meta, backend, self.pool.k_caches, self.pool.v_caches, cos[at], sin[at])
-            logits, hidden = self._head(tok, hidden, ctx)
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            step_lp, best = lp.max(dim=-1)
-            tok, cum = self.d2t[best], cum + step_lp
-            tokens.append(tok)
-            keys.append(cum)
-        self.tokens[rows] = torch.cat([torch.stack(tokens, dim=1), self.d2t[top[:, 1:]]], dim=1)
-        # each draft's path probability, quantised as the n-gram keys (non-increasing along a path)
-        paths = torch.cat([torch.stack(keys, dim=1), top_lp[:, 1:]], dim=1)
-        self.keys[rows] = (KEY_SCALE * paths.exp()).long().clamp(0, KEY_SCALE - 1)
+        """Trees for `rows` [S] from the head's output at their deepest accepted node (logits,
+        hidden [S, ...]); lengths [S]: their token counts now (the last token is the next root).
+
+        Nodes are numbered level by level (level j's k-th is (j - 1) * topk + k) until the end,
+        where the tree keeps the likeliest `nodes` of them in key order."""
+        s, k, dev = rows.shape[0], self.topk, rows.device
+        score, best = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [S, K]: the first level
+        scores, tokens = [score], [self.d2t[best]]
+        parents = [torch.full((s, k), -1, dtype=torch.long, device=dev)]  # (-1: the root)
+        if self.depth > 1:
+            n = self.head_rows
+            slot_table = self.pool.slot_table
+            root = lengths - 1  # the root's position: the first level's rows stand there
+            slot_table[rows[:, None], root[:, None] + torch.arange(n, device=dev)] = self.scratch[rows].to(slot_table.dtype)
+            ids = torch.empty(s, n, dtype=torch.long, device=dev)
+            inputs = hidden.new_empty(s, n, hidden.shape[-1])  # each row's: its parent's output
+            bits = torch.zeros(s, n, dtype=torch.long, device=dev)  # each row's ancestors among the rows, itself included
+            ids[:, :k], inputs[:, :k] = tokens[0], hidden[:, None]
+            bits[:, :k] = 1 << torch.arange(k, device=dev)
+            for level in range(1, self.depth):
+                # rows of the levels above first (a row sees its ancestors' KV, not their cousins'),
+                # unless every node above is an ancestor (a chain)
+                first = 0 if k > 1 else level - 1
+                last = level * k
+                q = last - first
+                at = root[:, None] + torch.arange(level, device=dev).repeat_interleave(k)[first:last]  # [S, q]: positions
+                meta = AttentionMetadata(
+                    seq_rows=rows.to(torch.int32), kv_lens=(root + last).to(torch.int32),
+                    qo_indptr=torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=dev), slot_table=slot_table,
+                    out_slots=self.scratch[rows, first:last].reshape(-1), tree_mask=bits[:, first:last].reshape(-1) if k > 1 else None,
+                    max_q_len=q, max_kv_len=self.pool.max_context,
+                )
+                backend.plan(meta)
+                ctx = ForwardContext(meta, backend, self.pool.k_caches, self.pool.v_caches, cos[at.reshape(-1)], sin[at.reshape(-1)])
+                out_logits, out = self._head(ids[:, first:last].reshape(-1), inputs[:, first:last].reshape(-1, inputs.shape[-1]), ctx)
+                out_logits, out = out_logits.view(s, q, -1)[:, q - k:], out.view(s, q, -1)[:, q - k:]  # this level's rows
+                lp, child = torch.log_softmax(out_logits.float(), dim=-1).topk(k, dim=-1)  # [S, K, K]
+                score, pick = (scores[-1][:, :, None] + lp).view(s, k * k).topk(k, dim=-1)  # the next level: [S, K]
+                parent = pick // k  # (among this level's nodes)
+                scores.append(score)
+                tokens.append(self.d2t[child.view(s, k * k).gather(1, pick)])
+                parents.append((level - 1) * k + parent)
+                if level < self.depth - 1:  # the next level's rows
+                    ids[:, last : last + k] = tokens[-1]
+                    inputs[:, last : last + k] = out.gather(1, parent[:, :, None].expand(-1, -1, out.shape[-1]))
+                    bits[:, last : last + k] = bits[:, (level - 1) * k :][:, :k].gather(1, parent) | (1 << (last + torch.arange(k, device=dev)))
+        self._keep(rows, torch.cat(scores, dim=1), torch.cat(tokens, dim=1), torch.cat(parents, dim=1))
+
+    def _keep(self, rows: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> None:
+        """Keep the likeliest `nodes` of each tree (scores [S, N]: path log-probabilities, nodes
+        level by level; parents [S, N] their parents' numbers, -1 for the root), in key order. A
+        child's key is never above its parent's and a stable sort keeps the parent first, so the
+        nodes kept hold their parents."""
+        s, total, dev = scores.shape[0], scores.shape[1], scores.device
+        keys = (KEY_SCALE * scores.exp()).long().clamp(0, KEY_SCALE - 1)
+        if self.topk > 1:
+            order = torch.sort(keys, dim=1, descending=True, stable=True).indices
+            place = torch.empty_like(order).scatter_(1, order, torch.arange(total, device=dev).expand(s, -1).contiguous())
+        else:  # a chain's keys fall along it: it is in key order already (no sort in its steps)
+            order = place = torch.arange(total, device=dev).expand(s, -1)
+        node = place + 1  # each node's number in the tree kept (0: the root)
+        kept = node <= self.nodes
+        parent_node = torch.where(parents >= 0, node.gather(1, parents.clamp(min=0)), 0)
+        own = torch.where(kept, 1 << node.clamp(max=self.nodes), 0)
+        ancestors = torch.empty_like(own)
+        k = self.topk
+        ancestors[:, :k] = 1 + own[:, :k]  # (the root's bit, and its own)
+        for start in range(k, total, k):  # level by level: a parent's bits are known before its children's
+            ancestors[:, start : start + k] = ancestors.gather(1, parents[:, start : start + k]) | own[:, start : start + k]
+        depths = torch.arange(total, device=dev) // k + 1
+        first = order[:, : self.nodes]
+        self.tokens[rows] = tokens.gather(1, first)
+        self.parents[rows] = parent_node.gather(1, first)
+        self.depths[rows] = depths.expand(s, -1).gather(1, first)
+        self.ancestors[rows] = ancestors.gather(1, first)
+        self.keys[rows] = keys.gather(1, first)

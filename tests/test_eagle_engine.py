@@ -58,38 +58,94 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     assert got[0].spec["by_source"].keys() == {"eagle"}
 
 
-def test_a_heads_tree_is_its_chain_and_its_first_levels_siblings_in_key_order():
-    """EagleDrafter.trees: a chain of 3 (keys 600, 300, 100 along it) and 2 siblings of its first
-    draft (keys 200, 50) lay out by key: a step that verifies a tree's first few drafts holds their
-    parents, and along a path the nodes are in depth order. Without siblings it is the chain."""
-    from kernels.ngram_draft import PADDING
+def test_a_heads_tree_keeps_its_likeliest_nodes_in_key_order():
+    """EagleDrafter._keep and trees: of a tree of 3 levels of 2 (path probabilities 0.6, 0.25;
+    0.4, 0.2; 0.3, 0.1), the 4 likeliest lay out by key: a step that verifies a tree's first few
+    drafts holds their parents, and along a path the nodes are in depth order. With one token a
+    level it is the chain."""
+    from kernels.ngram_draft import KEY_SCALE, PADDING
     from spec.eagle import EagleDrafter
 
-    head = object.__new__(EagleDrafter)
-    head.depth, head.siblings = 3, 2
-    head.tokens = torch.tensor([[11, 12, 13, 21, 22], [0, 0, 0, 0, 0]])
-    head.keys = torch.tensor([[600, 300, 100, 200, 50], [-1, -1, -1, -1, -1]])
-    head.tracked = torch.tensor([True, True])
-    tokens, parents, depths, ancestors, keys = head.trees(torch.tensor([0, 1]), torch.tensor([9, 8]), width=6)
-    # nodes: root, 11 (600), 12 (300), 21 (200), 13 (100), 22 (50), padding
-    assert tokens[0].tolist() == [9, 11, 12, 21, 13, 22, 0]
-    assert keys[0].tolist() == [-1, 600, 300, 200, 100, 50, -1]
-    assert parents[0].tolist() == [-1, 0, 1, 0, 2, 0, PADDING]
-    assert depths[0].tolist()[:6] == [0, 1, 2, 1, 3, 1]
-    assert ancestors[0].tolist()[:6] == [0b1, 0b11, 0b111, 0b1001, 0b10111, 0b100001]
-    assert parents[1].tolist() == [-1] + [PADDING] * 6 and tokens[1, 0] == 8  # (nothing left for it)
-    chain = object.__new__(EagleDrafter)
-    chain.depth, chain.siblings = 3, 0
-    chain.tokens, chain.keys, chain.tracked = head.tokens[:, :3], head.keys[:, :3], head.tracked
+    def drafter(topk: int, nodes: int) -> EagleDrafter:
+        head = object.__new__(EagleDrafter)
+        head.depth, head.topk, head.nodes = 3, topk, nodes
+        head.tokens, head.parents, head.depths, head.ancestors = (torch.zeros(2, nodes, dtype=torch.long) for _ in range(4))
+        head.keys = torch.full((2, nodes), -1)
+        head.tracked = torch.tensor([True, True])
+        return head
+
+    head = drafter(topk=2, nodes=4)
+    p = torch.tensor([[0.6, 0.25, 0.4, 0.2, 0.3, 0.1]])
+    head._keep(torch.tensor([0]), p.log(), torch.tensor([[11, 12, 21, 22, 31, 32]]), torch.tensor([[-1, -1, 0, 1, 2, 2]]))
+    tokens, parents, depths, ancestors, keys = head.trees(torch.tensor([0, 1]), torch.tensor([9, 8]), width=5)
+    # nodes: root, 11 (0.6), 21 (0.4), 31 (0.3), 12 (0.25), padding; 22 and 32 are dropped
+    assert tokens[0].tolist() == [9, 11, 21, 31, 12, 0]
+    assert keys[0].tolist() == [-1] + (KEY_SCALE * p[0, [0, 2, 4, 1]]).long().tolist() + [-1]
+    assert parents[0].tolist() == [-1, 0, 1, 2, 0, PADDING]
+    assert depths[0].tolist()[:5] == [0, 1, 2, 3, 1]
+    assert ancestors[0].tolist()[:5] == [0b1, 0b11, 0b111, 0b1111, 0b10001]
+    assert parents[1].tolist() == [-1] + [PADDING] * 5 and tokens[1, 0] == 8  # (nothing left for it)
+    chain = drafter(topk=1, nodes=3)
+    chain._keep(torch.tensor([0]), torch.tensor([[0.6, 0.3, 0.1]]).log(), torch.tensor([[11, 12, 13]]), torch.tensor([[-1, 0, 1]]))
     tokens, parents, depths, ancestors, keys = chain.trees(torch.tensor([0]), torch.tensor([9]), width=4)
     node = torch.arange(5)
     assert tokens[0].tolist() == [9, 11, 12, 13, 0] and parents[0].tolist() == [-1, 0, 1, 2, PADDING]
     assert depths[0].tolist() == node.tolist() and ancestors[0].tolist() == ((1 << (node + 1)) - 1).tolist()
 
 
-def test_greedy_with_a_heads_first_level_of_three_equals_spec_off(target_and_head):
-    """--spec-head-topk 3: the head's two next likeliest first tokens stand beside its chain, alone
-    and in the hybrid; greedy decoding is spec off's token for token."""
+@torch.inference_mode()
+def test_a_heads_tree_nodes_score_their_paths_as_the_head_drafts_each_path_alone(target_and_head):
+    """EAGLE-2's tree (spec/eagle.py draft): every node's score is its path's log-probability under
+    the head, as a reference computes it path by path (the head one row a step, over the prefix and
+    the path's own KV): the head's rows at a level see their ancestors' KV and not their cousins',
+    and each takes its own parent's output."""
+    from kernels.attention import AttentionMetadata
+    from rollout.models.llama import ForwardContext
+
+    target, head, _, prompts = target_and_head
+    engine = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_head_topk=3,
+                    device="cpu", max_running_seqs=4, overlap_schedule=False)
+    runner, eagle, pool = engine.runner, engine.runner.eagle, engine.pool
+    drafted, kept = [], []
+    draft, keep = eagle.draft, eagle._keep
+    eagle.draft = lambda *args: (drafted.append([a.clone() for a in args[:4]]), draft(*args))
+    eagle._keep = lambda rows, *tree: (kept.append(tree), keep(rows, *tree))
+    for prompt in prompts[:3]:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=8))
+    engine.step()  # the prompts' prefill, whose end drafts their first trees
+    (rows, logits, hidden, lengths), (scores, tokens, parents) = drafted[0], kept[0]
+    draft_id = {t: d for d, t in enumerate(eagle.d2t.tolist())}
+    slots = torch.as_tensor(pool.alloc(eagle.depth), dtype=torch.long)
+    checked = 0
+    for r in range(rows.shape[0]):
+        root = int(lengths[r]) - 1
+        table = pool.slot_table[rows[r : r + 1]].clone()
+        table[0, root : root + eagle.depth] = slots.to(table.dtype)
+        for node in range(scores.shape[1]):
+            path = [node]
+            while parents[r, path[0]] >= 0:
+                path.insert(0, int(parents[r, path[0]]))
+            score = torch.log_softmax(logits[r].float(), dim=-1)[draft_id[int(tokens[r, path[0]])]]
+            h = hidden[r : r + 1]
+            for i in range(1, len(path)):  # the head over the path's node i - 1, one row
+                meta = AttentionMetadata(
+                    seq_rows=torch.zeros(1, dtype=torch.int32), kv_lens=torch.tensor([root + i], dtype=torch.int32),
+                    qo_indptr=torch.tensor([0, 1], dtype=torch.int32), slot_table=table, out_slots=slots[i - 1 : i],
+                    tree_mask=None, max_q_len=1, max_kv_len=pool.max_context)
+                runner.backend.plan(meta)
+                at = root + i - 1
+                ctx = ForwardContext(meta, runner.backend, pool.k_caches, pool.v_caches, runner.cos[at : at + 1], runner.sin[at : at + 1])
+                out_logits, h = eagle._head(tokens[r, path[i - 1] : path[i - 1] + 1], h, ctx)
+                score = score + torch.log_softmax(out_logits[0].float(), dim=-1)[draft_id[int(tokens[r, path[i]])]]
+            assert float(scores[r, node]) == pytest.approx(float(score), abs=1e-4)  # (float32 sums)
+            checked += len(path) == eagle.depth
+    assert checked >= 3 * 3  # (every row's last level)
+
+
+def test_greedy_with_a_heads_tree_of_three_a_level_equals_spec_off(target_and_head):
+    """--spec-head-topk 3: the head's tree takes its three likeliest tokens at each level and keeps
+    the likeliest 8 of them, alone and in the hybrid; greedy decoding is spec off's token for
+    token, and more first drafts are accepted than the chain's."""
     target, head, off, prompts = target_and_head
     params = SamplingParams(temperature=0, max_new_tokens=32, n=2)
     batch = prompts[:4] + [[7, 8, 9, 10, 11] * 4]
@@ -98,15 +154,17 @@ def test_greedy_with_a_heads_first_level_of_three_equals_spec_off(target_and_hea
     for spec, topk in (("eagle", 1), ("eagle", 3), ("auto", 3)):
         engine = Engine(model=str(target), spec=spec, spec_draft_model=str(head), spec_head_topk=topk, spec_adaptive=False,
                         device="cpu", max_running_seqs=16)
-        assert engine.runner.eagle.nodes == 2 + topk and engine.spec.depth == (2 + topk if spec == "eagle" else 8)
+        nodes = 3 if topk == 1 else 8  # (3 levels of topk, within --spec-max-draft-tokens)
+        assert engine.runner.eagle.nodes == nodes and engine.spec.depth == (nodes if spec == "eagle" else 8)
         same(want, outputs(engine, batch, params))
         stats = engine.stats()
         assert stats["rollout/spec_accepted_tokens/eagle"] > 0
         first_accepted[spec, topk] = stats["rollout/spec_head_version_first_accept"]
     assert first_accepted["eagle", 3] > first_accepted["eagle", 1]  # a sibling is taken where the first draft is not
-    assert SpecConfig(method="eagle", draft_model="h", head_topk=9).head_siblings == 8 - 3  # (within max_draft_tokens)
-    with pytest.raises(ValueError, match="head_topk"):
-        SpecConfig(head_topk=0)
+    assert SpecConfig(method="eagle", draft_model="h", head_topk=2, max_draft_tokens=16).head_nodes == 6
+    for bad in (0, 33):  # (33 x 2 rows above the last level: more than a tree mask holds)
+        with pytest.raises(ValueError, match="head_topk"):
+            SpecConfig(head_topk=bad)
 
 
 def test_an_eagle1_head_drafts_in_the_step_and_greedy_equals_spec_off(target_and_head, tmp_path):
@@ -356,8 +414,8 @@ def test_rollout_bench_compares_eagle_with_spec_off(target_and_head, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_model(default_model_dir, tmp_path):
-    """The head's chain drafting captured in the decode/verify graphs (fp32, greedy), alone and in
-    the hybrid, with and without siblings: the same tokens and logprobs as the eager steps and as spec off. The head is untrained (the target's
+    """The head's drafting captured in the decode/verify graphs (fp32, greedy), alone and in the
+    hybrid, chains and trees: the same tokens and logprobs as the eager steps and as spec off. The head is untrained (the target's
     lm_head and norm, random layer): its drafts are verified, rarely accepted."""
     off = Engine(model=str(default_model_dir), spec="off", device="cuda", dtype="float32", kv_cache_tokens=50_000)
     cfg = train_eagle.head_config(off.model.config, train_eagle.parse_args(["--out", "-", "--draft-vocab", "2048"]))
@@ -368,7 +426,7 @@ def test_eagle_steps_in_cuda_graphs_equal_eager_and_spec_off_on_the_default_mode
     prompts = [t.question for t in arithmetic_tasks(3, seed=2)] + ["Name three primary colors."]
     params = SamplingParams(temperature=0, max_new_tokens=32, n=2)
     want = outputs(off, prompts, params)
-    # (auto with a head: the hybrid; topk 3: the head's trees of its chain and two siblings)
+    # (auto with a head: the hybrid; topk 3: the head's trees, three levels of the three likeliest, 8 kept)
     for spec, graphs, topk in (("eagle", True, 1), ("eagle", False, 1), ("auto", True, 1), ("eagle", True, 3), ("auto", True, 3)):
         eagle = Engine(model=str(default_model_dir), spec=spec, spec_draft_model=str(tmp_path / "head"), spec_head_topk=topk,
                        spec_adaptive=False, device="cuda", dtype="float32", kv_cache_tokens=50_000, cuda_graphs=graphs)

@@ -140,8 +140,10 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             max_rows=cfg.max_running_seqs,
-            # a verify step may overhang a sequence's end, and one more may be launched before it is collected
-            max_context=self.max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1,
+            # a verify step may overhang a sequence's end, and one more may be launched before it is
+            # collected; a draft head's rows stand past the end (spec/eagle.py)
+            max_context=self.max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1
+            + cfg.spec.head_topk * (cfg.spec.head_depth - 1),
         )
         backend_name = cfg.attention_backend
         if backend_name == "auto":
@@ -152,8 +154,8 @@ class Engine:
         self._build_speculation()
         self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
         if head is not None:
-            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.max_running_seqs,
-                                             siblings=cfg.spec.head_siblings)
+            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.spec.head_topk,
+                                             cfg.spec.head_nodes, cfg.max_running_seqs)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
         if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
             from rollout.engine.cuda_graphs import CudaGraphs
