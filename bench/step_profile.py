@@ -10,6 +10,7 @@
     python bench/step_profile.py budget [--seqs 512]
     python bench/step_profile.py head --head DIR [--spec eagle] [--head-trees 1,2,3,5,8,3x2,4x4] [--sharegpt-file F]
     python bench/step_profile.py head --random-model llama3-8b [--prompts 2] [--output-len 128]
+    python bench/step_profile.py headcost --head DIR [--seqs 1,64] [--context 600] [--head-steps 3] [--head-topk 1]
     python bench/step_profile.py accept --head DIR [--temperature 1.0] [--prompts 12] [--device cpu]
 
 - draft: the n-gram drafting kernel's device time against a replay of the default model's
@@ -46,6 +47,9 @@
   likeliest 8 nodes, or the chain however long), ShareGPT prompts one at a time, against spec off in the
   same run; with `--random-model`, random prompts to a target of that shape and a random EAGLE-3
   head of the shape published for it (what a draft-and-verify step costs against a decode step).
+- headcost: what a draft head adds to a step, the hybrid's steps by kind (decode, verify of a
+  draft row per sequence; each plain, with the head's pass, with its pass and next tree): graph
+  replays and, eager, the kernels launched; then the head's own kernels by name.
 - accept: what a draft head's first draft would be accepted at `--temperature`, offline and
   teacher-forced on the default model's own samples of the rl prompts (as recipes/train_eagle.py
   runs a head, 3 steps): drafted by argmax (the target's p(x); at T=0, whether x is its argmax),
@@ -270,25 +274,19 @@ def collect(args: argparse.Namespace) -> None:
     _each_mode(args, run)
 
 
-def verify(args: argparse.Namespace) -> None:
-    import triton
-    from torch.profiler import ProfilerActivity, profile
-
-    from rollout import Engine
+def _filled(engine, s: int, context: int):
+    """Rows 0..s-1 of `engine` filled as a long rollout leaves them (random tokens, KV slots spread
+    over the pool), `context` tokens each; returns (inputs(c): a step's DecodeInputs with c draft
+    rows, reset(): the lengths back, which a step's accept walk moved on)."""
     from rollout.engine.step import DecodeInputs
 
-    engine = Engine(model="default", spec="ngram", device="cuda", max_running_seqs=args.seqs,
-                    max_model_len=args.context + 200)
-    counts = [int(c) for c in args.draft_rows.split(",")] if args.draft_rows else engine.spec.budget.capacities(args.seqs)
-    table, pool, s = engine.table, engine.pool, args.seqs
+    table, pool = engine.table, engine.pool
     g = torch.Generator().manual_seed(0)
-    for r in range(s):  # random tokens, and KV slots spread over the pool as a long rollout leaves them
-        table.tokens[r, : args.context] = torch.randint(0, 49152, (args.context,), generator=g).to(torch.int32)
-        pool.slot_table[r, : args.context] = torch.randint(1, pool.num_slots - 1, (args.context,), generator=g).to(torch.int32)
-    table.lengths[:s] = args.context
+    for r in range(s):
+        table.tokens[r, :context] = torch.randint(0, 49152, (context,), generator=g).to(torch.int32)
+        pool.slot_table[r, :context] = torch.randint(1, pool.num_slots - 1, (context,), generator=g).to(torch.int32)
     table.prompt_lens[:s] = 100
     rows = torch.arange(s, dtype=torch.int32, device="cuda")
-    graphs = engine.runner.graphs
 
     def inputs(c: int) -> DecodeInputs:
         i64 = torch.zeros(s + c + 2 * s, dtype=torch.int64, device="cuda")  # slots all 0: the dump slot
@@ -296,35 +294,113 @@ def verify(args: argparse.Namespace) -> None:
         f32 = torch.tensor([1.0] * s + [1.0] * s + [0.0] * s, device="cuda")
         return DecodeInputs(i64, i32, f32, s, s + c)
 
+    def reset() -> None:
+        table.lengths[:s] = context
+
+    reset()
+    return inputs, reset
+
+
+def _replay_ms(engine, inputs, reset, shape) -> float:
+    import triton
+
+    graph = engine.runner.graphs.graph(shape)
+    x = inputs(shape[1])
+    for dst, src in zip((graph.inputs.i64, graph.inputs.i32, graph.inputs.f32), (x.i64, x.i32, x.f32)):
+        dst.copy_(src)
+
+    def replay():
+        graph.graph.replay()
+        reset()
+
+    return triton.testing.do_bench(replay, return_mode="median")
+
+
+def _kernels(run, steps: int = 5) -> dict[str, tuple[float, float]]:
+    """Kernel name -> (launches, device us) per call of `run`, eager."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    return {e.key: (e.count / steps, e.device_time_total / steps) for e in prof.key_averages()}
+
+
+def verify(args: argparse.Namespace) -> None:
+    from rollout import Engine
+
+    engine = Engine(model="default", spec="ngram", device="cuda", max_running_seqs=args.seqs,
+                    max_model_len=args.context + 200)
+    counts = [int(c) for c in args.draft_rows.split(",")] if args.draft_rows else engine.spec.budget.capacities(args.seqs)
+    s = args.seqs
+    inputs, reset = _filled(engine, s, args.context)
+    graphs = engine.runner.graphs
     print(f"{s} sequences, {args.context} tokens of KV each, T=1 (the step writes nothing it keeps: lengths reset)")
     print("| draft rows | graph replay ms | vs none |\n|---|---|---|")
     base = None
     for c in counts:
-        graph = graphs.graph(graphs.shape(s, c, c > 0, False, "sample"))
-        x = inputs(c)
-        for dst, src in zip((graph.inputs.i64, graph.inputs.i32, graph.inputs.f32), (x.i64, x.i32, x.f32)):
-            dst.copy_(src)
-
-        def replay(graph=graph):
-            graph.graph.replay()
-            table.lengths[:s] = args.context  # the accept walk moved them on
-
-        ms = triton.testing.do_bench(replay, return_mode="median")
+        ms = _replay_ms(engine, inputs, reset, graphs.shape(s, c, c > 0, False, "sample"))
         base = base or ms
         print(f"| {c} | {ms:.3f} | {ms / base:.2f}x |")
     for c in sorted({counts[0], counts[min(1, len(counts) - 1)], counts[-1]}):  # none, the fewest, the most
         x = inputs(c)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                engine.runner.run_decode(x, c, c > 0, False, "sample", max_kv_len=args.context + 20)
-                table.lengths[:s] = args.context
-            torch.cuda.synchronize()
-        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[: args.top]
-        total = sum(e.device_time_total for e in prof.key_averages()) / 5
+
+        def run(x=x, c=c):
+            engine.runner.run_decode(x, c, c > 0, False, "sample", max_kv_len=args.context + 20)
+            reset()
+
+        kernels = _kernels(run)
+        total = sum(us for _, us in kernels.values())
         print(f"\n{c} draft rows, eager: {total / 1e3:.3f} ms of kernels per step")
         print("| kernel | us per step | share |\n|---|---|---|")
-        for e in events:
-            print(f"| {e.key[:70]} | {e.device_time_total / 5:.1f} | {e.device_time_total / 5 / total:.1%} |")
+        for name, (_, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[: args.top]:
+            print(f"| {name[:70]} | {us:.1f} | {us / total:.1%} |")
+
+
+def headcost(args: argparse.Namespace) -> None:
+    """What a draft head adds to a step, by the step's kind: its pass over the step's rows, and
+    the pass and its tree for the next step (HeadWork), in the hybrid's CUDA graphs (replayed,
+    device time) and eager (kernels launched and their device time)."""
+    from rollout import Engine
+    from rollout.engine.step import HeadWork
+
+    engine = Engine(model="default", spec="auto", spec_draft_model=args.head, spec_head_steps=args.head_steps,
+                    spec_head_topk=args.head_topk, device="cuda", max_running_seqs=max(args.seqs),
+                    max_model_len=args.context + 200)
+    print(f"{args.context} tokens of KV each; head tree {args.head_steps} x {args.head_topk}, "
+          f"{engine.runner.eagle.nodes} kept; draft rows: one per sequence")
+    print("| seqs | step | graph replay ms | vs decode | kernels launched (eager) | their device us |")
+    print("|---|---|---|---|---|---|")
+    for s in args.seqs:
+        inputs, reset = _filled(engine, s, args.context)
+        base = None
+        for drafting, head in ((False, HeadWork.NONE), (False, HeadWork.PASS), (True, HeadWork.NONE),
+                               (True, HeadWork.PASS), (True, HeadWork.CHAIN)):
+            c = s if drafting else 0
+            ms = _replay_ms(engine, inputs, reset, engine.runner.graphs.shape(s, c, drafting, head, "sample"))
+            base = base or ms
+            x = inputs(c)
+
+            def run(x=x, c=c, drafting=drafting, head=head):
+                engine.runner.run_decode(x, c, drafting, head, "sample", max_kv_len=args.context + 40)
+                reset()
+
+            kernels = _kernels(run)
+            launched, us = sum(n for n, _ in kernels.values()), sum(u for _, u in kernels.values())
+            what = ("verify" if drafting else "decode") + {HeadWork.NONE: "", HeadWork.PASS: " + head pass",
+                                                           HeadWork.CHAIN: " + head pass + tree"}[head]
+            print(f"| {s} | {what} | {ms:.3f} | {ms / base:.2f}x | {launched:.0f} | {us:.0f} |")
+            if s == args.seqs[0] and head == HeadWork.CHAIN:
+                chain_kernels = kernels
+            if s == args.seqs[0] and drafting and head == HeadWork.NONE:
+                verify_kernels = kernels
+    print(f"\nThe head's kernels at {args.seqs[0]} sequences (verify + pass + tree less verify), eager:")
+    print("| kernel | launches | device us |\n|---|---|---|")
+    extra = {k: (n - verify_kernels.get(k, (0, 0))[0], u - verify_kernels.get(k, (0, 0))[1]) for k, (n, u) in chain_kernels.items()}
+    for name, (n, u) in sorted(extra.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        if n > 0:
+            print(f"| {name[:70]} | {n:.0f} | {u:.1f} |")
 
 
 def head(args: argparse.Namespace) -> None:
@@ -546,6 +622,13 @@ def main() -> None:
     v.add_argument("--context", type=int, default=2000)
     v.add_argument("--draft-rows", default=None, help="comma-separated (default: the budget's for --seqs)")
     v.add_argument("--top", type=int, default=15)
+    k = sub.add_parser("headcost", help="what a draft head adds to a step (pass, tree), graphs and eager kernels")
+    k.add_argument("--head", required=True)
+    k.add_argument("--seqs", type=lambda x: [int(v) for v in x.split(",")], default=[1, 64])
+    k.add_argument("--context", type=int, default=600)
+    k.add_argument("--head-steps", type=int, default=3)
+    k.add_argument("--head-topk", type=int, default=1)
+    k.add_argument("--top", type=int, default=40)
     e = sub.add_parser("head", help="a draft head's acceptance and speed by tree (depth x topk), the whole tree verified")
     e.add_argument("--head", default=None, help="the head's directory (with --random-model: a random head of the published shape)")
     e.add_argument("--random-model", choices=sorted(RANDOM_HEADS), default=None, help="a target of this shape, random weights")
@@ -564,7 +647,7 @@ def main() -> None:
     a.add_argument("--max-new-tokens", type=int, default=192)
     a.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    {"accept": accept, "head": head, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "collect": collect, "verify": verify, "budget": budget}[args.profile](args)
+    {"accept": accept, "head": head, "headcost": headcost, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "collect": collect, "verify": verify, "budget": budget}[args.profile](args)
 
 
 if __name__ == "__main__":
