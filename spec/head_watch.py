@@ -79,6 +79,7 @@ class HeadWatch:
 IDLE_STEPS = 128  # decode steps the head stays awake with none of its chains verified, once the budget is informed
 INFORMED_AFTER = 3  # evaluations of trees since it woke before the budget's choice counts (spec/budget.py)
 SLEEP_STEPS = 1024  # decode steps it sleeps before an admission of new prompts wakes it (a probe)
+PAY_WINDOW = 128  # informed decode steps awake over which its tokens are weighed against its time
 
 
 @dataclass
@@ -86,16 +87,26 @@ class HeadCycle:
     """Whether a head runs at all. Its pass over each step's rows, which its KV needs whether it
     drafts or not, cost 0.17 ms of a 0.8 ms step at b1 and 0.2-0.3 ms at 512 sequences on the
     H200, where the budget verified none of its chains (rl at T=1.0: the hybrid 0.87x of spec off
-    against the index's 0.97x). So a head that is not verified for IDLE_STEPS decode steps, or
-    that the watch switches off, goes to sleep: no pass, and the running sequences, whose head KV
-    falls behind, draft no chains again. It wakes before an admission of new prompts (their
-    prompts give it their KV) once it slept SLEEP_STEPS steps, or at the next admission after a
-    push of its weights.
+    against the index's 0.97x). So a head goes to sleep (no pass, and the running sequences, whose
+    head KV falls behind, draft no trees again) when
 
-    Idle steps count only once the budget has evaluated trees INFORMED_AFTER times since the head
-    woke: before that its estimates are borrowed or still rising from nothing, and it verifies
-    nothing whether the head pays or not (ShareGPT b1 on the H200: the head alone fell asleep in
-    its first rollout, drafted in none of the runs, and ran 0.94x of spec off)."""
+    - it is not verified for IDLE_STEPS decode steps;
+    - over PAY_WINDOW decode steps, its accepted drafts are a smaller share of the tokens emitted
+      than its work is of the steps' time (`costs`: the seconds its pass adds to a step, and its
+      tree to a drafting step, per batch bucket, timed on the captured graphs; none without
+      graphs). Asleep, the steps would emit the tokens less its drafts in the time less its
+      work: more per second exactly then. At ShareGPT b1 the hybrid's head was verified where
+      the index had nothing, so it never idled, and its pass and trees cost the steps 18% for
+      8% more tokens (2.20x of spec off against the index's 2.65x on the H100);
+    - the watch switches it off.
+
+    It wakes before an admission of new prompts (their prompts give it their KV) once it slept
+    SLEEP_STEPS steps, or at the next admission after a push of its weights.
+
+    Idle and paying steps count only once the budget has evaluated trees INFORMED_AFTER times
+    since the head woke: before that its estimates are borrowed or still rising from nothing, and
+    it verifies nothing whether the head pays or not (ShareGPT b1 on the H200: the head alone
+    fell asleep in its first rollout, drafted in none of the runs, and ran 0.94x of spec off)."""
 
     awake: bool = True
     idle: int = 0  # decode steps awake since its chains were last verified (once informed)
@@ -103,6 +114,10 @@ class HeadCycle:
     asleep: int = 0  # decode steps asleep
     wake_next: bool = False  # its weights were pushed: the next admission wakes it
     sleeps: int = 0
+    costs: dict[int, tuple[float, float]] | None = None  # bucket -> seconds of (its pass, its tree)
+    # this window's informed steps awake: steps, seconds, of them the head's work, tokens, of them its drafts
+    window: list[float] = field(default_factory=lambda: [0, 0.0, 0.0, 0, 0])
+    last_shares: tuple[float, float] | None = None  # (its tokens, its time) over the last whole window
     _offs: int = 0  # the watch's switch-offs when it last woke
 
     def step(self, watch_offs: int) -> bool:
@@ -117,6 +132,25 @@ class HeadCycle:
             self.asleep += 1
         return self.awake
 
+    def ran(self, b: int, tree: bool, seconds: float, tokens: int, head_tokens: int) -> None:
+        """A decode step of bucket b in which the head ran (`tree`: and made the next step's trees)
+        took `seconds` and emitted `tokens`, `head_tokens` of them its accepted drafts."""
+        if not self.costs or not self.awake or self.evaluations < INFORMED_AFTER:
+            return
+        pass_s, tree_s = self.costs[min(self.costs, key=lambda k: abs(k - b))]
+        w = self.window
+        w[0] += 1
+        w[1] += seconds
+        w[2] += pass_s + tree_s * tree
+        w[3] += tokens
+        w[4] += head_tokens
+        if w[0] < PAY_WINDOW:
+            return
+        self.last_shares = (w[4] / max(w[3], 1), w[2] / max(w[1], 1e-9))
+        self.window = [0, 0.0, 0.0, 0, 0]
+        if self.last_shares[0] < self.last_shares[1]:
+            self._sleep("its drafts were {:.1%} of the tokens for {:.1%} of the steps' time".format(*self.last_shares))
+
     def verified(self) -> None:
         self.idle = 0
 
@@ -127,6 +161,7 @@ class HeadCycle:
         """New prompts are about to be admitted: whether the head runs over them (and so drafts for them)."""
         if not self.awake and (self.wake_next or self.asleep >= SLEEP_STEPS):
             self.awake, self.idle, self.evaluations, self.wake_next, self._offs = True, 0, 0, False, watch_offs
+            self.window = [0, 0.0, 0.0, 0, 0]
             log.info("draft head awake for the prompts admitted now")
         return self.awake
 
@@ -136,4 +171,7 @@ class HeadCycle:
         log.info("draft head asleep: %s", why)
 
     def stats(self) -> dict:
-        return {"rollout/spec_head_awake": float(self.awake), "rollout/spec_head_sleeps": self.sleeps}
+        out = {"rollout/spec_head_awake": float(self.awake), "rollout/spec_head_sleeps": self.sleeps}
+        if self.last_shares is not None:
+            out["rollout/spec_head_token_share"], out["rollout/spec_head_time_share"] = self.last_shares
+        return out

@@ -26,7 +26,7 @@ import numpy as np
 
 from rollout.config import SpecConfig
 from rollout.engine.sequence import Sequence
-from rollout.engine.step import DraftSettings, HeadWork
+from rollout.engine.step import DraftSettings, HeadWork, bucket
 from rollout.engine.token_table import TokenTable
 from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
 from spec.head_watch import HeadCycle, HeadWatch
@@ -77,6 +77,11 @@ class Speculator:
         if self.watch is not None:
             self.watch.observe(chains, hits)
             self.cycle.verified()
+
+    def observe_head_step(self, num_seqs: int, tree: bool, seconds: float, tokens: int, head_tokens: int) -> None:
+        """A decode step in which the head ran (`tree`: and made trees) was collected: it took
+        `seconds` and emitted `tokens`, `head_tokens` of them the head's accepted drafts."""
+        self.cycle.ran(bucket(num_seqs), tree, seconds, tokens, head_tokens)
 
     def head_for_prefill(self, new_prompts: bool) -> bool:
         """Whether a prefill step runs the draft head (`new_prompts`: it admits prompts' first chunks)."""

@@ -294,6 +294,30 @@ def test_a_head_the_budget_does_not_verify_sleeps_and_wakes_for_new_prompts(targ
     assert stats["rollout/spec_head_awake"] == 1.0 and stats["rollout/spec_draft_tokens/eagle"] > 0
 
 
+def test_a_hybrids_head_whose_drafts_do_not_pay_for_its_time_sleeps_and_the_index_carries_on(target_and_head, monkeypatch):
+    """With what the head's pass and trees cost a step (timed on the GPU's graphs; set here), a head
+    whose accepted drafts are a smaller share of the tokens than its work is of the steps' time
+    goes to sleep, though verified; the index drafts on and the tokens stay spec off's. One that
+    costs nothing stays awake."""
+    import spec.head_watch as head_watch
+
+    monkeypatch.setattr(head_watch, "PAY_WINDOW", 8)
+    monkeypatch.setattr(head_watch, "INFORMED_AFTER", 0)
+    target, head, off, prompts = target_and_head
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
+    batch = prompts[:4] + [[7, 8, 9, 10, 11] * 4]
+    want = outputs(off, batch, params)
+    for seconds, sleeps in ((1.0, True), (0.0, False)):  # (a second a step, against CPU steps of milliseconds)
+        hybrid = Engine(model=str(target), spec="auto", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
+                        max_running_seqs=16)
+        hybrid.spec.cycle.costs = {1: (seconds, seconds)}
+        same(want, outputs(hybrid, batch, params))
+        stats = hybrid.stats()
+        assert stats["rollout/spec_head_sleeps"] == sleeps and stats["rollout/spec_draft_tokens/ngram"] > 0
+        assert stats["rollout/spec_head_time_share"] > stats["rollout/spec_head_token_share"] if sleeps else \
+            stats["rollout/spec_head_time_share"] == 0.0
+
+
 def test_a_hybrid_whose_head_sleeps_and_wakes_stays_spec_off_under_preemption(target_and_head, monkeypatch):
     """The head falling asleep and waking every few steps while sequences are preempted and
     their prompts come in chunks: the tokens and logprobs stay spec off's."""

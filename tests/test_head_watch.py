@@ -4,6 +4,8 @@ weights; asleep while it is not verified or switched off, awake again for new pr
 
 from __future__ import annotations
 
+import pytest
+
 from spec.head_watch import IDLE_STEPS, INFORMED_AFTER, MIN_CHAINS, SLEEP_STEPS, HeadCycle, HeadWatch
 
 
@@ -57,3 +59,27 @@ def test_a_switched_off_head_sleeps_and_a_push_of_its_weights_wakes_it_at_the_ne
     c.wake_next = True
     assert c.admit(1) and c.step(1)  # (a probe: the watch is still off, the switch-off is not new)
     assert not c.step(2)
+
+
+def test_a_head_whose_drafts_are_a_smaller_share_of_the_tokens_than_its_work_of_the_time_sleeps():
+    """Over PAY_WINDOW informed steps, a head that costs 10% of the steps' time (a pass of 0.1 ms
+    in 1 ms steps, more with its trees) sleeps if its drafts are under that share of the tokens,
+    and stays awake above it; without measured costs (no CUDA graphs) nothing is weighed."""
+    from spec.head_watch import PAY_WINDOW
+
+    def run(head_tokens: int, costs=None) -> HeadCycle:
+        c = HeadCycle(costs={1: (1e-4, 3e-4), 64: (2e-4, 5e-4)} if costs is None else costs)
+        inform(c)
+        for k in range(PAY_WINDOW):
+            c.step(0)
+            c.verified()
+            c.ran(1, tree=k % 4 == 0, seconds=1e-3, tokens=20, head_tokens=head_tokens)
+        return c
+
+    paid = run(head_tokens=4)  # 20% of the tokens for 10% + 1/4 of 30% = 17.5% of the time
+    assert paid.awake and paid.last_shares == pytest.approx((0.2, 0.175)) and paid.stats()["rollout/spec_head_token_share"] == 0.2
+    lost = run(head_tokens=3)  # 15%
+    assert not lost.awake and lost.sleeps == 1
+    assert run(head_tokens=0, costs={}).awake  # (nothing measured: only the idle rule)
+    lost.asleep = SLEEP_STEPS
+    assert lost.admit(0) and lost.window == [0, 0.0, 0.0, 0, 0]  # (a fresh window for the probe)

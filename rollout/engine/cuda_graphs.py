@@ -86,6 +86,35 @@ class CudaGraphs:
                 self._capture(*shape)
         return len(self._graphs)
 
+    def head_costs(self, replays: int = 10) -> dict[int, tuple[float, float]]:
+        """Seconds a draft head adds to a step, per batch bucket, timed on the device by replaying
+        the captured graphs (their inputs as captured: padding): (its pass over a decode step's
+        rows, its tree for the next step on a drafting step of the fewest draft rows, over that
+        step with the pass alone, or for a head alone, over a decode step with the pass)."""
+        none, pass_, tree = HeadWork.NONE, HeadWork.PASS, HeadWork.CHAIN
+        verify_alone = (True, pass_) in self.kinds
+        out = {}
+        for b in self.batch_sizes:
+            c = next((c for c in self.capacities(b) if 0 < c and b + c <= self.max_tokens), None)
+            if c is None:
+                continue
+            plain, with_pass = (self._replay_seconds((b, 0, False, h, "sample"), replays) for h in (none, pass_))
+            with_tree = self._replay_seconds((b, c, True, tree, "sample"), replays)
+            without = self._replay_seconds((b, c, True, pass_, "sample"), replays) if verify_alone else with_pass
+            out[b] = (max(with_pass - plain, 0.0), max(with_tree - without, 0.0))
+        return out
+
+    def _replay_seconds(self, shape: Shape, replays: int) -> float:
+        g = self.graph(shape)
+        g.graph.replay()  # (warm)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            g.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / replays
+
     def launch(self, shape: Shape, arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> DecodeOutputs:
         """Replay the graph for these host arrays (DecodeInputs.host_arrays of the real sequences);
         returns its outputs, cut to the real sequences."""

@@ -31,7 +31,7 @@ from rollout.engine.model_runner import ModelRunner
 from rollout.engine.sampler import sequence_key
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
-from rollout.engine.step import Batch, Emitted, StepInFlight, StepRecord
+from rollout.engine.step import Batch, Emitted, HeadWork, StepInFlight, StepRecord
 from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
 from rollout.models.loader import (
@@ -169,6 +169,10 @@ class Engine:
             t0 = time.perf_counter()
             count = self.runner.graphs.capture_all()
             log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
+            if self.runner.eagle is not None:  # what the head's work costs a step, against what it drafts (HeadCycle)
+                self.spec.cycle.costs = self.runner.graphs.head_costs()
+                log.info("draft head's pass and tree, ms by batch bucket: %s", {
+                    b: (round(p * 1e3, 3), round(t * 1e3, 3)) for b, (p, t) in self.spec.cycle.costs.items()})
 
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -359,7 +363,7 @@ class Engine:
                     for seq in [item.seq, *item.seq.forks]:
                         self.spec.join(seq)
                     self.scheduler.on_prefill_done(item.seq)
-        self._append(emitted, updated)
+        tokens, head_tokens = self._append(emitted, updated)
         # A step's cost is the wall time it added: from its start, or from when the step before
         # it completed if they overlapped.
         done = time.perf_counter()
@@ -371,6 +375,8 @@ class Engine:
         self._steps += 1
         if not prefill:
             self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost)
+            if step.head != HeadWork.NONE:
+                self.spec.observe_head_step(len(seqs), step.head == HeadWork.CHAIN, cost, tokens, head_tokens)
             if emitted.index_misses is not None:
                 self.spec.observe_index(emitted.index_misses)
 
@@ -421,9 +427,10 @@ class Engine:
         history if it finished (not if it was preempted: it comes back)."""
         self.spec.leave(seq, keep=seq.finish_reason is not None)
 
-    def _append(self, e: Emitted, updated: dict) -> None:
+    def _append(self, e: Emitted, updated: dict) -> tuple[int, int]:
         """Append what a step emitted, up to each sequence's stop condition; a sequence that stopped
-        while the step ran takes none. (Runs for every sequence of every step: it is kept lean, and a
+        while the step ran takes none. Returns the tokens appended, and the draft head's accepted
+        drafts among them. (Runs for every sequence of every step: it is kept lean, and a
         sequence that cannot stop in this step takes its tokens in three list extends.)"""
         version, top = self.weight_version, e.top
         totals = self._spec_totals
@@ -469,8 +476,10 @@ class Engine:
         totals.emitted_tokens += plain_appended
         for source, (drafts, accepted, appended, seqs, _) in by_source.items():
             totals.record(source, drafts, accepted, appended, steps=seqs)
-        if self.runner.eagle is not None and (head := by_source.get(self.runner.eagle.source)) is not None:
+        head = by_source.get(self.runner.eagle.source) if self.runner.eagle is not None else None
+        if head is not None:
             self.spec.observe_head(head[3], head[4])
+        return appended_all, head[1] if head is not None else 0
 
     def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:
         """Append token by token while no stop condition holds: (tokens appended, why it stopped or None)."""

@@ -135,7 +135,7 @@ class ModelRunner:
         if top:
             tensors += list(out.top)
         return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows, drafting=drafting,
-                            shadow=shadow and out.trees is not None, top=bool(top))
+                            shadow=shadow and out.trees is not None, top=bool(top), head=head)
 
     def _set_head_running(self, runs: bool) -> None:
         """Whether the draft head runs in the step being launched: as it stops, every row stops

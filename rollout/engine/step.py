@@ -233,6 +233,7 @@ class StepInFlight:
     drafting: bool = False  # decode/verify: the drafter ran
     shadow: bool = False  # the drafter's whole trees come back too
     top: bool = False
+    head: HeadWork = HeadWork.NONE  # decode/verify: a draft head's work in it
     trees: tuple[np.ndarray, ...] | None = None  # those trees (tokens, depths, ancestors, keys [S, depth + 1]), once collected
     accepted: np.ndarray | None = None  # [S, N] decode/verify: the nodes whose KV is kept, once collected
     first_row: np.ndarray | None = None  # [S] decode/verify: each sequence's first row (its root's), once collected

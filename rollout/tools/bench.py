@@ -370,7 +370,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     timelines.append(timeline)
                     print(markdown(runs[-1:]).splitlines()[-1], flush=True)
                     budget_keys = ("rollout/spec_accept_estimate", "rollout/spec_accept_slowest", "rollout/spec_cost",
-                                   "rollout/spec_draft_rows")
+                                   "rollout/spec_draft_rows", "rollout/spec_head")
                     spec_stats = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in engine.stats().items()
                                   if k.startswith(budget_keys)}
                     if spec_stats:
