@@ -316,6 +316,11 @@ def test_a_hybrids_head_whose_drafts_do_not_pay_for_its_time_sleeps_and_the_inde
         assert stats["rollout/spec_head_sleeps"] == sleeps and stats["rollout/spec_draft_tokens/ngram"] > 0
         assert stats["rollout/spec_head_time_share"] > stats["rollout/spec_head_token_share"] if sleeps else \
             stats["rollout/spec_head_time_share"] == 0.0
+    read, trees = [], hybrid.runner.eagle.trees  # (the free head's engine: awake, its trees read by drafting steps)
+    monkeypatch.setattr(hybrid.runner.eagle, "trees", lambda *a: read.append(1) or trees(*a))
+    hybrid.spec.cycle._sleep("a test")
+    same(want, outputs(hybrid, batch, params))
+    assert not read and hybrid.stats()["rollout/spec_draft_tokens/ngram"] > 0  # asleep: the index's trees alone, no merge
 
 
 def test_a_hybrid_whose_head_sleeps_and_wakes_stays_spec_off_under_preemption(target_and_head, monkeypatch):
