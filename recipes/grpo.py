@@ -233,9 +233,9 @@ def run(args: argparse.Namespace) -> GrpoRun:
     logger.finish()
     print(f"W&B run: {logger.run_dir}  plot: {logger.run_dir / 'grpo.png'}")
     if not args.spec_draft_model and args.spec in ("auto", "ngram"):
-        print("drafts came from the n-gram index alone; a draft head for the model (no head ships with the repository): "
-              "python recipes/train_eagle.py --out DIR --sharegpt FILE --prompts 3000 --max-minutes 7 (one GPU), "
-              "then --spec auto --spec-draft-model DIR")
+        print("drafts came from the n-gram index alone; with the default model's draft head beside it: --spec auto "
+              "--spec-draft-model default (another model's: python recipes/train_eagle.py --out DIR --model M --sharegpt "
+              "FILE --prompts 3000 --max-minutes 7 on one GPU, then --spec-draft-model DIR)")
     return GrpoRun(records, policy, logger.run_dir)
 
 

@@ -173,7 +173,8 @@ class SpecConfig:
     method: str = option("auto", "auto = the n-gram index, and with --spec-draft-model the head where the index has "
                          "nothing (hybrid); eagle: the head alone; mtp: the model's own MTP layer",
                          ("off", "ngram", "eagle", "mtp", "auto"))
-    draft_model: str | None = option(None, "an EAGLE-3 head's HF directory (--spec eagle or auto)")
+    draft_model: str | None = option(None, "a draft head's HF directory (--spec eagle or auto), or `default`: the "
+                                     "default model's EAGLE-3 head, kept in the repository")
     head_min_accept: float = option(0.2, "a draft head whose first drafts are accepted less often than this under a "
                                     "weight version is switched off for it (probed now and then; on when its weights are pushed)")
     max_draft_tokens: int = option(8, "the widest tree (draft nodes per sequence per step) and the deepest draft, at most 63")

@@ -484,3 +484,20 @@ def test_a_hybrids_draft_rows_go_to_the_index_before_the_head():
     for mask in (real & from_head[:, None], real & ~from_head[:, None]):
         a, b = keys[mask], out[mask]
         assert ((a[:, None] > a[None, :]) <= (b[:, None] >= b[None, :])).all()  # order kept (ties may merge)
+
+
+def test_the_default_models_head_in_the_repository_drafts_what_the_model_says(default_engine, target_and_head):
+    """--spec-draft-model default: the default model's EAGLE-3 head, kept in the repository
+    (recipes/train_eagle.py on the GPU, bench/RESULTS.md): loaded and checked against the model,
+    its drafts are accepted often, and greedy decoding is spec off's token for token. It is the
+    default model's alone."""
+    eagle = Engine(model="default", spec="eagle", spec_draft_model="default", spec_adaptive=False, device="cpu")
+    prompts = [[{"role": "user", "content": q}] for q in ("What is 17 + 25?", "Name three primary colors.")]
+    prompts = [eagle.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    same(outputs(default_engine, prompts, params), outputs(eagle, prompts, params))
+    stats = eagle.stats()
+    assert stats["rollout/spec_head_version_first_accept"] > 0.3, stats
+    target, _, _, _ = target_and_head
+    with pytest.raises(ValueError, match="default model's head"):
+        Engine(model=str(target), spec="eagle", spec_draft_model="default", device="cpu")
