@@ -398,7 +398,8 @@ def headcost(args: argparse.Namespace) -> None:
                 verify_kernels = kernels
     print(f"\nThe head's kernels at {args.seqs[0]} sequences (verify + pass + tree less verify), eager:")
     print("| kernel | launches | device us |\n|---|---|---|")
-    extra = {k: (n - verify_kernels.get(k, (0, 0))[0], u - verify_kernels.get(k, (0, 0))[1]) for k, (n, u) in chain_kernels.items()}
+    extra = {k: (n - verify_kernels.get(k, (0, 0))[0], u - verify_kernels.get(k, (0, 0))[1])
+             for k, (n, u) in chain_kernels.items()}
     for name, (n, u) in sorted(extra.items(), key=lambda kv: -kv[1][0])[: args.top]:
         if n > 0:
             print(f"| {name[:70]} | {n:.0f} | {u:.1f} |")

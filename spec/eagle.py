@@ -141,12 +141,15 @@ class EagleDrafter:
                 meta = AttentionMetadata(
                     seq_rows=rows.to(torch.int32), kv_lens=(root + last).to(torch.int32),
                     qo_indptr=torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=dev), slot_table=slot_table,
-                    out_slots=self.scratch[rows, first:last].reshape(-1), tree_mask=bits[:, first:last].reshape(-1) if k > 1 else None,
+                    out_slots=self.scratch[rows, first:last].reshape(-1),
+                    tree_mask=bits[:, first:last].reshape(-1) if k > 1 else None,
                     max_q_len=q, max_kv_len=self.pool.max_context,
                 )
                 backend.plan(meta)
-                ctx = ForwardContext(meta, backend, self.pool.k_caches, self.pool.v_caches, cos[at.reshape(-1)], sin[at.reshape(-1)])
-                out_logits, out = self._head(ids[:, first:last].reshape(-1), inputs[:, first:last].reshape(-1, inputs.shape[-1]), ctx)
+                at = at.reshape(-1)
+                ctx = ForwardContext(meta, backend, self.pool.k_caches, self.pool.v_caches, cos[at], sin[at])
+                hidden_in = inputs[:, first:last].reshape(-1, inputs.shape[-1])
+                out_logits, out = self._head(ids[:, first:last].reshape(-1), hidden_in, ctx)
                 out_logits, out = out_logits.view(s, q, -1)[:, q - k:], out.view(s, q, -1)[:, q - k:]  # this level's rows
                 lp, child = torch.log_softmax(out_logits.float(), dim=-1).topk(k, dim=-1)  # [S, K, K]
                 score, pick = (scores[-1][:, :, None] + lp).view(s, k * k).topk(k, dim=-1)  # the next level: [S, K]
@@ -157,7 +160,8 @@ class EagleDrafter:
                 if level < self.depth - 1:  # the next level's rows
                     ids[:, last : last + k] = tokens[-1]
                     inputs[:, last : last + k] = out.gather(1, parent[:, :, None].expand(-1, -1, out.shape[-1]))
-                    bits[:, last : last + k] = bits[:, (level - 1) * k :][:, :k].gather(1, parent) | (1 << (last + torch.arange(k, device=dev)))
+                    own = 1 << (last + torch.arange(k, device=dev))
+                    bits[:, last : last + k] = bits[:, last - k : last].gather(1, parent) | own
         self._keep(rows, torch.cat(scores, dim=1), torch.cat(tokens, dim=1), torch.cat(parents, dim=1))
 
     def _keep(self, rows: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> None:

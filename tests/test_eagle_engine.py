@@ -86,7 +86,8 @@ def test_a_heads_tree_keeps_its_likeliest_nodes_in_key_order():
     assert ancestors[0].tolist()[:5] == [0b1, 0b11, 0b111, 0b1111, 0b10001]
     assert parents[1].tolist() == [-1] + [PADDING] * 5 and tokens[1, 0] == 8  # (nothing left for it)
     chain = drafter(topk=1, nodes=3)
-    chain._keep(torch.tensor([0]), torch.tensor([[0.6, 0.3, 0.1]]).log(), torch.tensor([[11, 12, 13]]), torch.tensor([[-1, 0, 1]]))
+    chain._keep(torch.tensor([0]), torch.tensor([[0.6, 0.3, 0.1]]).log(), torch.tensor([[11, 12, 13]]),
+                torch.tensor([[-1, 0, 1]]))
     tokens, parents, depths, ancestors, keys = chain.trees(torch.tensor([0]), torch.tensor([9]), width=4)
     node = torch.arange(5)
     assert tokens[0].tolist() == [9, 11, 12, 13, 0] and parents[0].tolist() == [-1, 0, 1, 2, PADDING]
@@ -134,7 +135,8 @@ def test_a_heads_tree_nodes_score_their_paths_as_the_head_drafts_each_path_alone
                     tree_mask=None, max_q_len=1, max_kv_len=pool.max_context)
                 runner.backend.plan(meta)
                 at = root + i - 1
-                ctx = ForwardContext(meta, runner.backend, pool.k_caches, pool.v_caches, runner.cos[at : at + 1], runner.sin[at : at + 1])
+                cos, sin = runner.cos[at : at + 1], runner.sin[at : at + 1]
+                ctx = ForwardContext(meta, runner.backend, pool.k_caches, pool.v_caches, cos, sin)
                 out_logits, h = eagle._head(tokens[r, path[i - 1] : path[i - 1] + 1], h, ctx)
                 score = score + torch.log_softmax(out_logits[0].float(), dim=-1)[draft_id[int(tokens[r, path[i]])]]
             assert float(scores[r, node]) == pytest.approx(float(score), abs=1e-4)  # (float32 sums)
