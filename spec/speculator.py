@@ -8,6 +8,7 @@
     spec.head_for_prefill(new_prompts)           whether a prefill step runs the draft head
     spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
     spec.observe_index(misses)                   a hybrid's drafting step: sequences the index had nothing for
+    spec.observe_head_step(...)                  a step the draft head ran in: its time, its tokens (HeadCycle)
     spec.stats()
 
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token

@@ -82,4 +82,4 @@ def test_a_head_whose_drafts_are_a_smaller_share_of_the_tokens_than_its_work_of_
     assert not lost.awake and lost.sleeps == 1
     assert run(head_tokens=0, costs={}).awake  # (nothing measured: only the idle rule)
     lost.asleep = SLEEP_STEPS
-    assert lost.admit(0) and lost.window == [0, 0.0, 0.0, 0, 0]  # (a fresh window for the probe)
+    assert lost.admit(0) and lost.window.steps == 0  # (a fresh window for the probe)
