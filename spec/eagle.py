@@ -126,11 +126,13 @@ class EagleDrafter:
             slot_table = self.pool.slot_table
             root = lengths - 1  # the root's position: the first level's rows stand there
             slot_table[rows[:, None], root[:, None] + torch.arange(n, device=dev)] = self.scratch[rows].to(slot_table.dtype)
+            seq_rows = rows.to(torch.int32)
             ids = torch.empty(s, n, dtype=torch.long, device=dev)
             inputs = hidden.new_empty(s, n, hidden.shape[-1])  # each row's: its parent's output
-            bits = torch.zeros(s, n, dtype=torch.long, device=dev)  # each row's ancestors among the rows, itself included
             ids[:, :k], inputs[:, :k] = tokens[0], hidden[:, None]
-            bits[:, :k] = 1 << torch.arange(k, device=dev)
+            if k > 1:  # each row's ancestors among the rows, itself included (a chain's rows need no mask)
+                bits = torch.zeros(s, n, dtype=torch.long, device=dev)
+                bits[:, :k] = 1 << torch.arange(k, device=dev)
             for level in range(1, self.depth):
                 # rows of the levels above first (a row sees its ancestors' KV, not their cousins'),
                 # unless every node above is an ancestor (a chain)
@@ -139,7 +141,7 @@ class EagleDrafter:
                 q = last - first
                 at = root[:, None] + torch.arange(level, device=dev).repeat_interleave(k)[first:last]  # [S, q]: positions
                 meta = AttentionMetadata(
-                    seq_rows=rows.to(torch.int32), kv_lens=(root + last).to(torch.int32),
+                    seq_rows=seq_rows, kv_lens=(root + last).to(torch.int32),
                     qo_indptr=torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=dev), slot_table=slot_table,
                     out_slots=self.scratch[rows, first:last].reshape(-1),
                     tree_mask=bits[:, first:last].reshape(-1) if k > 1 else None,
@@ -160,8 +162,9 @@ class EagleDrafter:
                 if level < self.depth - 1:  # the next level's rows
                     ids[:, last : last + k] = tokens[-1]
                     inputs[:, last : last + k] = out.gather(1, parent[:, :, None].expand(-1, -1, out.shape[-1]))
-                    own = 1 << (last + torch.arange(k, device=dev))
-                    bits[:, last : last + k] = bits[:, last - k : last].gather(1, parent) | own
+                    if k > 1:
+                        own = 1 << (last + torch.arange(k, device=dev))
+                        bits[:, last : last + k] = bits[:, last - k : last].gather(1, parent) | own
         self._keep(rows, torch.cat(scores, dim=1), torch.cat(tokens, dim=1), torch.cat(parents, dim=1))
 
     def _keep(self, rows: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> None:

@@ -100,7 +100,7 @@ class ModelRunner:
     @property
     def width(self) -> int:
         """Draft nodes per sequence per step: the n-gram trees' (a hybrid's head trees are padded
-        to them), or a head's tree (its chain and first-level siblings)."""
+        to them), or a head's tree (the likeliest of its levels' nodes)."""
         return self.draft.depth if self.draft else self.eagle.nodes if self.eagle else 0
 
     # ---------------- decode and verify steps ----------------
@@ -180,7 +180,7 @@ class ModelRunner:
                 key = index_first(key, from_head)
                 from_head = from_head.long()
             trees = (tok, dep, anc, key)
-        elif eagle is not None and drafting:  # the chains the step before left (a step that does not draft reads none)
+        elif eagle is not None and drafting:  # the trees the step before left (a step that does not draft reads none)
             tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long(), eagle.nodes)
             trees = (tok, dep, anc, key)
         if draft_rows:
