@@ -78,8 +78,11 @@ class HeadWatch:
 
 IDLE_STEPS = 128  # decode steps the head stays awake with none of its chains verified, once the budget is informed
 INFORMED_AFTER = 3  # evaluations of trees since it woke before the budget's choice counts (spec/budget.py)
-SLEEP_STEPS = 1024  # decode steps it sleeps before an admission of new prompts wakes it (a probe)
-PAY_WINDOW = 128  # informed decode steps awake over which its tokens are weighed against its time
+SLEEP_STEPS = 1024  # decode steps it sleeps before an admission of new prompts wakes it (a probe) ...
+MAX_DOUBLINGS = 4  # ... doubled after each wake-up in which it never paid, up to 16x
+PAY_WINDOW = 128  # informed decode steps awake over which its tokens are weighed against its time, at most ...
+PAY_TOKENS = 4096  # ... or fewer once they emitted this many tokens (at 512 sequences, 4-8 steps) ...
+MIN_PAY_STEPS = 16  # ... but at least this many
 
 
 @dataclass
@@ -112,7 +115,11 @@ class HeadCycle:
     - the watch switches it off.
 
     It wakes before an admission of new prompts (their prompts give it their KV) once it slept
-    SLEEP_STEPS steps, or at the next admission after a push of its weights.
+    SLEEP_STEPS steps, or at the next admission after a push of its weights. A wake-up is a
+    probe that costs its window's steps: at grpo b512 the hybrid lost to the index alone in the
+    first window of each wake-up (its decode steps 550 ms against 370 in a rollout of 256
+    tokens). So a window closes after PAY_TOKENS tokens where a large batch emits them in a few
+    steps, and each wake-up in which the head never paid doubles the sleep before the next.
 
     Idle and paying steps count only once the budget has evaluated trees INFORMED_AFTER times
     since the head woke: before that its estimates are borrowed or still rising from nothing, and
@@ -125,6 +132,8 @@ class HeadCycle:
     asleep: int = 0  # decode steps asleep
     wake_next: bool = False  # its weights were pushed: the next admission wakes it
     sleeps: int = 0
+    unpaid: int = 0  # wake-ups in a row that ended with no window paying
+    paid: bool = False  # a window paid since it last woke
     costs: dict[int, tuple[float, float]] | None = None  # bucket -> seconds of (its pass, its tree)
     window: _Window = field(default_factory=_Window)
     last_shares: tuple[float, float] | None = None  # (its tokens, its time) over the last whole window
@@ -154,12 +163,20 @@ class HeadCycle:
         w.head_seconds += pass_s + tree_s * tree
         w.tokens += tokens
         w.head_tokens += head_tokens
-        if w.steps < PAY_WINDOW:
+        if w.steps < PAY_WINDOW and (w.steps < MIN_PAY_STEPS or w.tokens < PAY_TOKENS):
             return
         self.last_shares = (w.head_tokens / max(w.tokens, 1), w.head_seconds / max(w.seconds, 1e-9))
         self.window = _Window()
         if self.last_shares[0] < self.last_shares[1]:
             self._sleep("its drafts were {:.1%} of the tokens for {:.1%} of the steps' time".format(*self.last_shares))
+        else:
+            self.paid = True
+
+    @property
+    def sleep_steps(self) -> int:
+        """How long its current (or next) sleep lasts: SLEEP_STEPS, doubled for each wake-up in a
+        row but the first that never paid."""
+        return SLEEP_STEPS << min(max(self.unpaid - 1, 0), MAX_DOUBLINGS)
 
     def verified(self) -> None:
         self.idle = 0
@@ -169,19 +186,21 @@ class HeadCycle:
 
     def admit(self, watch_offs: int) -> bool:
         """New prompts are about to be admitted: whether the head runs over them (and so drafts for them)."""
-        if not self.awake and (self.wake_next or self.asleep >= SLEEP_STEPS):
+        if not self.awake and (self.wake_next or self.asleep >= self.sleep_steps):
             self.awake, self.idle, self.evaluations, self.wake_next, self._offs = True, 0, 0, False, watch_offs
-            self.window = _Window()
+            self.window, self.paid = _Window(), False
             log.info("draft head awake for the prompts admitted now")
         return self.awake
 
     def _sleep(self, why: str) -> None:
         self.awake, self.asleep = False, 0
         self.sleeps += 1
-        log.info("draft head asleep: %s", why)
+        self.unpaid = 0 if self.paid else self.unpaid + 1
+        log.info("draft head asleep for %d steps: %s", self.sleep_steps, why)
 
     def stats(self) -> dict:
-        out = {"rollout/spec_head_awake": float(self.awake), "rollout/spec_head_sleeps": self.sleeps}
+        out = {"rollout/spec_head_awake": float(self.awake), "rollout/spec_head_sleeps": self.sleeps,
+               "rollout/spec_head_sleep_steps": self.sleep_steps}
         if self.last_shares is not None:
             out["rollout/spec_head_token_share"], out["rollout/spec_head_time_share"] = self.last_shares
         return out

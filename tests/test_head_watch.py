@@ -83,3 +83,42 @@ def test_a_head_whose_drafts_are_a_smaller_share_of_the_tokens_than_its_work_of_
     assert run(head_tokens=0, costs={}).awake  # (nothing measured: only the idle rule)
     lost.asleep = SLEEP_STEPS
     assert lost.admit(0) and lost.window.steps == 0  # (a fresh window for the probe)
+
+
+def test_a_large_batch_weighs_the_head_after_a_few_steps_and_each_probe_that_never_paid_doubles_the_sleep():
+    """A window closes after PAY_TOKENS tokens (at least MIN_PAY_STEPS steps) where a batch emits
+    many a step, so a probe at 512 sequences costs a few steps rather than PAY_WINDOW; each
+    wake-up in a row in which the head never paid sleeps twice as long, up to 2**MAX_DOUBLINGS
+    times SLEEP_STEPS, and one that paid resets it."""
+    from spec.head_watch import MAX_DOUBLINGS, MIN_PAY_STEPS, PAY_TOKENS
+
+    c = HeadCycle(costs={512: (4e-4, 1e-3)})  # 30% of a 4.7 ms step with its tree
+
+    def window(head_tokens: int) -> int:
+        """Steps of b512 until the head is weighed, each emitting 600 tokens."""
+        inform(c)
+        for k in range(1, 1000):
+            c.step(0)
+            c.verified()
+            before = c.last_shares
+            c.ran(512, tree=True, seconds=4.7e-3, tokens=600, head_tokens=head_tokens)
+            if c.last_shares is not before:
+                return k
+        raise AssertionError("never weighed")
+
+    def wake() -> None:
+        c.asleep = c.sleep_steps
+        assert c.admit(0)
+
+    assert MIN_PAY_STEPS * 600 > PAY_TOKENS and window(head_tokens=60) == MIN_PAY_STEPS and not c.awake
+    sleeps = [c.sleep_steps]
+    for _ in range(MAX_DOUBLINGS + 1):
+        wake()
+        window(head_tokens=60)  # 10% of the tokens for 30% of the time: asleep again
+        sleeps.append(c.sleep_steps)
+    assert sleeps == [SLEEP_STEPS << min(k, MAX_DOUBLINGS) for k in range(MAX_DOUBLINGS + 2)]
+    wake()
+    window(head_tokens=300)  # half the tokens: it paid, and stays awake
+    assert c.awake and c.sleep_steps == sleeps[-1]
+    window(head_tokens=0)
+    assert not c.awake and c.sleep_steps == SLEEP_STEPS and c.stats()["rollout/spec_head_sleep_steps"] == SLEEP_STEPS
