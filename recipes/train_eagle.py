@@ -3,9 +3,8 @@
     python recipes/train_eagle.py --out heads/smol-eagle3                  # the default model, one GPU
     python recipes/train_eagle.py --out /tmp/head --prompts 8 --steps 4 --device cpu   # seconds (tests)
 
-1. Self-distillation data: the engine samples a response to each prompt at each --temperature
-   (greedy, as evaluations decode, and RL's 1.0 by default), to arithmetic and, with --sharegpt
-   FILE, ShareGPT prompts; prompt and response are kept as token ids.
+1. Self-distillation data: the engine samples responses at --temperature (RL's) to arithmetic
+   and, with --sharegpt FILE, ShareGPT prompts; prompt and response are kept as token ids.
 2. The draft vocabulary: the --draft-vocab tokens the data uses most (the head's lm_head rows,
    and its d2t / t2d maps to the target's vocabulary).
 3. Training, a batch of sequences per step: the target runs over each one, writing the hidden
@@ -52,8 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompts", type=int, default=2048, help="prompts sampled for data")
     ap.add_argument("--sharegpt", default=None, help="a ShareGPT JSON/JSONL file: half the prompts come from it")
-    ap.add_argument("--temperature", type=_floats, default=[0.0, 1.0],
-                    help="comma-separated: each prompt is sampled once at each")
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--intermediate-size", type=int, default=768, help="the head's MLP width")
@@ -66,18 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
-
-
 def sample_data(engine: Engine, prompt_ids: list[list[int]], args: argparse.Namespace) -> list[tuple[list[int], int]]:
-    """(prompt + response token ids, prompt length) per prompt and temperature, sampled by the target."""
-    data = []
-    for temperature in args.temperature:
-        params = SamplingParams(temperature=temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-        outs = engine.generate(prompt_ids, params)
-        data += [(p + o[0].token_ids, len(p)) for p, o in zip(prompt_ids, outs) if o[0].token_ids]
-    return data
+    """(prompt + response token ids, prompt length) per prompt, sampled by the target."""
+    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    outs = engine.generate(prompt_ids, params)
+    return [(p + o[0].token_ids, len(p)) for p, o in zip(prompt_ids, outs) if o[0].token_ids]
 
 
 def draft_vocabulary(data: list[tuple[list[int], int]], size: int, vocab_size: int) -> torch.Tensor:
