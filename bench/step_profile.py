@@ -434,6 +434,8 @@ def head(args: argparse.Namespace) -> None:
                                                 "spec_max_draft_tokens": nodes or max(8, steps),
                                                 "spec_head_min_accept": 0.0}  # (the whole tree, whatever is accepted)
         engine = Engine(model=model, load_format=load, device=args.device, kv_cache_tokens=50_000, **kw)
+        if engine.spec.cycle is not None:  # the head is not weighed against its time (HeadCycle's pay rule): it never sleeps
+            engine.spec.cycle.costs = None
         prompts, _ = workload_prompts(opts, engine.tokenizer, args.prompts)
         engine.generate(prompts if base is None else prompts[:1], params)  # (warm-up; the first engine's compiles every shape)
         engine.reset_stats()
