@@ -111,9 +111,11 @@ class EagleDrafter:
         self.tracked[rows] = True if like is None else self.tracked[like]
 
     def draft(self, rows: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, lengths: torch.Tensor,
-              backend, cos: torch.Tensor, sin: torch.Tensor) -> None:
+              backend, cos: torch.Tensor, sin: torch.Tensor, max_kv_len: int | None = None) -> None:
         """Trees for `rows` [S] from the head's output at their deepest accepted node (logits,
-        hidden [S, ...]); lengths [S]: their token counts now (the last token is the next root).
+        hidden [S, ...]); lengths [S]: their token counts now (the last token is the next root);
+        max_kv_len: a bound of the step's KV lengths (eager steps; None: the pool's context, as
+        captured graphs need; the CPU's reference attention pads every row to it).
 
         Nodes are numbered level by level (level j's k-th is (j - 1) * topk + k) until the end,
         where the tree keeps the likeliest `nodes` of them in key order."""
@@ -123,6 +125,7 @@ class EagleDrafter:
         parents = [torch.full((s, k), -1, dtype=torch.long, device=dev)]  # (-1: the root)
         if self.depth > 1:
             n = self.head_rows
+            kv_bound = self.pool.max_context if max_kv_len is None else min(max_kv_len + n, self.pool.max_context)
             slot_table = self.pool.slot_table
             root = lengths - 1  # the root's position: the first level's rows stand there
             slot_table[rows[:, None], root[:, None] + torch.arange(n, device=dev)] = self.scratch[rows].to(slot_table.dtype)
@@ -145,7 +148,7 @@ class EagleDrafter:
                     qo_indptr=torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=dev), slot_table=slot_table,
                     out_slots=self.scratch[rows, first:last].reshape(-1),
                     tree_mask=bits[:, first:last].reshape(-1) if k > 1 else None,
-                    max_q_len=q, max_kv_len=self.pool.max_context,
+                    max_q_len=q, max_kv_len=kv_bound,
                 )
                 backend.plan(meta)
                 at = at.reshape(-1)

@@ -58,6 +58,33 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     assert got[0].spec["by_source"].keys() == {"eagle"}
 
 
+def test_eager_head_steps_bounded_by_the_steps_kv_draft_what_the_whole_context_drafts(target_and_head, monkeypatch):
+    """Eager steps bound the head's levels' KV by the step's (the CPU's reference attention pads
+    every row to the bound: the default model's hybrid rollout of 4 x 8 samples took 64 s with the
+    pool's whole context, 11 s bounded); the bound cuts no key: every tree's path scores are the
+    same as with the whole context."""
+    from spec.eagle import EagleDrafter
+
+    target, head, _, prompts = target_and_head
+    keep = EagleDrafter._keep
+
+    def scores() -> list[torch.Tensor]:
+        seen = []
+        monkeypatch.setattr(EagleDrafter, "_keep", lambda self, rows, sc, *a: (seen.append(sc.clone()), keep(self, rows, sc, *a)))
+        eng = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False,
+                     spec_head_steps=4, spec_head_topk=2, device="cpu", max_running_seqs=16)
+        outputs(eng, prompts[:6] + [list(range(3, 40))], SamplingParams(temperature=0, max_new_tokens=24, n=2))
+        return seen
+
+    bounded = scores()
+    draft = EagleDrafter.draft
+    monkeypatch.setattr(EagleDrafter, "draft", lambda self, *args, max_kv_len=None: draft(self, *args))
+    whole = scores()
+    assert len(bounded) == len(whole) > 10
+    for b, w in zip(bounded, whole):
+        torch.testing.assert_close(b, w)
+
+
 def test_a_heads_tree_keeps_its_likeliest_nodes_in_key_order():
     """EagleDrafter._keep and trees: of a tree of 3 levels of 2 (path probabilities 0.6, 0.25;
     0.4, 0.2; 0.3, 0.1), the 4 likeliest lay out by key: a step that verifies a tree's first few

@@ -224,7 +224,8 @@ class ModelRunner:
         elif eagle is not None and head == HeadWork.CHAIN:  # the next step's chains, from each sequence's deepest accepted node
             deepest = bits.double().log2().floor().long()
             at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
-            eagle.draft(rows, extended[0][at], extended[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin)
+            eagle.draft(rows, extended[0][at], extended[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin,
+                        max_kv_len=max_kv_len)
         ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None], from_head[:, None]], dim=1)
         top = None
         if top_logprobs:
@@ -341,7 +342,8 @@ class ModelRunner:
         logits, hidden = self.eagle.extend(ids, aux, self._context(meta, positions))
         if sampled:
             rows = to_device(np.array(sampled, dtype=np.int64), self.device)
-            self.eagle.draft(rows, logits[last], hidden[last], self.table.lengths[rows].long(), self.backend, self.cos, self.sin)
+            self.eagle.draft(rows, logits[last], hidden[last], self.table.lengths[rows].long(), self.backend, self.cos,
+                             self.sin, max_kv_len=meta.max_kv_len + 1)  # (+ the first draw)
         if forks:
             fork_rows = to_device(np.array(forks, dtype=np.int64), self.device)
             self.eagle.track(fork_rows, like=to_device(np.array(fork_of, dtype=np.int64), self.device))
