@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="auto: ipc when trainer and server share a GPU, else distributed (gloo)")
     ap.add_argument("--spec", default="auto", choices=["off", "ngram", "eagle", "auto"], help="the server's speculation")
     ap.add_argument("--spec-draft-model", default=None,
-                    help="a draft head for the server (--spec eagle, or auto: hybrid); it goes stale as the policy trains")
+                    help="a draft head for the server (--spec eagle, or auto: hybrid; auto on the default model takes "
+                         "its own head); it goes stale as the policy trains")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--final-rollout", action="store_true", help="one more rollout after the last push")
     ap.add_argument("--wandb-project", default="rollout-grpo")
@@ -232,10 +233,10 @@ def run(args: argparse.Namespace) -> GrpoRun:
     plot(records, logger.run_dir / "grpo.png")
     logger.finish()
     print(f"W&B run: {logger.run_dir}  plot: {logger.run_dir / 'grpo.png'}")
-    if not args.spec_draft_model and args.spec in ("auto", "ngram"):
-        print("drafts came from the n-gram index alone; with the default model's draft head beside it: --spec auto "
-              "--spec-draft-model default (another model's: python recipes/train_eagle.py --out DIR --model M --sharegpt "
-              "FILE --prompts 3000 --max-minutes 7 on one GPU, then --spec-draft-model DIR)")
+    if args.spec == "auto" and not args.spec_draft_model and args.model != "default":
+        print("drafts came from the n-gram index alone; a draft head beside it (the hybrid, as the default model has): "
+              "python recipes/train_eagle.py --out DIR --model M --sharegpt FILE --prompts 3000 --max-minutes 7 on one "
+              "GPU, then --spec-draft-model DIR")
     return GrpoRun(records, policy, logger.run_dir)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 INT64_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # the most likely tokens reported per output token, at most (as OpenAI's API)
@@ -170,8 +170,9 @@ def _check_choices(config, what: str = "") -> None:
 class SpecConfig:
     """Speculation knobs; defaults suit a single GPU and the CPU alike. Flags: `--spec-<name>`."""
 
-    method: str = option("auto", "auto = the n-gram index, and with --spec-draft-model the head where the index has "
-                         "nothing (hybrid); eagle: the head alone; mtp: the model's own MTP layer",
+    method: str = option("auto", "auto = the n-gram index, and a draft head where the index has nothing (hybrid): "
+                         "--spec-draft-model's, or the default model's own; eagle: the head alone; mtp: the model's "
+                         "own MTP layer; ngram: the index alone",
                          ("off", "ngram", "eagle", "mtp", "auto"))
     draft_model: str | None = option(None, "a draft head's HF directory (--spec eagle or auto), or `default`: the "
                                      "default model's EAGLE-3 head, kept in the repository")
@@ -262,6 +263,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.spec, str):
             self.spec = SpecConfig(method=self.spec)
+        if self.model == "default" and self.spec.method == "auto" and self.spec.draft_model is None:
+            self.spec = replace(self.spec, draft_model="default")  # its head is in the repository: the hybrid out of the box
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: choose auto, cpu, cuda or cuda:N")

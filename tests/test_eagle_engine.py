@@ -519,7 +519,15 @@ def test_the_default_models_head_in_the_repository_drafts_what_the_model_says(de
     """--spec-draft-model default: the default model's EAGLE-3 head, kept in the repository
     (recipes/train_eagle.py on the GPU, bench/RESULTS.md): loaded and checked against the model,
     its drafts are accepted often, and greedy decoding is spec off's token for token. It is the
-    default model's alone."""
+    default model's alone, and its --spec auto is the hybrid with it (--spec ngram: the index alone)."""
+    from rollout.config import EngineConfig, SpecConfig
+
+    assert EngineConfig(model="default").spec.drafters == ("ngram", "eagle")
+    assert EngineConfig(model="default").spec.draft_model == "default"
+    assert EngineConfig(model="default", spec="ngram").spec.drafters == ("ngram",)
+    assert EngineConfig(model="/some/model").spec.drafters == ("ngram",)  # (no head unless given one)
+    mine = SpecConfig(method="auto")
+    assert EngineConfig(model="default", spec=mine).spec.draft_model == "default" and mine.draft_model is None
     eagle = Engine(model="default", spec="eagle", spec_draft_model="default", spec_adaptive=False, device="cpu")
     prompts = [[{"role": "user", "content": q}] for q in ("What is 17 + 25?", "Name three primary colors.")]
     prompts = [eagle.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
