@@ -13,7 +13,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -95,12 +95,12 @@ recipe)  # the GRPO recipe re-sampling its prompts: rollout seconds per step, n-
   done | tee "$OUT/recipe.log"
   ;;
 recipe-head)  # issue 25's stale heads: the recipe with the n-gram index alone against the hybrid with a head
-  # (HEAD: its directory, e.g. the `eagle` stage's, carried), in the order ngram, hybrid, hybrid, ngram
+  # (the default model's own, or HEAD: a directory, e.g. the `eagle` stage's), in the order ngram, hybrid, hybrid, ngram
   i=0
-  for spec in ngram auto auto ngram; do
+  for spec in ${ORDER:-ngram auto auto ngram}; do
     i=$((i + 1))
     echo "== $spec"
-    head=(); [ "$spec" = auto ] && head=(--spec-draft-model "${HEAD:-/root/mcache/smol-eagle3}")
+    head=(); [ "$spec" = auto ] && [ -n "${HEAD:-}" ] && head=(--spec-draft-model "$HEAD")
     python3 recipes/grpo.py --steps 8 --prompts 32 --n 8 --max-new-tokens 512 --dataset-size 64 --spec $spec "${head[@]}" \
       --out "$OUT/recipe-head-$i-$spec" 2>&1 | grep -E "^\|" | tail -10
   done | tee "$OUT/recipe-head.log"
@@ -125,11 +125,31 @@ eagle-bench)  # after `eagle` (HEAD: another head's directory): its acceptance b
   bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,eagle,auto --spec-draft-model $H ${TREE:-} \
     --batch-sizes 1 --temperature 0 --output-len 256 --repeats 3 | tee "$OUT/eagle-sharegpt.log" | tail -6
   ;;
+head-ab)  # a new head (NEW, from `eagle`) against the shipped one: acceptance by tree at ShareGPT b1, then 16
+  # ShareGPT prompts at concurrency 1: off / n-gram / the head alone / the hybrid, for each head
+  NEWH=${NEW:-/root/mcache/smol-eagle3}
+  for H in rollout/models/default_head $NEWH; do
+    echo "== $H"
+    timeout 150 python3 bench/step_profile.py head --head $H --head-trees ${TREES:-3,3x2} --sharegpt-file $SHAREGPT 2>&1 \
+      | grep -v -i warn | tail -5
+  done | tee "$OUT/head-ab-trees.log"
+  for H in default $NEWH; do
+    LIMIT=200 bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,eagle,auto --spec-draft-model $H \
+      --batch-sizes 16 --max-running-seqs 1 --temperature 0 --output-len 256 --repeats 2 | tee -a "$OUT/head-ab-sharegpt16.log" | tail -6
+  done
+  ;;
+grpo-head)  # the hybrid (HEAD: default or a directory) against n-gram alone: grpo b64 and b512 at every temperature,
+  # then ShareGPT's single prompt at b1
+  LIMIT=400 bench --workload grpo --spec-modes off,ngram,auto --spec-draft-model ${HEAD:-default} --batch-sizes 64,512 \
+    --max-running-seqs 512 --temperature 0,0.7,1.0 --output-len 256 --repeats ${REPEATS:-3} | tee "$OUT/grpo-head.log" | tail -10
+  LIMIT=150 bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram,auto --spec-draft-model ${HEAD:-default} \
+    --batch-sizes 1 --temperature 0 --output-len 256 --repeats 5 | tee "$OUT/sharegpt-head.log" | tail -6
+  ;;
 eagle-check)  # draft heads on the GPU: chains and trees in CUDA graphs = eager = spec off (tests/test_eagle_engine.py -m gpu)
   timeout 300 python3 -m pytest -q -m gpu -x tests/test_eagle_engine.py 2>&1 | tee "$OUT/eagle-gpu.log" | tail -3
   ;;
-rl-head)  # the rl rows with the hybrid beside n-gram alone (HEAD as above)
-  bench $RL --spec-modes off,ngram,auto --spec-draft-model ${HEAD:-/root/mcache/smol-eagle3} --temperature ${TEMPS:-1.0,0.7} \
+rl-head)  # the rl rows with the hybrid beside n-gram alone (HEAD: default, the shipped head, or a directory)
+  bench $RL --spec-modes off,ngram,auto --spec-draft-model ${HEAD:-default} --temperature ${TEMPS:-1.0,0.7} \
     --repeats ${REPEATS:-2} | tee "$OUT/rl-head.log" | tail -8
   ;;
 head-big)  # a draft-and-verify step of a random EAGLE-3 head of the published shape against a decode step, Llama-3.1-8B shape, b1
