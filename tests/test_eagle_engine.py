@@ -136,7 +136,7 @@ def test_a_heads_tree_nodes_score_their_paths_as_the_head_drafts_each_path_alone
     runner, eagle, pool = engine.runner, engine.runner.eagle, engine.pool
     drafted, kept = [], []
     draft, keep = eagle.draft, eagle._keep
-    eagle.draft = lambda *args: (drafted.append([a.clone() for a in args[:4]]), draft(*args))
+    eagle.draft = lambda *args, **kw: (drafted.append([a.clone() for a in args[:4]]), draft(*args, **kw))
     eagle._keep = lambda rows, *tree: (kept.append(tree), keep(rows, *tree))
     for prompt in prompts[:3]:
         engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=8))
@@ -244,7 +244,7 @@ def test_a_hybrid_runs_the_heads_chain_only_while_the_index_misses(target_and_he
     monkeypatch.setattr(hybrid.spec, "plan", lambda *a, **k: events.append(("plan", plan(*a, **k))) or events[-1][1])
     monkeypatch.setattr(hybrid.spec, "observe_index", lambda m: (events.append(("misses", m)), observe_index(m)))
     chains, draft = [], hybrid.runner.eagle.draft
-    monkeypatch.setattr(hybrid.runner.eagle, "draft", lambda *a: chains.append(1) or draft(*a))
+    monkeypatch.setattr(hybrid.runner.eagle, "draft", lambda *a, **kw: chains.append(1) or draft(*a, **kw))
     params = SamplingParams(temperature=0, max_new_tokens=40)
     batch = [[7, 8, 9, 10, 11] * 4, [20, 21, 22] * 6, prompts[0]]  # (repeats: the index matches; a prompt where it may not)
     want = off.generate(batch, params)
@@ -276,7 +276,7 @@ def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and
     plans, spec_plan = [], eagle.spec.plan
     monkeypatch.setattr(eagle.spec, "plan", lambda *a, **k: plans.append(spec_plan(*a, **k)) or plans[-1])
     chains, draft = [], eagle.runner.eagle.draft
-    monkeypatch.setattr(eagle.runner.eagle, "draft", lambda *a: chains.append(1) or draft(*a))
+    monkeypatch.setattr(eagle.runner.eagle, "draft", lambda *a, **kw: chains.append(1) or draft(*a, **kw))
     returned, observe = [], eagle.spec.observe
     monkeypatch.setattr(eagle.spec, "observe", lambda seqs, roots, trees, *a: (
         returned.append(trees[3]) if trees is not None else None, observe(seqs, roots, trees, *a))[1])
