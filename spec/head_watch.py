@@ -81,7 +81,7 @@ INFORMED_AFTER = 3  # evaluations of trees since it woke before the budget's cho
 SLEEP_STEPS = 1024  # decode steps it sleeps before an admission of new prompts wakes it (a probe) ...
 MAX_DOUBLINGS = 4  # ... doubled after each wake-up in which it never paid, up to 16x
 PAY_WINDOW = 128  # informed decode steps awake over which its tokens are weighed against its time, at most ...
-PAY_TOKENS = 4096  # ... or fewer once they emitted this many tokens (at 512 sequences, 4-8 steps) ...
+PAY_TOKENS = 4096  # ... or fewer once they emitted this many tokens (512 sequences do in 4-8 steps) ...
 MIN_PAY_STEPS = 16  # ... but at least this many
 
 
@@ -177,6 +177,10 @@ class HeadCycle:
         """How long its current (or next) sleep lasts: SLEEP_STEPS, doubled for each wake-up in a
         row but the first that never paid."""
         return SLEEP_STEPS << min(max(self.unpaid - 1, 0), MAX_DOUBLINGS)
+
+    def head_pushed(self) -> None:
+        """Its weights were pushed: it wakes at the next admission, and its past probes no longer count."""
+        self.wake_next, self.unpaid = True, 0
 
     def verified(self) -> None:
         self.idle = 0

@@ -71,7 +71,8 @@ class Speculator:
     def on_weights(self, version: int, head_pushed: bool) -> None:
         if self.watch is not None:
             self.watch.on_weights(version, head_pushed)
-            self.cycle.wake_next = self.cycle.wake_next or head_pushed
+            if head_pushed:
+                self.cycle.head_pushed()
 
     def observe_head(self, chains: int, hits: int) -> None:
         """A step verified `chains` (> 0) of the head's chains; `hits` had their first draft accepted."""

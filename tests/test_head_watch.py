@@ -56,7 +56,7 @@ def test_a_head_not_verified_sleeps_and_wakes_for_new_prompts_after_a_while():
 def test_a_switched_off_head_sleeps_and_a_push_of_its_weights_wakes_it_at_the_next_admission():
     c = HeadCycle()
     assert c.step(0) and not c.step(1)  # the watch switched it off
-    c.wake_next = True
+    c.head_pushed()
     assert c.admit(1) and c.step(1)  # (a probe: the watch is still off, the switch-off is not new)
     assert not c.step(2)
 
@@ -122,3 +122,9 @@ def test_a_large_batch_weighs_the_head_after_a_few_steps_and_each_probe_that_nev
     assert c.awake and c.sleep_steps == sleeps[-1]
     window(head_tokens=0)
     assert not c.awake and c.sleep_steps == SLEEP_STEPS and c.stats()["rollout/spec_head_sleep_steps"] == SLEEP_STEPS
+    for _ in range(2):
+        wake()
+        window(head_tokens=0)
+    assert c.sleep_steps == 2 * SLEEP_STEPS
+    c.head_pushed()  # (a new head: the old one's probes do not count against it)
+    assert c.sleep_steps == SLEEP_STEPS and c.admit(0)
