@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# The main job: a GRPO-style rollout of the default model with n-gram speculation, one weight
-# push, a rollout under the pushed weights, and a table of accept rates (CPU, or the GPU if any).
+# The main job: a GRPO-style rollout of the default model with speculation (its n-gram index and
+# draft head), one weight push, a rollout under the pushed weights, and a table of accept rates
+# (CPU, or the GPU if any).
 demo: $(STAMP)
 	$(BIN)/python recipes/grpo.py --steps 1 --final-rollout --prompts 4 --n 8 --max-new-tokens 96
 
