@@ -6,7 +6,9 @@ import argparse
 import math
 import typing
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
+DEFAULT_HEAD = Path(__file__).parent / "models" / "default_head"  # recipes/train_eagle.py's EAGLE-3 head for the default model
 INT64_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # the most likely tokens reported per output token, at most (as OpenAI's API)
 GREEDY_BELOW = 1e-6  # a temperature below this is greedy (SGLang's rule): logits / T would overflow
@@ -265,6 +267,11 @@ class EngineConfig:
             self.spec = SpecConfig(method=self.spec)
         if self.model == "default" and self.spec.method == "auto" and self.spec.draft_model is None:
             self.spec = replace(self.spec, draft_model="default")  # its head is in the repository: the hybrid out of the box
+        if self.spec.draft_model == "default":  # (resolved here, while the model is still named: the server swaps in its path)
+            if self.model != "default":
+                raise ValueError(f"--spec-draft-model default is the default model's head (SmolLM2-135M-Instruct), not "
+                                 f"{self.model!r}'s: give a head's directory (recipes/train_eagle.py trains one)")
+            self.spec = replace(self.spec, draft_model=str(DEFAULT_HEAD))
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: choose auto, cpu, cuda or cuda:N")

@@ -60,9 +60,9 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
 
 def test_eager_head_steps_bounded_by_the_steps_kv_draft_what_the_whole_context_drafts(target_and_head, monkeypatch):
     """Eager steps bound the head's levels' KV by the step's (the CPU's reference attention pads
-    every row to the bound: the default model's hybrid rollout of 4 x 8 samples took 64 s with the
-    pool's whole context, 11 s bounded); the bound cuts no key: every tree's path scores are the
-    same as with the whole context."""
+    every row to the bound: `make demo` took 5m24s with the pool's whole context, 2m08s bounded,
+    on the 2-core CPU); the bound cuts no key: every tree's path scores are the same as with the
+    whole context."""
     from spec.eagle import EagleDrafter
 
     target, head, _, prompts = target_and_head
@@ -520,14 +520,14 @@ def test_the_default_models_head_in_the_repository_drafts_what_the_model_says(de
     (recipes/train_eagle.py on the GPU, bench/RESULTS.md): loaded and checked against the model,
     its drafts are accepted often, and greedy decoding is spec off's token for token. It is the
     default model's alone, and its --spec auto is the hybrid with it (--spec ngram: the index alone)."""
-    from rollout.config import EngineConfig, SpecConfig
+    from rollout.config import DEFAULT_HEAD, EngineConfig, SpecConfig
 
     assert EngineConfig(model="default").spec.drafters == ("ngram", "eagle")
-    assert EngineConfig(model="default").spec.draft_model == "default"
+    assert EngineConfig(model="default").spec.draft_model == str(DEFAULT_HEAD)  # (a path, whatever the model becomes)
     assert EngineConfig(model="default", spec="ngram").spec.drafters == ("ngram",)
     assert EngineConfig(model="/some/model").spec.drafters == ("ngram",)  # (no head unless given one)
     mine = SpecConfig(method="auto")
-    assert EngineConfig(model="default", spec=mine).spec.draft_model == "default" and mine.draft_model is None
+    assert EngineConfig(model="default", spec=mine).spec.draft_model == str(DEFAULT_HEAD) and mine.draft_model is None
     eagle = Engine(model="default", spec="eagle", spec_draft_model="default", spec_adaptive=False, device="cpu")
     prompts = [[{"role": "user", "content": q}] for q in ("What is 17 + 25?", "Name three primary colors.")]
     prompts = [eagle.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]

@@ -38,7 +38,6 @@ from rollout.models.loader import (
     build_model,
     load_checkpoint,
     randomize,
-    resolve_head_path,
     resolve_model_path,
 )
 from rollout.models.weights import (
@@ -131,8 +130,7 @@ class Engine:
             head = load_mtp(self.model_path, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
             head.to(self.device)
         elif "eagle" in cfg.spec.drafters:
-            head = load_head(resolve_head_path(cfg.spec.draft_model, cfg.model), self.model_config,
-                             layer=self.model_config.num_layers, dtype=self.dtype)
+            head = load_head(cfg.spec.draft_model, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
             head.to(self.device)
         self.pool = KVPool(
             num_layers=self.model_config.num_layers + (head is not None),  # the head's KV: one more layer

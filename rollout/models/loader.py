@@ -16,19 +16,6 @@ from rollout.models.weights import (
 )
 
 
-DEFAULT_HEAD = Path(__file__).parent / "default_head"  # recipes/train_eagle.py's EAGLE-3 head for the default model
-
-
-def resolve_head_path(draft_model: str, model: str) -> str:
-    """A draft head's directory: `default` is the default model's head, kept in the repository."""
-    if draft_model != "default":
-        return draft_model
-    if model != "default":
-        raise ValueError(f"--spec-draft-model default is the default model's head (SmolLM2-135M-Instruct), not {model!r}'s: "
-                         "give a head's directory (recipes/train_eagle.py trains one)")
-    return str(DEFAULT_HEAD)
-
-
 def resolve_model_path(model: str) -> Path:
     """`default` is SmolLM2-135M-Instruct from its PyPI wheel; anything else is a local HF directory."""
     if model == "default":

@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -429,12 +428,10 @@ def add_serve_parser(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from rollout.models.loader import resolve_head_path, resolve_model_path
+    from rollout.models.loader import resolve_model_path
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(message)s")
     config = EngineConfig.from_args(args)
-    if config.spec.draft_model is not None:  # (`default`, its head, names the default model's: resolved beside it)
-        config.spec = replace(config.spec, draft_model=resolve_head_path(config.spec.draft_model, config.model))
     model_path = resolve_model_path(config.model)  # the default model is fetched and converted once, here
     config.model = str(model_path)
     name = args.served_model_name or (
