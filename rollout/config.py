@@ -203,7 +203,7 @@ class SpecConfig:
             raise ValueError("spec history_rows and history_per_prompt must be >= 0, max_verify_tokens >= 1")
         if self.head_steps < 1 or self.head_topk < 1:
             raise ValueError("spec head_steps and head_topk must be >= 1")
-        if self.head_topk * (self.head_depth - 1) > 64:
+        if self.head_rows > 64:
             raise ValueError("spec head_topk x (head_steps - 1) must be at most 64: the head's rows above a tree's "
                              "last level share a tree mask (trees hold at most 64 tokens)")
         if self.method == "eagle" and self.draft_model is None:
@@ -229,6 +229,11 @@ class SpecConfig:
     def head_depth(self) -> int:
         """A draft head's tree depth."""
         return min(self.head_steps, self.max_draft_tokens)
+
+    @property
+    def head_rows(self) -> int:
+        """The rows a head's tree steps run over, past a sequence's end: every level's but the last's."""
+        return self.head_topk * (self.head_depth - 1)
 
     @property
     def head_nodes(self) -> int:

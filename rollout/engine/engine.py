@@ -143,7 +143,7 @@ class Engine:
             # a verify step may overhang a sequence's end, and one more may be launched before it is
             # collected; a draft head's rows stand past the end (spec/eagle.py)
             max_context=self.max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1
-            + cfg.spec.head_topk * (cfg.spec.head_depth - 1),
+            + cfg.spec.head_rows,
         )
         backend_name = cfg.attention_backend
         if backend_name == "auto":
