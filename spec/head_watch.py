@@ -105,13 +105,14 @@ class HeadCycle:
     head KV falls behind, draft no trees again) when
 
     - it is not verified for IDLE_STEPS decode steps;
-    - over PAY_WINDOW decode steps, its accepted drafts are a smaller share of the tokens emitted
-      than its work is of the steps' time (`costs`: the seconds its pass adds to a step, and its
-      tree to a drafting step, per batch bucket, timed on the captured graphs; none without
-      graphs). Asleep, the steps would emit the tokens less its drafts in the time less its
-      work: more per second exactly then. At ShareGPT b1 the hybrid's head was verified where
-      the index had nothing, so it never idled, and its pass and trees cost the steps 18% for
-      8% more tokens (2.20x of spec off against the index's 2.65x on the H100);
+    - over a pay window (PAY_WINDOW decode steps, fewer at a large batch: below), its accepted
+      drafts are a smaller share of the tokens emitted than its work is of the steps' time
+      (`costs`: the seconds its pass adds to a step, and its tree to a drafting step, per batch
+      bucket, timed on the captured graphs; none without graphs). Asleep, the steps would emit
+      the tokens less its drafts in the time less its work: more per second exactly then. At
+      ShareGPT b1 the hybrid's head was verified where the index had nothing, so it never
+      idled, and its pass and trees cost the steps 18% for 8% more tokens (2.20x of spec off
+      against the index's 2.65x on the H100);
     - the watch switches it off.
 
     It wakes before an admission of new prompts (their prompts give it their KV) once it slept

@@ -90,41 +90,43 @@ def test_a_large_batch_weighs_the_head_after_a_few_steps_and_each_probe_that_nev
     many a step, so a probe at 512 sequences costs a few steps rather than PAY_WINDOW; each
     wake-up in a row in which the head never paid sleeps twice as long, up to 2**MAX_DOUBLINGS
     times SLEEP_STEPS, and one that paid resets it."""
-    from spec.head_watch import MAX_DOUBLINGS, MIN_PAY_STEPS, PAY_TOKENS
+    from spec.head_watch import MAX_DOUBLINGS, MIN_PAY_STEPS, PAY_TOKENS, PAY_WINDOW
 
-    c = HeadCycle(costs={512: (4e-4, 1e-3)})  # 30% of a 4.7 ms step with its tree
-
-    def window(head_tokens: int) -> int:
-        """Steps of b512 until the head is weighed, each emitting 600 tokens."""
+    def window(c: HeadCycle, head_tokens: int, tokens: int = 600) -> int:
+        """Steps of b512 until the head is weighed, each emitting `tokens`."""
         inform(c)
         for k in range(1, 1000):
             c.step(0)
             c.verified()
             before = c.last_shares
-            c.ran(512, tree=True, seconds=4.7e-3, tokens=600, head_tokens=head_tokens)
+            c.ran(512, tree=True, seconds=4.7e-3, tokens=tokens, head_tokens=head_tokens)
             if c.last_shares is not before:
                 return k
         raise AssertionError("never weighed")
+
+    costs = {512: (4e-4, 1e-3)}  # 30% of a 4.7 ms step with its tree
+    assert window(HeadCycle(costs=costs), head_tokens=0, tokens=3) == PAY_WINDOW  # (few tokens a step: the whole window)
+    c = HeadCycle(costs=costs)
 
     def wake() -> None:
         c.asleep = c.sleep_steps
         assert c.admit(0)
 
-    assert MIN_PAY_STEPS * 600 > PAY_TOKENS and window(head_tokens=60) == MIN_PAY_STEPS and not c.awake
+    assert MIN_PAY_STEPS * 600 > PAY_TOKENS and window(c, head_tokens=60) == MIN_PAY_STEPS and not c.awake
     sleeps = [c.sleep_steps]
     for _ in range(MAX_DOUBLINGS + 1):
         wake()
-        window(head_tokens=60)  # 10% of the tokens for 30% of the time: asleep again
+        window(c, head_tokens=60)  # 10% of the tokens for 30% of the time: asleep again
         sleeps.append(c.sleep_steps)
     assert sleeps == [SLEEP_STEPS << min(k, MAX_DOUBLINGS) for k in range(MAX_DOUBLINGS + 2)]
     wake()
-    window(head_tokens=300)  # half the tokens: it paid, and stays awake
+    window(c, head_tokens=300)  # half the tokens: it paid, and stays awake
     assert c.awake and c.sleep_steps == sleeps[-1]
-    window(head_tokens=0)
+    window(c, head_tokens=0)
     assert not c.awake and c.sleep_steps == SLEEP_STEPS and c.stats()["rollout/spec_head_sleep_steps"] == SLEEP_STEPS
     for _ in range(2):
         wake()
-        window(head_tokens=0)
+        window(c, head_tokens=0)
     assert c.sleep_steps == 2 * SLEEP_STEPS
     c.head_pushed()  # (a new head: the old one's probes do not count against it)
     assert c.sleep_steps == SLEEP_STEPS and c.admit(0)
