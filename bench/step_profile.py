@@ -492,7 +492,7 @@ def accept(args: argparse.Namespace) -> None:
 
     from rollout import Engine, SamplingParams
     from rollout.tools.bench import workload_prompts
-    from spec.draft_head import HeadConfig, load_head, read_vocab_map, unrolled
+    from spec.draft_head import load_head, unrolled
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
     from train_eagle import Target
@@ -500,10 +500,9 @@ def accept(args: argparse.Namespace) -> None:
     chain, top_k = 3, (2, 4, 8)  # the chain's drafts; first levels of this many siblings
     t = args.temperature
     engine = Engine(model="default", device=args.device)
-    cfg = HeadConfig.from_dir(args.head, engine.model.config)
     head = load_head(args.head, engine.model.config, layer=engine.model.config.num_layers).to(engine.device)
-    d2t = read_vocab_map(args.head, cfg).to(engine.device)
-    target = Target(engine, cfg.aux_layers)
+    d2t = head.draft_to_target
+    target = Target(engine, head.cfg.aux_layers)
     opts = SimpleNamespace(workload="rl", n=1, prompt_set="mixed", seed=0)
     prompts, _ = workload_prompts(opts, engine.tokenizer, args.prompts)
     outs = engine.generate(prompts, SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, seed=1))
