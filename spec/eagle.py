@@ -59,8 +59,17 @@ class EagleDrafter:
         # since): only they draft (a sleeping head's sequences fall behind: HeadCycle)
         self.tracked = torch.zeros(rows, dtype=torch.bool, device=device)
         self.d2t = head.draft_to_target.to(device)
-        # each KV row's scratch slots for the head's rows past its root (never freed)
-        self.scratch = torch.as_tensor(pool.alloc(rows * max(self.head_rows, 1)), device=device).long().view(rows, -1)
+        # each KV row's scratch slots for the head's rows past its root: the pool's reserved ones
+        scratch = pool.reserved_slots()
+        if len(scratch) != rows * self.scratch_per_row(depth, topk):
+            raise ValueError(f"the KV pool reserves {len(scratch)} slots; the head needs {rows} x "
+                             f"{self.scratch_per_row(depth, topk)}")
+        self.scratch = torch.as_tensor(scratch, device=device).view(rows, -1)
+
+    @staticmethod
+    def scratch_per_row(depth: int, topk: int) -> int:
+        """Scratch KV slots a row needs: one per node the head runs over past the root (at least one)."""
+        return max((depth - 1) * topk, 1)
 
     @property
     def head_rows(self) -> int:

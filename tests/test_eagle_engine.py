@@ -44,7 +44,7 @@ def target_and_head(tmp_path_factory):
 
 def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     target, head, off, prompts = target_and_head
-    eagle = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False,  # (DESIGN.md's call)
+    eagle = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False,  # (the README's call)
                    device="cpu", max_running_seqs=16, max_prefill_tokens=16)  # (long prompts come in chunks)
     params = SamplingParams(temperature=0, max_new_tokens=40, n=2)
     batch = prompts[:6] + [list(range(3, 40))]

@@ -18,17 +18,19 @@ ACCEPTANCE_KEYS = ["rollout/spec_accept_rate", "rollout/spec_accept_length", "ro
                    "rollout/spec_accept_rate/ngram", "rollout/spec_draft_tokens/ngram"]
 
 
-def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(default_model_dir, tmp_path):
+def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(default_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))  # the user's, over --out
     with running_server(str(default_model_dir), "--kv-cache-tokens", "16384", "--spec", "ngram",
                         "--spec-no-adaptive") as server:
         args = grpo.parse_args(["--server", server.url, "--steps", "2", "--prompts", "2", "--n", "4",
-                                "--max-new-tokens", "24", "--device", "cpu", "--out", str(tmp_path), "--lr", "1e-4"])
+                                "--max-new-tokens", "24", "--device", "cpu", "--out", str(tmp_path / "out"), "--lr", "1e-4"])
         result = grpo.run(args)
 
         assert requests.get(server.url + "/get_weight_version").json()["weight_version"] == "2"
         assert [r.weight_version for r in result.records] == [1, 2]
         assert all(r.mismatch_mean < 1e-3 for r in result.records)  # fp32 on both sides
 
+        assert result.run_dir.is_relative_to(tmp_path / "wandb-dir"), result.run_dir
         rows = history(result.run_dir)
         assert [row["_step"] for row in rows] == [1, 2]
         for row in rows:
@@ -45,3 +47,21 @@ def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(de
         ids = torch.tensor([AutoTokenizer.from_pretrained(default_model_dir).encode(prompt)])
         expected = result.policy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
         assert out["output_ids"] == expected[0, ids.shape[1]:].tolist()
+
+
+def test_the_recipes_figure_has_integer_steps_a_legend_clear_of_the_axes_and_names_the_drafters():
+    records = [grpo.StepRecord(step=k, reward=0.1 * k, mismatch_mean=0.0, mismatch_max=0.0, rollout_s=2.0 / k,
+                               tokens_per_s=100.0, weight_version=k, weight_sync_s=0.1,
+                               spec={"rollout/spec_accept_rate/ngram": 0.3, "rollout/spec_accept_rate/eagle": 0.2})
+               for k in (1, 2)]
+    fig = grpo.figure(records)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ticks = [t for ax in fig.axes for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    legend = fig.legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert "accept rate, ngram drafts" in labels and "accept rate, eagle drafts" in labels, labels
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_tightbbox(renderer)), "the legend covers an axis or its labels"

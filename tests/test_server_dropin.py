@@ -372,6 +372,9 @@ def test_health_answers_within_a_second_under_full_load(server):
 @pytest.mark.parametrize("header", [
     {"X-Forwarded-For": "203.0.113.7"}, {"X-Forwarded-For": "127.0.0.1"}, {"Forwarded": "for=127.0.0.1"},
     {"X-Real-IP": "127.0.0.1"}, {"Via": "1.1 proxy"}, {"X-Forwarded-Host": "example.org"},
+    {"X-Client-IP": "127.0.0.1"}, {"True-Client-IP": "127.0.0.1"}, {"CF-Connecting-IP": "127.0.0.1"},
+    {"X-Original-Forwarded-For": "127.0.0.1"}, {"X-Forwarded-Proto": "http"}, {"X-Forwarded-Port": "80"},
+    {"X_Forwarded_For": "127.0.0.1"},
 ])  # fmt: skip
 def test_forwarded_headers_never_open_control_routes(server, header):
     for path, body in [("/abort_request", {"abort_all": True}), ("/pause_generation", {}), ("/flush_cache", None),
@@ -425,3 +428,45 @@ def test_the_engine_loop_fails_the_request_a_step_raised_on_and_goes_on(model_di
     assert done and len(done[-1]["seqs"][0]["ids"]) == 3
     assert engine.pool.used_slots == 0 and loop.step_failures == 1
 
+
+
+# ---------------- smaller ones ----------------
+def test_error_types_say_what_kind_of_error_and_bodies_of_the_wrong_form_are_400s(server):
+    r = requests.get(server.url + "/generate", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = post(server, "/update_weights_from_distributed", {"names": 5, "dtypes": ["float32"], "shapes": [[64]]})
+    assert r.status_code == 400 and "names" in r.json()["error"]["message"], r.text
+    r = post(server, "/destroy_weights_update_group", {"group_name": 5})
+    assert r.status_code == 400 and "group_name" in r.json()["error"]["message"], r.text
+    assert post(server, "/destroy_weights_update_group", {"group_name": "never-made"}).json()["error"]["type"] == "not_found_error"
+
+
+def test_health_reports_a_disk_updates_version_as_soon_as_the_update_answers(server, model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    save_file(load_file(str(model_dir / "model.safetensors")), str(tmp_path / "model.safetensors"))
+    version = str(int(requests.get(server.url + "/get_weight_version", timeout=10).json()["weight_version"]) + 5)
+    assert post(server, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": version}).status_code == 200
+    assert requests.get(server.url + "/health", timeout=10).json()["weight_version"] == version
+
+
+def test_an_ordinary_request_runs_beside_a_group_holding_every_row(server):
+    """A trainer's group of n = --max-running-seqs (64) takes every row; a request sent after it is
+    admitted at once (the group's newest sample gives its row up) and takes about as many steps as
+    alone, not the group's whole run."""
+    ordinary = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}}
+    t0 = time.monotonic()
+    alone = post(server, "/generate", ordinary)
+    alone_s = time.monotonic() - t0
+    group = {"input_ids": PROMPT, "sampling_params": {"n": 64, "max_new_tokens": 120, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(post, server, "/generate", group)
+        wait_until(lambda: in_flight(server) == 1, "the group")
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        beside = post(server, "/generate", ordinary)
+        beside_s = time.monotonic() - t0
+        assert not big.done()
+        assert big.result(120).status_code == 200
+    assert beside.json()["output_ids"] == alone.json()["output_ids"]
+    assert beside_s < 2 * alone_s + 0.5, (beside_s, alone_s)

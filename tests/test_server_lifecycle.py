@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+from concurrent.futures import ThreadPoolExecutor
+
 import requests
 from server_process import running_server
 
@@ -80,3 +82,24 @@ def test_sigterm_stops_the_front_end_and_the_engine_process(model_dir):
         while not gone(pid):
             assert time.monotonic() < deadline, "the engine process outlived the front end"
             time.sleep(0.1)
+
+
+def test_sigterm_with_requests_in_flight_answers_each_at_once_with_a_json_503(model_dir):
+    with running_server(str(model_dir)) as server:
+        with ThreadPoolExecutor(8) as pool:
+            flying = [pool.submit(requests.post, server.url + "/generate", json=LONG, timeout=60) for _ in range(8)]
+            deadline = time.monotonic() + 30
+            while requests.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]["num_total_reqs"] < 8:
+                assert time.monotonic() < deadline, "the requests never arrived"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            answers = [f.result() for f in flying]
+        waited = time.monotonic() - t0
+        assert server.proc.wait(30) in (0, -signal.SIGTERM)
+        log = server.log()
+    for r in answers:
+        assert r.status_code == 503, r.text
+        assert "shutting down" in r.json()["error"]["message"]
+    assert waited < 2, waited  # not after uvicorn's graceful period (5 s)
+    assert "Traceback" not in log and "never retrieved" not in log, log

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.models.weights import WeightError, checkpoint_files, iter_checkpoint
+from rollout.models.weights import WeightError, checkpoint_specs, iter_checkpoint
 from weight_sync.buckets import (
     Bucket,
     TensorSpec,
@@ -159,6 +159,8 @@ class WeightReceiver:
         return fut
 
     def destroy_group(self, group_name: str = "weight_sync") -> Future:
+        if not (isinstance(group_name, str) and group_name):
+            return _failed(WeightSyncError(f"group_name must be a non-empty string (got {group_name!r})"))
         slot = self._take_group(group_name)
         if slot is None:
             return _failed(WeightSyncError(f"no weight-update group named {group_name!r}", 404))
@@ -179,13 +181,21 @@ class WeightReceiver:
         timeout_s: float | None = None,
     ) -> Future:
         """Tensors by broadcast from rank 0: one per name (`bucket_bytes` 0, SGLang's way) or packed in buckets."""
-        with self._groups_lock:
-            slot = self._groups.get(group_name)
-        if slot is None:
-            return _failed(WeightSyncError(f"no weight-update group named {group_name!r}: call /init_weights_update_group first", 404))
+        malformed = None  # a body of the wrong form is a 400 naming the field, group or not
         try:
+            _check(isinstance(group_name, str) and group_name, f"group_name must be a non-empty string (got {group_name!r})")
             _check(_is_int(bucket_bytes) and bucket_bytes >= 0, "bucket_bytes must be an integer >= 0")
             specs = parse_specs(names, dtypes, shapes)
+        except WeightSyncError as e:
+            malformed = e
+        with self._groups_lock:
+            slot = self._groups.get(group_name) if isinstance(group_name, str) else None
+        if slot is None:
+            return _failed(malformed or WeightSyncError(
+                f"no weight-update group named {group_name!r}: call /init_weights_update_group first", 404))
+        try:
+            if malformed is not None:
+                raise malformed
             self._validate(specs)
             _check_flags(flush_cache, abort_all_requests)
             version, label = self._next_version(weight_version)
@@ -498,30 +508,11 @@ class WeightReceiver:
 
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-
-
 def _checkpoint_specs(path: Path) -> list[TensorSpec]:
-    """Names, shapes and dtypes from the safetensors headers (no tensor data read)."""
-    from safetensors import safe_open
-
+    """Names, shapes and dtypes from the safetensors headers (no tensor data read): the engine's reader's."""
     try:
-        specs = []
-        for file in checkpoint_files(path):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise WeightSyncError(f"{file.name}: {name} has dtype {sl.get_dtype()}, which cannot be loaded into the model")
-                    specs.append(TensorSpec(name, tuple(sl.get_shape()), dtype))
-        return specs
-    except WeightSyncError:
-        raise
-    except Exception as e:  # a missing, truncated or garbled file is the client's to fix (safetensors checks sizes)
+        return [TensorSpec(name, shape, dtype) for name, shape, dtype in checkpoint_specs(path)]
+    except (WeightError, FileNotFoundError) as e:  # a missing, truncated or garbled file is the client's to fix
         raise WeightSyncError(f"cannot read checkpoint {str(path)!r}: {e}") from e
 
 

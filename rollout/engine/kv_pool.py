@@ -4,6 +4,10 @@ Slots are token-granular (page size 1), so a draft tree, a shared prompt or a co
 accepted path is just a list of slot ids. Slots are reference counted: the `n` samples
 of a prompt point at the same prompt slots, which return to the free list when the last
 sample lets go. Slot 0 is never handed out; padded tokens write there.
+
+`reserved` slots past the pool's own are set aside for a drafter's scratch KV (spec/eagle.py):
+they are never handed out, so they count neither as used nor as free, and an idle engine's
+pool is empty (a colocated trainer's `release_memory` needs that).
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ class KVPool:
         device: torch.device,
         max_rows: int,
         max_context: int,
+        reserved: int = 0,
     ):
         self.num_slots = num_slots
+        self.reserved = reserved
         self.device = device
         self.dtype = dtype
-        self.cache_shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.cache_shape = (num_layers, num_slots + reserved, num_kv_heads, head_dim)
         self.allocate()
 
         # Row r holds the slots of one sequence's tokens in order. The host copy is the truth;
@@ -81,6 +87,10 @@ class KVPool:
         return 0 if self.k_cache is None else 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     # ---- slots ----
+    def reserved_slots(self) -> np.ndarray:
+        """The slots set aside for a drafter's scratch KV, past the pool's own."""
+        return np.arange(self.num_slots, self.num_slots + self.reserved, dtype=np.int64)
+
     @property
     def free_slots(self) -> int:
         return self._free_top

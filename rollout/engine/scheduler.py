@@ -35,6 +35,11 @@ MAX_ADMIT_WAIT = 16
 # large `n` never blocks small requests; after it was passed this many steps, nothing passes it
 # until it fits, so it cannot starve either.
 MAX_OVERTAKEN = 64
+# A request whose samples hold more than this share of the rows gives its newest ones up (they are
+# preempted, and queued behind the newcomer) to a new request that finds no row free: a trainer's
+# group of n = --max-running-seqs never stalls an interactive request for its whole run, and
+# alone it still takes every row.
+FAIR_SHARE = 1 / 2
 _EPOCHS = itertools.count()  # unique across schedulers (the engine replaces its scheduler in recover())
 
 
@@ -44,6 +49,7 @@ class Scheduler:
         self.pool = pool
         self.on_release = on_release  # called before a sequence's KV row is freed (finished or preempted)
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_rows = max_running_seqs
         self.admit_rows = max(1, int(max_running_seqs * ADMIT_SHARE))
         self._admit_wait = 0
         self.waiting: deque[Sequence] = deque()
@@ -70,6 +76,27 @@ class Scheduler:
             return Batch(decode, epoch=self.epoch)
         return Batch.prefill([ScheduledSeq(s, 1, True, decode=True) for s in decode] + prefill)
 
+    def _make_room(self) -> bool:
+        """Rows for a new request that finds none free, from a request holding more than FAIR_SHARE
+        of them (its newest samples, preempted and queued behind the newcomer). True if it made
+        room: the newcomer is admitted this step."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or head.num_cached or not self.running:
+            return False
+        need = 1 + len(head.forks) - self.pool.free_rows
+        if need <= 0 or any(q.request is head.request for q in self.running):
+            return False
+        held: dict[int, list[Sequence]] = {}
+        for q in self.running:
+            held.setdefault(id(q.request), []).append(q)
+        hog = max(held.values(), key=len)
+        excess = len(hog) - int(FAIR_SHARE * self.max_rows)
+        if excess < need:
+            return False
+        for q in hog[-need:]:
+            self.preempt(q, behind=True)
+        return True
+
     def _hold_admission(self) -> bool:
         """Whether the next prompt waits this step (see ADMIT_SHARE); a prompt whose prefill has
         begun, or one arriving at an idle engine, never waits."""
@@ -84,7 +111,7 @@ class Scheduler:
         return True
 
     def _schedule_prefill(self) -> list[ScheduledSeq]:
-        if self._hold_admission():
+        if not self._make_room() and self._hold_admission():
             return []
         items: list[ScheduledSeq] = []
         budget = self.max_prefill_tokens
@@ -140,12 +167,16 @@ class Scheduler:
         for seq in self.waiting:
             self._release(seq)
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, behind: bool = False) -> None:
+        """Free `seq`'s KV; it is recomputed later, first in the queue (`behind`: last)."""
         self.running.remove(seq)
         self.epoch = next(_EPOCHS)
         self._release(seq)
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        if behind:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preempted += 1
 
     def finish(self, seq: Sequence) -> None:

@@ -16,7 +16,10 @@ from safetensors import safe_open
 from rollout.models.llama import WeightTarget
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; we compute them
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
 
 class WeightError(ValueError):
@@ -46,14 +49,21 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def checkpoint_specs(path: str | Path) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor, read from the headers only (safetensors checks that the
-    file holds every byte they promise: a truncated or garbled file fails here, before any write)."""
+    file holds every byte they promise: a truncated or garbled file fails here, before any write).
+    The one reader of checkpoint headers: the initial load, `Engine.update_weights_from_disk` and
+    the server's disk updates (weight_sync/receiver.py) all ask it."""
     specs = []
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     s = f.get_slice(name)
-                    specs.append((name, tuple(s.get_shape()), _SAFETENSORS_DTYPES.get(s.get_dtype(), torch.int64)))
+                    dtype = SAFETENSORS_DTYPES.get(s.get_dtype())
+                    if dtype is None:
+                        raise WeightError(f"{file.name}: {name} has dtype {s.get_dtype()}, which cannot be loaded into the model")
+                    specs.append((name, tuple(s.get_shape()), dtype))
+        except WeightError:
+            raise
         except Exception as e:  # SafetensorError is a plain Exception
             raise WeightError(f"cannot read {file}: {e}") from e
     return specs

@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -73,6 +74,14 @@ GENERATE_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "return_logprob", "stream", "rid",
     "top_logprobs_num", "return_text_in_logprobs", "logprob_start_len",
 })  # fmt: skip
+# SGLang's /generate fields that shape its logs, metrics or scheduling order and never the tokens: any
+# value of the right type passes (sglang-router sends model, log_metrics and no_logs with every request)
+PASSIVE_GENERATE = {
+    "model": (lambda v: isinstance(v, str), "a string"), "log_metrics": (lambda v: isinstance(v, bool), "true or false"),
+    "no_logs": (lambda v: isinstance(v, bool), "true or false"), "conversation_id": (lambda v: isinstance(v, str), "a string"),
+    "priority": (is_int, "an integer"), "custom_labels": (lambda v: isinstance(v, dict), "an object"),
+    "extra_key": (lambda v: isinstance(v, str), "a string"),
+}  # fmt: skip
 # SGLang's other /generate fields: what they ask for is not done here, so only their neutral value passes.
 NEUTRAL_GENERATE = {
     "image_data": "images", "video_data": "video", "audio_data": "audio", "input_embeds": "input embeddings",
@@ -81,7 +90,14 @@ NEUTRAL_GENERATE = {
     "token_ids_logprob": "logprobs of chosen token ids", "session_params": "sessions", "modalities": "modalities",
     "data_parallel_rank": "data-parallel ranks", "bootstrap_host": "disaggregated prefill",
     "bootstrap_port": "disaggregated prefill", "bootstrap_room": "disaggregated prefill",
+    "bootstrap_pair_key": "disaggregated prefill", "background": "background requests", "return_bytes": "byte outputs",
 }  # fmt: skip
+
+
+def check_passive(body: dict) -> None:
+    for name, (ok, what) in PASSIVE_GENERATE.items():
+        if body.get(name) is not None and not ok(body[name]):
+            raise ApiError(400, f"{name} must be {what} (got {body[name]!r})", name)
 
 
 def check_neutral(body: dict, neutral: dict[str, str]) -> None:
@@ -173,8 +189,9 @@ def meta_info(state: RequestState, i: int, start: int = 0, token_text=None) -> d
 async def generate(request: Request) -> Response:
     fe = frontend(request)
     body = await read_json(request, fe.settings.max_request_bytes)
-    check_fields(body, GENERATE_FIELDS | set(NEUTRAL_GENERATE))
+    check_fields(body, GENERATE_FIELDS | set(NEUTRAL_GENERATE) | set(PASSIVE_GENERATE))
     check_neutral(body, NEUTRAL_GENERATE)
+    check_passive(body)
     if body.get("logprob_start_len") not in (None, -1):
         raise ApiError(400, "logprob_start_len: prompt logprobs are not computed here; leave it out or -1", "logprob_start_len")
     sampling = parse_sampling_params(body.get("sampling_params"))
@@ -237,14 +254,20 @@ async def abort_request(request: Request) -> Response:
 
 @native.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine process is up and has been heard from lately (it beats between steps);
-    503 otherwise. Answered by the front end alone, so it is quick whatever the load."""
+    """200 while the engine process is up, has been heard from lately (it beats from a thread of
+    its own, during steps too) and is not stuck: no step or message has held its loop for longer
+    than --health-timeout. 503 otherwise. Answered by the front end alone, so it is quick whatever
+    the load."""
     fe = frontend(request)
     eng = fe.engine
+    limit = fe.settings.health_timeout
     if not eng.alive:
         return JSON(error_body(503, eng.dead or "the engine process is not running"), status_code=503)
-    if eng.silent_for() > fe.settings.health_timeout:
+    if eng.silent_for() > limit:
         why = f"the engine process has not answered for {eng.silent_for():.0f} s (--health-timeout)"
+        return JSON(error_body(503, why), status_code=503)
+    if eng.stuck_for() > limit:
+        why = f"the engine loop has been busy with one step for {eng.stuck_for():.0f} s (--health-timeout)"
         return JSON(error_body(503, why), status_code=503)
     return JSON({"status": "ok", "weight_version": eng.weight_version})
 
@@ -262,23 +285,38 @@ async def health_generate(request: Request) -> Response:
     return JSON({"status": "ok", "weight_version": fe.engine.weight_version})
 
 
+def engine_load(fe: Frontend) -> dict:
+    """The engine's load in SGLang's /v1/loads shape: its numbers as of its latest beat (every
+    protocol.HEARTBEAT_S), the requests in flight as the front end counts them. Answered by the
+    front end alone, so a router's or trainer's poll never waits on a step."""
+    eng = fe.engine
+    load = eng.load
+    total = len(eng.requests)
+    running = min(total, load.get("num_running_reqs", 0))
+    return {
+        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": total - running, "num_total_reqs": total,
+        "num_used_tokens": load.get("num_used_tokens", 0), "num_waiting_tokens": load.get("num_waiting_tokens", 0),
+        "max_total_num_tokens": eng.info.get("kv_cache_tokens", 0), "token_usage": load.get("token_usage", 0.0),
+        "gen_throughput": load.get("gen_throughput", 0.0),
+    }  # fmt: skip
+
+
 @native.get("/v1/loads", dependencies=[Depends(require_api_key)])
 async def loads(request: Request) -> Response:
     """SGLang's load report (slime polls it until no request is left)."""
-    fe = frontend(request)
-    stats = await fe.engine.control("stats", timeout=10)
-    total = len(fe.engine.requests)
-    running = min(total, stats["rollout/num_running_requests"])
-    load = {
-        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": total - running, "num_total_reqs": total,
-        "num_used_tokens": round(stats["rollout/kv_usage"] * fe.engine.info["kv_cache_tokens"]),
-        "max_total_num_tokens": fe.engine.info["kv_cache_tokens"], "token_usage": stats["rollout/kv_usage"],
-        "gen_throughput": stats["rollout/tokens_per_s"],
-    }  # fmt: skip
-    return JSON({"timestamp": time.time(), "dp_rank_count": 1, "loads": [load]})
+    return JSON({"timestamp": time.time(), "dp_rank_count": 1, "loads": [engine_load(frontend(request))]})
+
+
+@native.get("/get_load", dependencies=[Depends(require_api_key)])
+async def get_load(request: Request) -> Response:
+    """SGLang's load, which sglang-router's power_of_two policy compares: tokens held in the KV cache
+    or waiting to be prefilled."""
+    load = engine_load(frontend(request))
+    return JSON({"load": load["num_used_tokens"] + load["num_waiting_tokens"]})
 
 
 @native.get("/get_model_info", dependencies=[Depends(require_api_key)])
+@native.get("/model_info", dependencies=[Depends(require_api_key)])  # (SGLang's newer name; sglang-router asks it)
 async def get_model_info(request: Request) -> Response:
     fe = frontend(request)
     return JSON(
@@ -294,6 +332,7 @@ async def get_model_info(request: Request) -> Response:
 
 
 @native.get("/get_server_info", dependencies=[Depends(require_api_key)])
+@native.get("/server_info", dependencies=[Depends(require_api_key)])  # (SGLang's newer name; sglang-router asks it)
 async def get_server_info(request: Request) -> Response:
     fe = frontend(request)
     engine_info = await fe.engine.control("get_server_info", timeout=30)
@@ -426,8 +465,6 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from rollout.models.loader import resolve_model_path
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(message)s")
@@ -443,6 +480,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         api_key=args.api_key or None,
         admin_key=args.admin_key or None,
         served_model_name=name,
+        default_model=args.model == "default",
         max_request_bytes=args.max_request_bytes,
         incremental_streaming_output=args.incremental_streaming_output,
         health_timeout=args.health_timeout,
@@ -463,17 +501,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         app = create_app(engine, settings, tokenizer)
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
             access_log=args.access_log,
             timeout_graceful_shutdown=5,
-            proxy_headers=False,  # the client's address is the TCP peer's, never a header's (http_guard)
+            proxy_headers=False,  # the client's address is the TCP peer's, never a header's (guard.require_admin)
         )
+        _StoppingServer(config, engine).run()
     finally:
         engine.kill_now()
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM or Ctrl-C first fails the requests in flight with a JSON 503
+    ("the server is shutting down"), so that no client waits out the graceful period for a 500."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.shutting_down()
+        super().handle_exit(sig, frame)
 
 
 def _is_loopback_host(host: str) -> bool:

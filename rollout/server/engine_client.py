@@ -97,7 +97,10 @@ class EngineClient:
         self.log_level = log_level
         self.restart = restart
         self.info: dict = {}
-        self.weight_version = "0"  # the engine's, as of its latest message
+        self.weight_version = "0"  # the engine's, as of its latest message (the label of `_version`)
+        self._version = -1  # the engine's integer weight version behind `weight_version`
+        self.busy_s = 0.0  # how long the engine loop had been busy with its current work, at its latest beat
+        self.load: dict = {}  # the engine's load at its latest beat (rollout.server.protocol Load)
         self.requests: dict[str, RequestState] = {}
         self.dead: str | None = None  # why, while no engine answers
         self.proc: subprocess.Popen | None = None
@@ -106,6 +109,7 @@ class EngineClient:
         self._restore: dict | None = None  # the weights a restarted engine loads: {"model_path", "weight_version"}
         self._stopping = False
         self._ready: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves, once started
         self._controls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
         self._outbox: list[dict] = []  # messages waiting for the end of this tick
@@ -146,6 +150,7 @@ class EngineClient:
     async def start(self, timeout: float = 1800.0) -> dict:
         """Spawn the engine process if needed and wait until its model is loaded; returns its info.
         From then on a dead engine process is replaced by a new one."""
+        self._loop = asyncio.get_running_loop()
         if not self._tasks:
             self._tasks.append(asyncio.ensure_future(self._receive_loop()))
         self.spawn()
@@ -222,6 +227,13 @@ class EngineClient:
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def shutting_down(self) -> None:
+        """The server was told to stop (SIGTERM, Ctrl-C): fail what is in flight now, with a 503 that
+        says so, rather than when the HTTP server gives up waiting for it. Safe from a signal handler."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._mark_dead, "the server is shutting down")
+
     def kill_now(self) -> None:
         """Last resort at interpreter exit, when the event loop is gone."""
         self._stopping = True
@@ -244,8 +256,18 @@ class EngineClient:
         return self.dead is None and self.proc is not None and self.proc.poll() is None
 
     def silent_for(self) -> float:
-        """Seconds since the engine last said anything (it beats every protocol.HEARTBEAT_S between steps)."""
+        """Seconds since the engine last said anything (it beats every protocol.HEARTBEAT_S, steps or not)."""
         return time.monotonic() - self.last_heard
+
+    def stuck_for(self) -> float:
+        """How long the engine loop has been busy with one step or message, as of now."""
+        return self.busy_s + self.silent_for() if self.busy_s else 0.0
+
+    def _note_version(self, label: str, version: int) -> None:
+        """The engine's weight version as a message reports it; never back to an older one (a beat
+        sent before a swap may arrive after the swap's reply)."""
+        if version >= self._version:
+            self._version, self.weight_version = version, label
 
     def _mark_dead(self, why: str) -> None:
         if self.dead is None:
@@ -370,18 +392,20 @@ class EngineClient:
     def _on_message(self, msg: dict) -> None:
         kind = msg["type"]
         if kind == protocol.BEAT:
-            self.weight_version = msg["weight_version"]
+            self._note_version(msg["weight_version"], msg["version"])
+            self.busy_s, self.load = msg["busy_s"], msg["load"]
         elif kind == protocol.READY:
             self.info = msg["info"]
-            self.weight_version = str(self.info["weight_version"])
+            self._version, self.weight_version = -1, str(self.info["weight_version"])  # (a new process counts anew)
+            self.busy_s, self.load = 0.0, {}
             self.dead = None
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
         elif kind == protocol.OUT:
-            self.weight_version = msg["weight_version"]
             for out in msg["reqs"]:
                 self._on_output(out, msg["weight_version"])
         elif kind == protocol.CTL_REPLY:
+            self._note_version(msg["weight_version"], msg["version"])
             fut = self._controls.get(msg["cid"])
             if fut is not None and not fut.done():
                 fut.set_result(msg)

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -83,12 +84,14 @@ class EngineLoop:
             "update_weights_from_tensor": lambda a: self.receiver.update_from_tensor(**a),
         }
         self.step_failures = 0
-        self._last_beat = 0.0
+        self.busy_since: float | None = None  # time.monotonic() when the loop took up its current work
 
     # ---------------- the loop ----------------
     def run(self) -> None:
         while self.running:
+            self.busy_since = None
             self._drain(block=not self._should_step())
+            self.busy_since = time.monotonic()
             if not self.may_step() or self.engine.released:  # nothing runs; aborted requests still report
                 self._publish(self.engine.drain())
             self.receiver.at_step_boundary()  # swap in weights that have arrived
@@ -97,7 +100,6 @@ class EngineLoop:
                 self._reply_finished_calls()
             if self._should_step():
                 self._step()
-            self._beat()
 
     def _step(self) -> None:
         """One engine step. A step that raises fails the requests in flight (500) and the engine
@@ -115,11 +117,20 @@ class EngineLoop:
             return
         self._publish(updated)
 
-    def _beat(self) -> None:
-        now = time.monotonic()
-        if now - self._last_beat >= protocol.HEARTBEAT_S:
-            self._last_beat = now
-            self._emit(protocol.beat(self.version_label(self.engine.weight_version)))
+    def beat(self) -> dict:
+        """A beat message (rollout.server.protocol): read from the heartbeat thread while the loop runs,
+        so it only reads (numbers, and a copy of the running list, each taken under the GIL)."""
+        eng = self.engine
+        running, waiting = list(eng.scheduler.running), list(eng.scheduler.waiting)
+        used = eng.pool.used_slots
+        load = {
+            "num_running_reqs": len({id(seq.request) for seq in running}), "num_running_seqs": len(running),
+            "num_waiting_seqs": len(waiting), "num_waiting_tokens": sum(len(seq.tokens) - seq.num_cached for seq in waiting),
+            "num_used_tokens": used, "token_usage": used / (eng.pool.num_slots - 1), "gen_throughput": eng.tokens_per_s,
+        }  # fmt: skip
+        busy = self.busy_since
+        version = eng.weight_version
+        return protocol.beat(self.version_label(version), version, 0.0 if busy is None else time.monotonic() - busy, load)
 
     def close(self) -> None:
         """Tear down the weight-update groups and fail updates still in flight."""
@@ -244,7 +255,8 @@ class EngineLoop:
         self.reply(cid, error=f"{op}: {e}", status=status)
 
     def reply(self, cid: int, result: Any = None, error: str | None = None, status: int = 200) -> None:
-        self._emit(protocol.control_reply(cid, result, error, status))
+        version = self.engine.weight_version
+        self._emit(protocol.control_reply(cid, self.version_label(version), version, result, error, status))
 
     def op_ping(self, args: dict) -> dict:
         return {"weight_version": self.version_label(self.engine.weight_version)}
@@ -295,6 +307,33 @@ class EngineLoop:
             "last_error": self.receiver.last_error,
         }
         return {**info, "stats": self.op_stats(args)}
+
+
+class Heartbeat(threading.Thread):
+    """Beats for the front end every HEARTBEAT_S, from a thread and a socket of its own: a step may
+    take seconds (a prefill chunk on a CPU), and /health must still hear that the process is alive
+    and how long its current step has run."""
+
+    def __init__(self, loop: EngineLoop, ctx: zmq.Context, address: str):
+        super().__init__(name="heartbeat", daemon=True)
+        self.loop, self.ctx, self.address = loop, ctx, address
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 4)  # (a front end that stopped reading gets no backlog of stale beats)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        try:
+            while not self.stopped.wait(protocol.HEARTBEAT_S):
+                try:
+                    sock.send(protocol.pack(self.loop.beat()), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                except Exception:  # a beat that failed to read must not end the beats
+                    log.exception("a heartbeat failed")
+        finally:
+            sock.close()
 
 
 def _seq_out(seq: Sequence, start: int, label: Callable[[int], str]) -> dict:
@@ -378,7 +417,13 @@ def main(argv: list[str] | None = None) -> None:
             info = {**engine_info(engine), "weight_version": loop.version_label(engine.weight_version)}
             send.send(protocol.pack(protocol.ready(info)))
             log.info("engine ready: %s on %s, weight version %s", engine.model_path, engine.device, info["weight_version"])
-            loop.run()
+            heartbeat = Heartbeat(loop, ctx, args.send)
+            heartbeat.start()
+            try:
+                loop.run()
+            finally:
+                heartbeat.stopped.set()
+                heartbeat.join(timeout=5)
         finally:
             loop.close()
         if loop.orphaned and args.recv.startswith("ipc://"):  # nobody else will remove the socket directory

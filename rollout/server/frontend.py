@@ -42,6 +42,7 @@ class ServerSettings:
     api_key: str | None = None
     admin_key: str | None = None
     served_model_name: str = "default"
+    default_model: bool = False  # it serves `--model default`
     max_request_bytes: int = 64 << 20
     incremental_streaming_output: bool = False  # SGLang's default: stream chunks carry everything so far
     health_timeout: float = 20.0  # /health fails when the engine loop has not answered for this long
@@ -95,6 +96,13 @@ class Frontend:
 
     async def _in_thread(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
+
+    @property
+    def model_names(self) -> set[str]:
+        """What a request's `model` may say: the served name (/v1/models), the model's path, or
+        `default` on the default model."""
+        names = {self.settings.served_model_name, self.model_path}
+        return names | ({"default"} if self.settings.default_model else set())
 
     @property
     def max_model_len(self) -> int:

@@ -11,7 +11,8 @@ Keys (`Authorization: Bearer <key>`, compared in constant time):
                      it they answer only clients on the loopback interface that came through
                      no proxy (a weight push rewrites the model: never open to the network).
                      "Local" is the TCP peer's address (uvicorn runs without proxy-header
-                     trust) and a request carrying any forwarding header is never local. A
+                     trust) and a request carrying any header a proxy adds (`is_proxy_header`:
+                     Forwarded, Via, X-Forwarded-*, X-Real-IP, True-Client-IP, ...) is never local. A
                      proxy that adds no header (ssh -L, socat, a port-forward) cannot be told
                      from a local client: serve behind one only with --admin-key.
 """
@@ -40,8 +41,9 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 413: "request_too_large", 503: "service_unavailable"}.get(status, "server_error")  # fmt: skip
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+            413: "request_too_large", 503: "service_unavailable", 504: "timeout_error"}.get(status)  # fmt: skip
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -62,11 +64,16 @@ def _matches(token: str | None, key: str | None) -> bool:
     return token is not None and key is not None and hmac.compare_digest(token.encode(), key.encode())
 
 
-FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-real-ip", "via")
+# Header names proxies add to say whom they forward for, or that they did (lower case, `_` read as `-`).
+_PROXY_HEADER = re.compile(r"forwarded|client-?ip|connecting-ip|real-ip|remote-(ip|addr)|originating-ip|^via$|^x-proxy")
+
+
+def is_proxy_header(name: str) -> bool:
+    return _PROXY_HEADER.search(name.lower().replace("_", "-")) is not None
 
 
 def _is_loopback(request: Request) -> bool:
-    if any(h in request.headers for h in FORWARDING_HEADERS):  # it came through a proxy: from anywhere
+    if any(is_proxy_header(h) for h in request.headers.keys()):  # it came through a proxy: from anywhere
         return False
     if request.client is None:  # a Unix socket: local by construction
         return True

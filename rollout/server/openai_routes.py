@@ -40,25 +40,35 @@ openai_router = APIRouter(dependencies=[Depends(require_api_key)])
 SAMPLING = {"temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
             "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
-COMMON = SAMPLING | {"model", "max_tokens", "stream", "stream_options", "user"}
+COMMON = SAMPLING | {"model", "max_tokens", "stream", "stream_options", "user", "return_hidden_states"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+# SGLang's chat extensions that sglang-router adds to every request: with no reasoning parser here,
+# separate_reasoning and stream_reasoning change nothing (as in SGLang without --reasoning-parser)
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                        "tool_choice", "parallel_tool_calls"}  # fmt: skip
+                        "tool_choice", "parallel_tool_calls", "continue_final_message", "separate_reasoning",
+                        "stream_reasoning"}  # fmt: skip
 # accepted only at these values: anything else would change the output in a way the engine does not do
 NEUTRAL = {
     "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},),
+    "response_format": ({"type": "text"},), "return_hidden_states": (False,), "continue_final_message": (False,),
 }  # fmt: skip
+FLAGS = ("separate_reasoning", "stream_reasoning")
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def _check_common(body: dict, known: set[str]) -> None:
+def _check_common(fe: Frontend, body: dict, known: set[str]) -> None:
     check_fields(body, known)
     for name, allowed in NEUTRAL.items():
         if body.get(name) is not None and body[name] not in allowed:
             raise ApiError(400, f"{name} is not supported by this server (got {body[name]!r}); leave it out", name)
-    if body.get("model") is not None and not isinstance(body["model"], str):
+    for name in FLAGS:
+        get_bool(body, name)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", "model")
+    if model is not None and model not in fe.model_names:  # as OpenAI and vLLM answer a model they do not serve
+        raise ApiError(404, f"the model {model!r} does not exist here: this server serves {fe.settings.served_model_name!r}",
+                       "model")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise ApiError(400, "user must be a string", "user")
     opts = body.get("stream_options")
@@ -152,7 +162,7 @@ async def _completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
 async def completions(request: Request) -> Response:
     fe = frontend(request)
     body = await read_json(request, fe.settings.max_request_bytes)
-    _check_common(body, COMPLETION_FIELDS)
+    _check_common(fe, body, COMPLETION_FIELDS)
     if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
     logprobs = body.get("logprobs")
@@ -240,7 +250,7 @@ def _messages(raw: Any) -> list[dict]:
 async def chat_completions(request: Request) -> Response:
     fe = frontend(request)
     body = await read_json(request, fe.settings.max_request_bytes)
-    _check_common(body, CHAT_FIELDS)
+    _check_common(fe, body, CHAT_FIELDS)
     logprobs = get_bool(body, "logprobs")
     top = body.get("top_logprobs")
     if top is not None and not (is_int(top) and 0 <= top <= 20):

@@ -19,10 +19,21 @@ engine -> front end
                at most one per engine step, for every request that has something to say;
                weight_version: the engine's current version as reported (a string, as SGLang)
     ctl_reply  {"type": "ctl_reply", "cid": int, "ok": bool, "result": any,
-                "error": str | None, "status": int}      status: the HTTP status that fits
+                "error": str | None, "status": int, "weight_version": str, "version": int}
+               status: the HTTP status that fits; weight_version: the engine's as the reply leaves
+               (a weight update's reply follows its swap: the front end knows the new version
+               before its client does)
     fatal      {"type": "fatal", "error": str}           the engine loop died; the process exits
-    beat       {"type": "beat", "weight_version": str}  at least every HEARTBEAT_S between steps:
-                                                 the front end's /health reads how long ago it heard
+    beat       {"type": "beat", "weight_version": str, "version": int, "busy_s": float, "load": Load}
+               every HEARTBEAT_S from a thread of its own, during steps too: the front end's
+               /health reads how long ago it heard and how long the loop has been busy with
+               one step or message (busy_s, 0 while it waits for work); /v1/loads and /get_load
+               answer from the latest load, without asking the engine. version: the engine's
+               integer weight version, so that a beat sent before a swap and read after the
+               swap's reply never takes the front end's version back.
+
+    Load    = {"num_running_reqs", "num_running_seqs", "num_waiting_seqs", "num_waiting_tokens",
+               "num_used_tokens", "token_usage", "gen_throughput"}
 
     ReqOut  = {"rid": str, "error": str, "status": int}  the engine refused (400) or failed (500) the request
             | {"rid": str, "seqs": [SeqOut, ...]}
@@ -73,8 +84,10 @@ def control(cid: int, op: str, args: dict | None = None) -> dict:
     return {"type": CTL, "cid": cid, "op": op, "args": args or {}}
 
 
-def control_reply(cid: int, result: Any = None, error: str | None = None, status: int = 200) -> dict:
-    return {"type": CTL_REPLY, "cid": cid, "ok": error is None, "result": result, "error": error, "status": status}
+def control_reply(cid: int, weight_version: str, version: int, result: Any = None, error: str | None = None,
+                  status: int = 200) -> dict:
+    return {"type": CTL_REPLY, "cid": cid, "ok": error is None, "result": result, "error": error, "status": status,
+            "weight_version": weight_version, "version": version}
 
 
 def ready(info: dict) -> dict:
@@ -89,8 +102,8 @@ def fatal(error: str) -> dict:
     return {"type": FATAL, "error": error}
 
 
-def beat(weight_version: str) -> dict:
-    return {"type": BEAT, "weight_version": weight_version}
+def beat(weight_version: str, version: int, busy_s: float, load: dict) -> dict:
+    return {"type": BEAT, "weight_version": weight_version, "version": version, "busy_s": busy_s, "load": load}
 
 
 def refused(rid: str, error: str, status: int = 400) -> dict:

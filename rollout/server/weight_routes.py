@@ -1,4 +1,4 @@
-"""The weight-update and pause routes of `rollout serve`, with DESIGN.md's names and fields.
+"""The weight-update and pause routes of `rollout serve`, with SGLang's names and fields.
 
 `create_app` includes `router` behind `require_admin` (a weight push rewrites the model).
 Each route checks the body's form (a JSON object, no unknown fields, the required ones
@@ -12,7 +12,7 @@ anything changes; its WeightSyncError comes back with the status that fits (400 
 There is no timeout on these calls: a push may take minutes, and the receiver bounds it
 itself (300 s by default; `timeout_s` per distributed update).
 
-Beyond DESIGN.md's fields, the update routes take `flush_cache` (default true: recompute
+The update routes also take `flush_cache` (default true: recompute
 the KV of running requests; false keeps it) and SGLang's `load_format` (null or "auto": the
 tensors as they are), and the distributed and tensor routes take `bucket_bytes` (0: one
 broadcast or IPC handle per tensor, SGLang's way; otherwise the tensors packed in buckets,
@@ -27,6 +27,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from rollout.config import MEMORY_TAGS
 from rollout.server.frontend import JSON, frontend
 from rollout.server.guard import ApiError, check_fields, is_number, read_json
 
@@ -60,7 +61,6 @@ ROUTES: dict[str, tuple[str, set[str], set[str]]] = {
     "/resume_memory_occupation": ("resume_memory_occupation", set(), {"tags"}),
 }
 GET_TOO = {"/flush_cache"}
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def _forward(op: str, required: set[str], optional: set[str]):

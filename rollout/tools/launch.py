@@ -1,4 +1,5 @@
-"""`rollout serve` in a child process: for recipes, benchmarks and tests that need a real server."""
+"""`rollout serve`, and SGLang's router in front of servers, in child processes: for recipes,
+benchmarks and tests that need real ones."""
 
 from __future__ import annotations
 
@@ -39,24 +40,42 @@ class LaunchedServer:
 def launched_server(*serve_args: str, timeout: float = 900.0) -> Iterator[LaunchedServer]:
     """`rollout serve <serve_args>` on a free port, once /health answers; SIGTERM at the end."""
     port = free_port()
-    log_path = Path(tempfile.mkstemp(prefix="rollout-serve-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "rollout", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
+    with _launched("rollout serve", cmd, f"http://127.0.0.1:{port}", timeout) as server:
+        yield server
+
+
+@contextmanager
+def launched_router(worker_urls: list[str], policy: str = "cache_aware", timeout: float = 120.0) -> Iterator[LaunchedServer]:
+    """SGLang's router (`python -m sglang_router.launch_router`, the `sglang-router` package) in
+    front of `worker_urls` on a free port, once it answers /health; SIGTERM at the end."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--policy", policy, "--worker-urls", *worker_urls, "--log-level", "warn",
+           "--prometheus-port", str(free_port())]  # (its default, 29000, is one port for every router on the host)
+    with _launched("sglang-router", cmd, f"http://127.0.0.1:{port}", timeout) as router:
+        yield router
+
+
+@contextmanager
+def _launched(what: str, cmd: list[str], url: str, timeout: float) -> Iterator[LaunchedServer]:
+    log_path = Path(tempfile.mkstemp(prefix=f"{what.replace(' ', '-')}-", suffix=".log")[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = LaunchedServer(f"http://127.0.0.1:{port}", proc, log_path)
+    server = LaunchedServer(url, proc, log_path)
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"rollout serve exited with {proc.returncode}:\n{server.log()}")
+                raise RuntimeError(f"{what} exited with {proc.returncode}:\n{server.log()}")
             try:
                 if requests.get(server.url + "/health", timeout=5).status_code == 200:
                     break
             except requests.ConnectionError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rollout serve not healthy after {timeout} s:\n{server.log()}")
+                raise RuntimeError(f"{what} not healthy after {timeout} s:\n{server.log()}")
             time.sleep(0.2)
         yield server
     finally:

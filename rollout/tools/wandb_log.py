@@ -22,11 +22,17 @@ def wandb_mode() -> str:
 
 
 class WandbLogger:
-    def __init__(self, project: str = "rollout", name: str | None = None, config: dict | None = None,
-                 directory: str | Path | None = None):
+    """A W&B run. What the user set in W&B's own variables wins over the caller's defaults, as W&B
+    documents them: WANDB_PROJECT over `default_project` (a `project` given explicitly wins, as an
+    argument to `wandb.init` does), WANDB_DIR over `directory`, WANDB_MODE over `wandb_mode()`'s guess."""
+
+    def __init__(self, project: str | None = None, name: str | None = None, config: dict | None = None,
+                 directory: str | Path | None = None, default_project: str = "rollout"):
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
+        project = project or os.environ.get("WANDB_PROJECT") or default_project
+        directory = None if os.environ.get("WANDB_DIR") else directory
         self.run = wandb.init(project=project, name=name, config=config or {}, dir=directory, mode=wandb_mode())
 
     @property

@@ -1,0 +1,53 @@
+"""`rollout serve --model default` as a user starts it (speculation `auto`: the n-gram index and the
+model's draft head): idle, it holds no KV and hands memory to a colocated trainer; under 500
+concurrent requests, /health and /v1/loads answer at once."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from server_process import running_server
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    # --health-timeout 12: longer than any step of this load on a CI machine (512-token prefill chunks,
+    # 256-sequence decode steps: ~3 s); before the heartbeat thread, /v1/loads waited ~5 s on steps
+    with running_server("default", "--health-timeout", "12") as s:
+        yield s
+
+
+def stats(server) -> dict:
+    return requests.get(server.url + "/get_server_info", timeout=30).json()["stats"]
+
+
+def test_an_idle_default_server_holds_no_kv_and_releases_and_resumes_its_memory(server):
+    assert stats(server)["rollout/kv_usage"] == 0  # (the draft head's scratch slots are the pool's reserve)
+    r = requests.post(server.url + "/release_memory_occupation", json={}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert requests.post(server.url + "/resume_memory_occupation", json={}, timeout=60).status_code == 200
+    body = {"text": "2+2=", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    assert requests.post(server.url + "/generate", json=body, timeout=60).status_code == 200
+
+
+def test_under_500_concurrent_requests_health_and_loads_answer_within_a_second(server):
+    def generate(i: int) -> int:
+        body = {"text": f"Tell me about number {i}", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+        return requests.post(server.url + "/generate", json=body, timeout=600).status_code
+
+    probes: list[tuple[str, int, float]] = []
+    with ThreadPoolExecutor(500) as pool:
+        load = [pool.submit(generate, i) for i in range(500)]
+        while sum(f.done() for f in load) < 450:
+            for route in ("/health", "/v1/loads"):
+                t0 = time.monotonic()
+                code = requests.get(server.url + route, timeout=10).status_code
+                probes.append((route, code, time.monotonic() - t0))
+            time.sleep(0.2)
+        assert all(f.result() == 200 for f in load)
+    slow = [p for p in probes if p[1] != 200 or p[2] > 1.0]
+    assert len(probes) > 40 and not slow, slow
+    assert stats(server)["rollout/kv_usage"] == 0
