@@ -13,7 +13,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -58,6 +58,20 @@ rl)  # issue 23's rl rows: 64 prompts x 8 samples, up to 2,048 new tokens, EOS s
   ;;
 rl-epoch)  # the second epoch: the warm-up rollout of the same prompts is the first, kept as history
   bench $RL --temperature 0.7 --keep-history | tee "$OUT/rl-epoch.log"
+  ;;
+coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after one real trainer step (lr
+  # $LR, default 1e-6, pushed in bf16) and with no update between the epochs; spec off with the same seeds against n-gram
+  LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history --coupled-sampling --epoch-update ${LR:-1e-6} \
+    --repeats ${REPEATS:-3} | tee "$OUT/coupled-update.log" | grep -E "^\| rollout|coupled"
+  [ -n "${SKIP_SAME:-}" ] || LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history --coupled-sampling \
+    --repeats ${REPEATS:-3} | tee "$OUT/coupled-same.log" | grep -E "^\| rollout|coupled"
+  ;;
+sampling)  # the sampling kernels' cost by rows and vocabulary (151,936: Qwen3-8B), against a decode step of each shape at 512
+  timeout 120 python3 bench/step_profile.py sampling 2>&1 | grep -v -i warn | tee "$OUT/sampling.log"
+  LIMIT=200 bench --workload decode --spec-modes off --batch-sizes 512 --max-running-seqs 512 --prompt-len 64 \
+    --output-len 64 | tee "$OUT/decode-512.log" | grep -E "^\| rollout"
+  LIMIT=300 bench --workload decode --random-model qwen3-8b --spec-modes off --batch-sizes 512 --max-running-seqs 512 \
+    --prompt-len 64 --output-len 32 | tee -a "$OUT/decode-512.log" | grep -E "^\| rollout"
   ;;
 steps)  # where the rl rollout's time goes at T=1.0, by batch bucket and width, spec off against n-gram
   timeout 300 python3 bench/step_profile.py steps --temperature 1.0 2>&1 | grep -v -i -e warn -e "^Loading" \

@@ -134,11 +134,10 @@ def gemm(args: argparse.Namespace) -> None:
 def sampling(args: argparse.Namespace) -> None:
     from rollout.engine.sampler import SamplingTensors, sample, sample_reference
 
-    vocab = 49152
     print(f"{torch.cuda.get_device_name()}: us per draw, alone in a CUDA graph")
-    print("| rows | mode | fused kernels | torch reference | ratio |\n|---|---|---|---|---|")
+    print("| vocab | rows | mode | fused kernels | torch reference | ratio |\n|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for rows in (1, 8, 64, 128, 256, 512):
+    for vocab, rows in ((v, r) for v in map(int, args.vocabs.split(",")) for r in (1, 8, 64, 128, 256, 512)):
         logits = torch.randn(rows, vocab, generator=g, device="cuda") * 4
         for mode in ("greedy", "sample"):
             st = SamplingTensors(
@@ -151,7 +150,7 @@ def sampling(args: argparse.Namespace) -> None:
             )
             fused = skinny_gemm.graph_ms(lambda logits=logits, st=st: sample(logits, st)) * 1e3
             ref = skinny_gemm.graph_ms(lambda logits=logits, st=st: sample_reference(logits, st)) * 1e3
-            print(f"| {rows} | {mode} | {fused:.1f} | {ref:.1f} | {ref / fused:.1f}x |")
+            print(f"| {vocab} | {rows} | {mode} | {fused:.1f} | {ref:.1f} | {ref / fused:.1f}x |")
 
 
 def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
@@ -606,7 +605,8 @@ def main() -> None:
     m = sub.add_parser("gemm", help="8B-shape products: cuBLAS against the skinny Triton GEMM")
     m.add_argument("--rows", type=int, default=1)
     m.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels/pdl.py)")
-    sub.add_parser("sampling", help="the fused sampling kernels against the torch reference")
+    sp = sub.add_parser("sampling", help="the fused sampling kernels against the torch reference")
+    sp.add_argument("--vocabs", default="49152,151936", help="vocabulary sizes (151,936: the Qwen3-8B shape)")
     t = sub.add_parser("steps", help="where a rollout's steps spend their time, spec off against n-gram")
     h = sub.add_parser("host", help="the host's time per decode step by function (cProfile), spec off against n-gram")
     c = sub.add_parser("collect", help="the host's time to collect a decode step, by part (wall clock), spec off against n-gram")

@@ -1,26 +1,22 @@
 """Drawing one token per logits row on the GPU in two Triton kernels, for the plain modes.
 
 `rollout.engine.sampler.sample` is the reference: temperature, log-softmax, then for a sampled row
-the inverse CDF at a counter-based uniform, for a greedy row the argmax. In torch that is
-some ten passes over the [rows, vocab] float32 logits (divide, log-softmax, exp, cumsum,
-searchsorted, gather), a large share of a small model's decode step
-(`python bench/step_profile.py sampling`). Here:
+the argmax of z + Gumbel noise hashed from (key, position, token id), for a greedy row the argmax
+of z. In torch that is some ten passes over the [rows, vocab] float32 logits. Here:
 
 1. `_chunk_kernel`, one program per (row, chunk of `CHUNK` columns): the chunk's maximum of
-   z = logits / temperature, the first column holding it, and sum(exp(z - max)).
+   z = logits / temperature, the first column holding it, sum(exp(z - max)), and for a sampled
+   row the chunk's best z + G and the first column holding it (the noise hashed in registers,
+   as the reference's `gumbel_scores`).
 2. `_pick_kernel`, one program per row: combines the chunks into the row's maximum and
-   normalizer; a greedy row takes the first maximal column; a sampled row hashes its
-   uniform u (the reference's `uniforms`, bit for bit), finds the chunk where the running
-   mass reaches u * total, and rescans that one chunk for the column. The logprob is
-   z[token] - max - log(total), as log-softmax gives it.
+   normalizer; a greedy row takes the first maximal column, a sampled row the first column of
+   the best score. The logprob is z[token] - max - log(total), as log-softmax gives it.
 
-So the logits are read once in full and one chunk again, and a row's work is spread over
-its chunks, which keeps a batch of one from being one program's serial loop. Sums are
-taken in another order than torch's cumsum, so a uniform within float32 rounding of a
-CDF step can land on the neighbouring token: the same law, not always the same draw as
-the CPU reference. Truncation (top-k, top-p, min-p) needs a sort and stays in torch, and a
-step with any truncated row draws all its rows there, so on the GPU a row's draw is the
-same in every step kind (spec on or off) only up to that rounding.
+So the logits are read once, and a row's work is spread over its chunks, which keeps a batch of
+one from being one program's serial loop. The noise is the reference's to the last bit but for
+`log`, whose CUDA and Triton versions may differ in the last place: two tokens whose scores
+meet within that can swap, a chance of about 1e-7 per draw. Truncation (top-k, top-p, min-p)
+needs a sort and stays in torch, and a step with any truncated row draws all its rows there.
 """
 
 from __future__ import annotations
@@ -40,22 +36,21 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, po
          greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [L] int64 and their logprobs [L] float32 for logits [L, V] float32 (columns contiguous):
     temperature [L] float32 (0: greedy), keys and positions [L] int64 (the RNG counter of
-    `rollout.engine.sampler.uniforms`). `greedy_only`: every row is greedy, skip the hashing."""
+    `rollout.engine.sampler.row_hashes`). `greedy_only`: every row is greedy, skip the hashing."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return tokens, logprobs
     chunks = triton.cdiv(vocab, CHUNK)
-    partial = torch.empty(3, rows, chunks, dtype=torch.float32, device=logits.device)
+    partial = torch.empty(5, rows, chunks, dtype=torch.float32, device=logits.device)
     _chunk_kernel[(rows, chunks)](
-        logits, temperature, partial, logits.stride(0), vocab, rows * chunks,
-        CHUNK=CHUNK, num_warps=4, **pdl.launch_args(),
+        logits, temperature, keys, positions, partial, logits.stride(0), vocab, rows * chunks,
+        SAMPLE=not greedy_only, CHUNK=CHUNK, num_warps=4, **pdl.launch_args(),
     )
     _pick_kernel[(rows,)](
-        logits, temperature, keys, positions, partial, tokens, logprobs, logits.stride(0), vocab, rows * chunks,
-        chunks, SAMPLE=not greedy_only, CHUNK=CHUNK, CHUNKS=triton.next_power_of_2(chunks), num_warps=4,
-        **pdl.launch_args(),
+        logits, temperature, partial, tokens, logprobs, logits.stride(0), vocab, rows * chunks,
+        chunks, SAMPLE=not greedy_only, CHUNKS=triton.next_power_of_2(chunks), num_warps=4, **pdl.launch_args(),
     )
     return tokens, logprobs
 
@@ -88,12 +83,21 @@ if triton is not None:
         return temp, tl.where(temp > 0, temp, 1.0)
 
     @triton.jit
-    def _chunk_kernel(logits_ptr, temp_ptr, partial_ptr, stride, vocab, plane, CHUNK: tl.constexpr,
-                      PDL: tl.constexpr):
+    def _exponential(h):
+        """-log(u), u = (h + 0.5) / 2^32, for h uint32: `rollout.engine.sampler.exponentials`."""
+        u = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        v = ((tl.full([], 0xFFFFFFFF, tl.uint32) - h).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 1 - u
+        w = 1.0 - v
+        near_one = tl.where(w == 1.0, v, -tl.log(w) * v / (1.0 - w))
+        return tl.where(h < tl.full([], 0x80000000, tl.uint32), -tl.log(u), near_one)
+
+    @triton.jit
+    def _chunk_kernel(logits_ptr, temp_ptr, key_ptr, pos_ptr, partial_ptr, stride, vocab, plane,
+                      SAMPLE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
-        _, t = _row_temperature(temp_ptr, row)
+        temp, t = _row_temperature(temp_ptr, row)
         cols = chunk * CHUNK + tl.arange(0, CHUNK)
         z = _scaled(logits_ptr, row, stride, cols, vocab, t)
         top = tl.max(z, 0)
@@ -103,10 +107,19 @@ if triton is not None:
         tl.store(out, top)
         tl.store(out + plane, first.to(tl.float32))  # exact: columns stay below 2**24
         tl.store(out + 2 * plane, mass)
+        if SAMPLE:
+            if temp > 0:
+                position = tl.load(pos_ptr + row).to(tl.uint32)  # the low 32 bits, as `& MASK32`
+                h = _mix32(_mix32(tl.load(key_ptr + row).to(tl.uint32) ^ _mix32(position)) ^ tl.full([], 0x9E3779B9, tl.uint32))
+                noise = _exponential(_mix32(h ^ _mix32(cols.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32))))
+                score = tl.where(cols < vocab, z - tl.log(noise), float("-inf"))
+                best = tl.max(score, 0)
+                tl.store(out + 3 * plane, best)
+                tl.store(out + 4 * plane, tl.min(tl.where(score == best, cols, vocab), 0).to(tl.float32))
 
     @triton.jit
-    def _pick_kernel(logits_ptr, temp_ptr, key_ptr, pos_ptr, partial_ptr, tok_ptr, lp_ptr, stride, vocab, plane,
-                     chunks, SAMPLE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    def _pick_kernel(logits_ptr, temp_ptr, partial_ptr, tok_ptr, lp_ptr, stride, vocab, plane,
+                     chunks, SAMPLE: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         temp, t = _row_temperature(temp_ptr, row)
@@ -121,20 +134,9 @@ if triton is not None:
         token = tl.sum(tl.where(c == best, tl.load(part + plane, mask=ok, other=0.0), 0.0), 0).to(tl.int64)
         if SAMPLE:
             if temp > 0:
-                position = tl.load(pos_ptr + row).to(tl.uint32)  # the low 32 bits, as `& MASK32`
-                h = _mix32(tl.load(key_ptr + row).to(tl.uint32) ^ _mix32(position))
-                h = _mix32(h ^ tl.full([], 0x9E3779B9, tl.uint32))
-                u = ((h.to(tl.float64) + 0.5) / 4294967296.0).to(tl.float32)
-                target = u * total
-                before = tl.cumsum(masses, 0) - masses  # mass of the chunks before each chunk
-                # the chunk where the running mass reaches the target (the last one if rounding left it short)
-                hit = tl.min(tl.where(ok & (before + masses >= target), c, chunks - 1), 0)
-                start = tl.sum(tl.where(c == hit, before, 0.0), 0)
-                cols = hit * CHUNK + tl.arange(0, CHUNK)
-                z = _scaled(logits_ptr, row, stride, cols, vocab, t)
-                running = start + tl.cumsum(tl.exp(z - top), 0)
-                last = tl.minimum(hit * CHUNK + CHUNK, vocab) - 1
-                token = tl.min(tl.where((running >= target) & (cols < vocab), cols, last), 0).to(tl.int64)
+                scores = tl.load(part + 3 * plane, mask=ok, other=float("-inf"))
+                won = tl.argmax(scores, 0, tie_break_left=True)  # the first chunk holding the best score
+                token = tl.sum(tl.where(c == won, tl.load(part + 4 * plane, mask=ok, other=0.0), 0.0), 0).to(tl.int64)
         z_token = tl.math.div_rn(tl.load(logits_ptr + row * stride + token), t)
         tl.store(tok_ptr + row, token)
         tl.store(lp_ptr + row, z_token - top - tl.log(total))

@@ -48,6 +48,7 @@ class StepRecord:
     weight_version: int
     weight_sync_s: float
     spec: dict  # rollout/spec_* for this step's rollout only
+    off_tokens_per_s: float = 0.0  # the same rollout on the spec-off server (--compare-spec-off), else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,27 +70,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--spec-draft-model", default=None,
                     help="a draft head for the server (--spec eagle, or auto: hybrid; auto on the default model takes "
                          "its own head); it goes stale as the policy trains")
+    ap.add_argument("--coupled-sampling", action="store_true",
+                    help="the server derives each request's seed from its prompt, so every epoch draws a prompt's samples "
+                         "with the same noise and drafts from the earlier epoch's (needs --dataset-size to meet prompts again)")
+    ap.add_argument("--compare-spec-off", action="store_true",
+                    help="also run every rollout on a second server with speculation off (same seeds, same weights pushed "
+                         "to both) and report its tokens/s beside")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--final-rollout", action="store_true", help="one more rollout after the last push")
-    ap.add_argument("--wandb-project", default="rollout-grpo")
-    ap.add_argument("--out", default="recipes/runs", help="where W&B runs and the plot go")
+    ap.add_argument("--wandb-project", default=None, help="W&B project (default: $WANDB_PROJECT, else rollout-grpo)")
+    ap.add_argument("--out", default="recipes/runs", help="where the W&B run and its plot go, unless $WANDB_DIR is set")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 
 @contextlib.contextmanager
-def rollout_server(args: argparse.Namespace):
-    """The given server, or one started for this run (stopped at the end)."""
+def rollout_server(args: argparse.Namespace, spec: str | None = None, share: float = 0.5):
+    """The given server, or one started for this run with `spec` (default: --spec; stopped at the end).
+    `share`: of the GPU's free memory its KV pool takes (the trainer shares the GPU)."""
     if args.server:
         yield args.server
         return
-    serve_args = ["--model", args.model, "--device", args.device, "--spec", args.spec]
-    if args.spec_draft_model:
+    spec = spec or args.spec
+    serve_args = ["--model", args.model, "--device", args.device, "--spec", spec]
+    if args.spec_draft_model and spec in ("eagle", "auto"):
         serve_args += ["--spec-draft-model", args.spec_draft_model]
+    if args.coupled_sampling:
+        serve_args += ["--coupled-sampling"]
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         serve_args += ["--kv-cache-tokens", "32768"]
     else:
-        serve_args += ["--kv-cache-memory-fraction", "0.5"]  # the trainer shares the GPU
+        serve_args += ["--kv-cache-memory-fraction", str(share)]
     with launched_server(*serve_args) as server:
         yield server.url
 
@@ -158,25 +169,41 @@ def run(args: argparse.Namespace) -> GrpoRun:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    push = args.push if args.push != "auto" else ("ipc" if device == "cuda" else "distributed")
+    push = args.push if args.push != "auto" else ("ipc" if device == "cuda" and not args.compare_spec_off else "distributed")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    logger = WandbLogger(args.wandb_project, config=vars(args), directory=args.out)
+    logger = WandbLogger(args.wandb_project, config=vars(args), directory=args.out, default_project="rollout-grpo")
     records: list[StepRecord] = []
+    if args.compare_spec_off and args.server:
+        raise SystemExit("--compare-spec-off starts its own servers: drop --server")
 
-    with rollout_server(args) as url, RolloutClient(url) as client:
-        pusher = WeightPusher(url, method=push, dtype=torch.bfloat16 if device == "cuda" else None)
+    with contextlib.ExitStack() as stack:
+        share = 0.25 if args.compare_spec_off else 0.5
+        url = stack.enter_context(rollout_server(args, share=share))
+        client = stack.enter_context(RolloutClient(url))
+        off_client = None
+        if args.compare_spec_off:
+            off_client = stack.enter_context(RolloutClient(stack.enter_context(rollout_server(args, "off", share))))
+        if args.coupled_sampling and not client.server_info()["engine_config"]["coupled_sampling"]:
+            raise SystemExit(f"--coupled-sampling: the server at {url} does not sample coupled (serve it with --coupled-sampling)")
+        urls = [url] + ([off_client.url] if off_client is not None else [])
+        pusher = WeightPusher(urls, method=push, dtype=torch.bfloat16 if device == "cuda" else None)
         rollouts = args.steps + (1 if args.final_rollout else 0)
         for step in range(1, rollouts + 1):
             tasks = step_tasks(args, step)
             prompts = [chat_prompt_ids(tokenizer, t.question) for t in tasks]
+            sampling = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+            if not args.coupled_sampling:  # (coupled: the server seeds each prompt's samples from the prompt)
+                sampling["seed"] = args.seed * 1000 + step
             before = client.server_info()["stats"]
             t0 = time.perf_counter()
-            groups = client.generate(
-                prompts, {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                          "seed": args.seed * 1000 + step}, n=args.n, return_logprob=True,
-            )
+            groups = client.generate(prompts, sampling, n=args.n, return_logprob=True)
             rollout_s = time.perf_counter() - t0
             after = client.server_info()["stats"]
+            off_tokens_per_s = 0.0
+            if off_client is not None:
+                t1 = time.perf_counter()
+                off_groups = off_client.generate(prompts, sampling, n=args.n)
+                off_tokens_per_s = sum(len(s.token_ids) for g in off_groups for s in g) / (time.perf_counter() - t1)
             samples = [s for g in groups for s in g]
             versions = {v for s in samples for v in s.weight_versions}
             expected = str(step - 1)
@@ -218,17 +245,17 @@ def run(args: argparse.Namespace) -> GrpoRun:
             rec = StepRecord(
                 step=step, reward=sum(rewards) / len(rewards), mismatch_mean=mismatch_mean, mismatch_max=mismatch_max,
                 rollout_s=rollout_s, tokens_per_s=tokens / rollout_s, weight_version=version, weight_sync_s=sync_s,
-                spec=spec_delta(before, after),
+                spec=spec_delta(before, after), off_tokens_per_s=off_tokens_per_s,
             )
             records.append(rec)
             logger.log(
                 {"grpo/reward": rec.reward, "grpo/logprob_mismatch_mean": mismatch_mean,
                  "grpo/logprob_mismatch_max": mismatch_max, "grpo/rollout_s": rollout_s,
                  "rollout/tokens_per_s": rec.tokens_per_s, "rollout/weight_version": version,
-                 "rollout/weight_sync_s": sync_s, **rec.spec},
+                 "rollout/weight_sync_s": sync_s, "rollout/tokens_per_s_spec_off": off_tokens_per_s, **rec.spec},
                 step=step,
             )
-            print_row(rec, header=step == 1)
+            print_row(rec, header=step == 1, compare=off_client is not None)
         pusher.close()
     plot(records, logger.run_dir / "grpo.png")
     logger.finish()
@@ -240,33 +267,59 @@ def run(args: argparse.Namespace) -> GrpoRun:
     return GrpoRun(records, policy, logger.run_dir)
 
 
-def print_row(r: StepRecord, header: bool) -> None:
-    if header:
-        print("| step | reward | rollout s | tok/s | accept rate | accept len | drafted | mismatch | version | sync s |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+def print_row(r: StepRecord, header: bool, compare: bool = False) -> None:
+    """A step's row: its rollout's speed, acceptance (coupled: drafts from the earlier epoch's sample),
+    and with `compare` the same rollout's tokens/s with speculation off."""
     s = r.spec
-    print(f"| {r.step} | {r.reward:.3f} | {r.rollout_s:.2f} | {r.tokens_per_s:.1f} | {s['rollout/spec_accept_rate']:.3f} | "
-          f"{s['rollout/spec_accept_length']:.2f} | {s['rollout/spec_draft_tokens']} | {r.mismatch_mean:.2e} | "
-          f"{r.weight_version} | {r.weight_sync_s:.2f} |", flush=True)
+    coupled = s.get("rollout/spec_accept_rate/coupled")
+    cells = [str(r.step), f"{r.reward:.3f}", f"{r.rollout_s:.2f}", f"{r.tokens_per_s:.1f}"]
+    heads = ["step", "reward", "rollout s", "tok/s"]
+    if compare:
+        heads += ["tok/s spec off", "speedup"]
+        cells += [f"{r.off_tokens_per_s:.1f}", f"{r.tokens_per_s / r.off_tokens_per_s:.2f}x" if r.off_tokens_per_s else "-"]
+    heads += ["accept rate", "coupled accept", "accept len", "drafted", "mismatch", "version", "sync s"]
+    cells += [f"{s['rollout/spec_accept_rate']:.3f}", "-" if coupled is None else f"{coupled:.3f}",
+              f"{s['rollout/spec_accept_length']:.2f}", str(s["rollout/spec_draft_tokens"]), f"{r.mismatch_mean:.2e}",
+              str(r.weight_version), f"{r.weight_sync_s:.2f}"]
+    if header:
+        print("| " + " | ".join(heads) + " |")
+        print("|" + "---|" * len(heads))
+    print("| " + " | ".join(cells) + " |", flush=True)
 
 
-def plot(records: list[StepRecord], path: Path) -> None:
+def figure(records: list[StepRecord]):
+    """Reward, rollout seconds and each drafter's accept rate by step (integer ticks; the legends sit
+    below the axes, clear of their labels). Returns the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r.step for r in records]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r.reward for r in records], marker="o", label="reward")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax2 = ax.twinx()
-    ax2.plot(steps, [r.spec["rollout/spec_accept_rate"] for r in records], marker="s", color="tab:orange",
-             label="n-gram accept rate")
-    ax2.set_ylabel("accept rate")
-    fig.legend(loc="upper left")
-    fig.tight_layout()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 5.5), sharex=True)
+    top.plot(steps, [r.reward for r in records], marker="o", label="mean reward")
+    top.set_ylabel("mean reward")
+    bottom.plot(steps, [r.rollout_s for r in records], marker="o", color="tab:green", label="rollout seconds")
+    bottom.set_ylabel("rollout seconds")
+    rates = bottom.twinx()
+    sources = sorted({k.rsplit("/", 1)[1] for r in records for k in r.spec if k.startswith("rollout/spec_accept_rate/")})
+    for i, source in enumerate(sources):
+        rates.plot(steps, [r.spec.get(f"rollout/spec_accept_rate/{source}", 0.0) for r in records], marker="s",
+                   linestyle="--", color=f"C{i + 1}", label=f"accept rate, {source} drafts")
+    rates.set_ylabel("accept rate")
+    bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles = [h for ax in (top, bottom, rates) for h in ax.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * (1 + len(handles) // 2), 1, 1))
+    return fig
+
+
+def plot(records: list[StepRecord], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(records)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

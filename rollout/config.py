@@ -11,6 +11,7 @@ from pathlib import Path
 DEFAULT_HEAD = Path(__file__).parent / "models" / "default_head"  # recipes/train_eagle.py's EAGLE-3 head for the default model
 INT64_MAX = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # the most likely tokens reported per output token, at most (as OpenAI's API)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what release_memory lets go, by SGLang's names
 GREEDY_BELOW = 1e-6  # a temperature below this is greedy (SGLang's rule): logits / T would overflow
 
 
@@ -258,13 +259,17 @@ class EngineConfig:
     attention_backend: str = option("auto", "auto = triton on CUDA, torch elsewhere", ("auto", "torch", "triton"))
     max_model_len: int | None = option(None, "default: the model's context, capped at 8192")
     max_running_seqs: int = option(256, "sequences decoded together, at most")
-    max_prefill_tokens: int = option(4096, "tokens per step across prefill chunks")
+    max_prefill_tokens: int | None = option(None, "tokens per step across prefill chunks (default: 4096 on CUDA, 512 on "
+                                            "the CPU, where a step of 4,096 prompt tokens of the default model takes 20 s)")
     kv_cache_tokens: int | None = option(None, "KV pool size in tokens (default: from the memory fraction on CUDA, 16,384 on CPU)")
     kv_cache_memory_fraction: float = option(0.85, "share of free GPU memory the KV pool takes when its size is not given")
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs")
     overlap_schedule: bool = option(True, "launch each decode step before the host has the previous step's tokens")
     pdl: bool = option(True, "use programmatic dependent launch for the Triton kernels on Hopper (process-wide)")
     seed: int = option(0, "seeds the samples of requests that give no seed")
+    coupled_sampling: bool = option(False, "a request that gives no seed gets one from its prompt's token ids and --seed, "
+                                    "so every rollout of a prompt draws sample i with the same noise, and a later "
+                                    "rollout drafts from the earlier one (drafter source `coupled`)")
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -280,7 +285,7 @@ class EngineConfig:
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: choose auto, cpu, cuda or cuda:N")
-        if self.max_running_seqs < 1 or self.max_prefill_tokens < 1:
+        if self.max_running_seqs < 1 or (self.max_prefill_tokens is not None and self.max_prefill_tokens < 1):
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
 
     @staticmethod

@@ -52,7 +52,8 @@ class _Trees:
 
 
 class Speculator:
-    def __init__(self, cfg: SpecConfig, table: TokenTable):
+    def __init__(self, cfg: SpecConfig, table: TokenTable, coupled: bool = False):
+        """`coupled`: samples draft from their earlier rollouts drawn with their keys (coupled sampling)."""
         self.enabled = cfg.enabled
         self.depth = cfg.tree_width
         # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
@@ -63,7 +64,8 @@ class Speculator:
         self.budget = DraftBudget(self.depth, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
-        self.draft = DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan) if ngram else None
+        self.draft = (DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan, coupled)
+                      if ngram else None)
         self._index_misses = 1  # a hybrid: sequences the index had nothing for in its last drafting step (none seen yet)
         self._waiting: deque[_Trees] = deque()
         self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified

@@ -30,7 +30,7 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     assert off["draft_steps"] == 0  # (how many n-gram drafts depends on the measured costs)
     assert ngram["indexed"] == 1.0  # every sample's tokens are in its history row
     assert result.with_suffix(".md").exists() and result.with_suffix(".png").exists()
-    measured = seeds[1::2]  # (each after its warm-up) round by round: off, then n-gram
+    measured = [s for i, s in enumerate(seeds) if i % 4 >= 2]  # a round: the warm-ups (off, n-gram), then the runs
     assert [spec for spec, _ in measured] == ["off", "ngram"] * 2
     assert measured[0][1] == measured[1][1] != measured[2][1] == measured[3][1]  # a round's seed is every mode's, rounds differ
     assert len({seed for _, seed in seeds}) == 4  # (warm-ups too: no round's samples are another's)
@@ -47,6 +47,17 @@ def test_the_rl_workload_reports_its_long_tail_and_plots_its_timeline(default_mo
     assert all(0 <= r["tail_s"] <= r["wall_s"] and r["gc_ms"] >= 0 for r in rows)
     assert rows[1]["indexed"] == 1.0
     assert list(tmp_path.glob("rl-*-timeline.png"))
+
+
+def test_a_coupled_second_epoch_after_a_trainer_step_drafts_from_the_first(default_model_dir, tmp_path):
+    main([
+        "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "rl", "--spec-modes", "off,ngram",
+        "--batch-sizes", "4", "--n", "2", "--output-len", "24", "--keep-history", "--coupled-sampling",
+        "--epoch-update", "1e-6", "--epoch-update-samples", "4", "--out", str(tmp_path),
+    ])
+    off, ngram = json.loads(next(tmp_path.glob("rl-*.json")).read_text())["rows"]
+    assert off["output_tokens"] == ngram["output_tokens"]  # fp32 on the CPU: the same samples
+    assert off["coupled_share"] == 0 < ngram["coupled_share"] <= 1
 
 
 def test_gc_timer_times_collections_only_inside_its_block():

@@ -9,10 +9,10 @@ from scipy.stats import chisquare
 
 from rollout.engine.sampler import (
     SamplingTensors,
+    exponentials,
     processed_logprobs,
     sample,
     sequence_key,
-    uniforms,
 )
 
 
@@ -76,10 +76,14 @@ def test_greedy_takes_argmax_with_raw_logprob():
     assert torch.allclose(logprobs, torch.log_softmax(logits, -1).max(-1).values)
 
 
-def test_drawn_tokens_follow_the_processed_distribution():
-    vocab, draws = 12, 200_000
+@pytest.mark.parametrize("top_k,top_p,min_p", [(-1, 1.0, 0.0), (8, 1.0, 0.0), (10, 0.9, 0.02)])
+def test_gumbel_max_draws_the_processed_distribution_over_a_million_draws(top_k, top_p, min_p):
+    """Chi-square of 10^6 draws, each its own (key, position), against softmax of the processed logits."""
+    vocab, draws = 16, 1_000_000
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)).expand(draws, vocab)
-    st = tensors(draws, temperature=0.9, top_k=8, keys=torch.full((draws,), 77), positions=torch.arange(draws))
+    keys = torch.randint(0, 2**32, (draws,), generator=torch.Generator().manual_seed(4))
+    st = tensors(draws, temperature=0.9, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys,
+                 positions=torch.arange(draws) % 4096)
     tokens, logprobs = sample(logits, st)
     probs = processed_logprobs(logits[:1], st).exp()[0].double().numpy()
     counts = np.bincount(tokens.numpy(), minlength=vocab)
@@ -89,12 +93,23 @@ def test_drawn_tokens_follow_the_processed_distribution():
     assert torch.allclose(logprobs, torch.log(torch.from_numpy(probs).float())[tokens], atol=1e-5)
 
 
-def test_uniforms_are_reproducible_distinct_and_in_open_unit_interval():
-    keys = torch.tensor([sequence_key(s, i) for s in range(20) for i in range(5)], dtype=torch.int64)
-    u = uniforms(keys, torch.full_like(keys, 3))
-    assert torch.equal(u, uniforms(keys, torch.full_like(keys, 3)))
-    assert len(set(u.tolist())) == len(keys)
-    assert ((u > 0) & (u < 1)).all()
+def test_draws_are_reproducible_and_each_key_and_position_draws_afresh():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(5)).expand(4000, 50)
+    keys = torch.tensor([sequence_key(s, i) for s in range(40) for i in range(100)], dtype=torch.int64)
+    st = tensors(4000, keys=keys, positions=torch.full_like(keys, 3))
+    tokens = sample(logits, st)[0]
+    assert torch.equal(tokens, sample(logits, st)[0])
+    moved = sample(logits, tensors(4000, keys=keys, positions=torch.full_like(keys, 4)))[0]
+    assert 0.5 < (tokens != moved).float().mean() < 1  # another position, other noise
     assert sequence_key(1, 0) != sequence_key(1, 1) != sequence_key(2, 1)
-    big = uniforms(torch.full((100_000,), sequence_key(5, 0)), torch.arange(100_000))
-    assert abs(big.mean().item() - 0.5) < 0.005
+
+
+def test_exponentials_keep_their_precision_near_zero_and_have_mean_one():
+    h = torch.tensor([0, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64)
+    e = exponentials(h).double()
+    exact = torch.tensor([-np.log((x + 0.5) / 2**32) if x < 2**31 else -np.log1p(-((2**32 - 1 - x) + 0.5) / 2**32)
+                          for x in h.tolist()], dtype=torch.float64)
+    assert torch.allclose(e, exact, rtol=1e-6), (e, exact)
+    assert (e > 0).all()
+    sample_h = torch.randint(0, 2**32, (1_000_000,), generator=torch.Generator().manual_seed(6))
+    assert abs(exponentials(sample_h).double().mean().item() - 1) < 0.005

@@ -24,11 +24,11 @@ from transformers import AutoTokenizer
 
 from kernels import pdl
 from kernels.attention import AttentionBackend
-from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig, request_limit
+from rollout.config import MAX_TOP_LOGPROBS, MEMORY_TAGS, EngineConfig, SamplingParams, SpecConfig, request_limit
 from rollout.engine.detokenizer import final_text
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.model_runner import ModelRunner
-from rollout.engine.sampler import sequence_key
+from rollout.engine.sampler import prompt_seed, sequence_key
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
 from rollout.engine.step import Batch, Emitted, HeadWork, StepInFlight, StepRecord
@@ -55,8 +55,9 @@ log = logging.getLogger("rollout")
 HEAD_PREFIX = "draft."  # a draft head's tensors in a weight push: its checkpoint names after this
 
 DEFAULT_CPU_KV_TOKENS = 16384
+DEFAULT_PREFILL_TOKENS = 4096
+DEFAULT_CPU_PREFILL_TOKENS = 512  # a step's prompt tokens on the CPU: 4,096 of the default model's take ~20 s
 DEFAULT_MAX_MODEL_LEN = 8192
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's names
 STEP_LOG = 1 << 16  # steps Engine.step_log keeps (a server runs for days: it must not grow)
 
 
@@ -144,6 +145,8 @@ class Engine:
             # collected; a draft head's rows stand past the end (spec/eagle.py)
             max_context=self.max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1
             + cfg.spec.head_rows,
+            reserved=0 if head is None else (cfg.max_running_seqs + 1) * EagleDrafter.scratch_per_row(
+                cfg.spec.head_depth, cfg.spec.head_topk),
         )
         backend_name = cfg.attention_backend
         if backend_name == "auto":
@@ -156,7 +159,9 @@ class Engine:
         if head is not None:
             self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.spec.head_topk,
                                              cfg.spec.head_nodes, cfg.max_running_seqs)
-        self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, cfg.max_prefill_tokens, self._released)
+        self.max_prefill_tokens = cfg.max_prefill_tokens or (DEFAULT_PREFILL_TOKENS if self.device.type == "cuda"
+                                                             else DEFAULT_CPU_PREFILL_TOKENS)
+        self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, self.max_prefill_tokens, self._released)
         if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
             from rollout.engine.cuda_graphs import CudaGraphs
 
@@ -192,7 +197,7 @@ class Engine:
         self.reset_stats()
 
     def _build_speculation(self) -> None:
-        self.spec = Speculator(self.config.spec, self.table)
+        self.spec = Speculator(self.config.spec, self.table, coupled=self.config.coupled_sampling)
         if hasattr(self, "runner"):
             self.runner.draft = self.spec.draft
 
@@ -207,7 +212,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.pool.reset()
         self.table.lengths.zero_()
-        self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.config.max_prefill_tokens, self._released)
+        self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.max_prefill_tokens, self._released)
         self._build_speculation()  # (its history too: it may hold what broke the step)
         return dropped
 
@@ -231,7 +236,12 @@ class Engine:
                                self.pool.num_slots - 1)
         if broken is not None:
             raise ValueError(f"{broken[0]}: {broken[1]}")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        if params.seed is not None:
+            seed = params.seed
+        elif self.config.coupled_sampling:  # every rollout of this prompt draws with the same noise
+            seed = prompt_seed(prompt_ids, self.config.seed)
+        else:
+            seed = self._rng.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(rid, prompt_ids, params, seed, return_logprob, top_logprobs_num, stop_ids=stop_ids,
                       max_len=len(prompt_ids) + params.max_new_tokens)  # within max_model_len, checked above
@@ -400,6 +410,11 @@ class Engine:
                 del self.requests[req.rid]
                 self._editing_logits -= req.edits_logits
         return list(updated.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per second of stepping since the last reset_stats()."""
+        return self._output_tokens / self._busy_s if self._busy_s else 0.0
 
     @property
     def output_tokens(self) -> int:
@@ -668,7 +683,7 @@ class Engine:
             "rollout/spec_accepted_tokens": t.accepted_tokens,
             "rollout/spec_verify_steps": t.verify_steps,
             "rollout/spec_emitted_tokens": t.emitted_tokens,
-            "rollout/tokens_per_s": self._output_tokens / self._busy_s if self._busy_s else 0.0,
+            "rollout/tokens_per_s": self.tokens_per_s,
             "rollout/output_tokens": self._output_tokens,
             "rollout/steps": self._steps,
             "rollout/draft_steps": self._draft_steps,

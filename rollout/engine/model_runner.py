@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.coupled_draft import coupled_chains
 from kernels.draft_rows import lay_out_drafts
 from kernels.ngram_draft import KEY_SCALE, draft_trees
 from kernels.tree_accept import accept_trees
@@ -47,6 +48,7 @@ from rollout.engine.step import (
     HeadWork,
     HostCopy,
     SamplingRows,
+    Source,
     StepInFlight,
     to_device,
 )
@@ -164,12 +166,18 @@ class ModelRunner:
         out_pos = length - table.prompt_lens[rows].long()  # the root's draw: its output position
         trees, eagle = None, self.eagle
         alone = eagle is not None and self.draft is None  # a head drafts alone
-        from_head = torch.full((s,), alone, dtype=torch.long, device=self.device)  # each tree's drafter
+        source = torch.full((s,), int(Source.HEAD if alone else Source.NGRAM), dtype=torch.long, device=self.device)
         if drafting and self.draft is not None:
             d = self.draft
+            scan = d.scan[x.groups.long()]
             tok, par, dep, anc, key = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
-                                                  x.rows, d.scan[x.groups.long()], d.window, d.min_match, d.cands,
-                                                  d.depth, d.depth)
+                                                  x.rows, scan, d.window, d.min_match, d.cands, d.depth, d.depth)
+            if d.coupled:  # a sample's earlier rollout with its key, ahead of the n-gram tree
+                followed, chains = coupled_chains(table.tokens, table.lengths, table.keys, table.history_start,
+                                                  x.rows, scan, d.window, d.depth)
+                tok, par, dep, anc, key = (torch.where(followed[:, None], c, t)
+                                           for t, c in zip((tok, par, dep, anc, key), chains))
+                source = torch.where(followed, int(Source.COUPLED), source)
             # hybrid: the index's tree where it found one, else the head's; a sleeping head left none
             # (its merge cost ShareGPT b1's steps 0.95 ms against the index's 0.88 on the H100)
             if eagle is not None and head != HeadWork.NONE:
@@ -178,7 +186,7 @@ class ModelRunner:
                 tok, par, dep, anc, key = (torch.where(from_head[:, None], c.to(t.dtype), t)
                                            for t, c in zip((tok, par, dep, anc, key), chains))
                 key = index_first(key, from_head)
-                from_head = from_head.long()
+                source = torch.where(from_head, int(Source.HEAD), source)
             trees = (tok, dep, anc, key)
         elif eagle is not None and drafting:  # the trees the step before left (a step that does not draft reads none)
             tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long(), eagle.nodes)
@@ -226,7 +234,7 @@ class ModelRunner:
             at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
             eagle.draft(rows, extended[0][at], extended[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin,
                         max_kv_len=max_kv_len)
-        ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None], from_head[:, None]], dim=1)
+        ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None], source[:, None]], dim=1)
         top = None
         if top_logprobs:
             values, top_ids = processed_logprobs(logits, st).topk(top_logprobs, dim=-1)
@@ -300,11 +308,11 @@ class ModelRunner:
             edits.to(self.device).apply(logits)
         drawn, lps = sample(logits, st)
         # the table: every row's length after this step, and the drawn tokens after each sampled sequence
-        ends = [(q.row, q.num_cached + item.samples, q.num_prompt) for item in batch.items
+        ends = [(q.row, q.num_cached + item.samples, q.num_prompt, q.key) for item in batch.items
                 for q in [item.seq, *(item.seq.forks if item.samples else [])]]
-        rec = np.array(ends, dtype=np.int64).reshape(-1, 3)
+        rec = np.array(ends, dtype=np.int64).reshape(-1, 4)
         lengths_now = np.array([len(q.tokens) for q in draw_seqs], dtype=np.int64)
-        self.table.record_prefill(rec[:, 0], rec[:, 1], rec[:, 2], drawn,
+        self.table.record_prefill(rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3], drawn,
                                   np.array([q.row for q in draw_seqs], dtype=np.int64), lengths_now)
         if eagle is not None:
             self._eagle_after_prefill(batch, starts, input_ids, positions_d, meta, aux, drawn, logits_rows)
@@ -392,13 +400,12 @@ class ModelRunner:
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
             top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
+        names = ("ngram", self.eagle.source if self.eagle is not None else "head", "coupled")  # by Source
+        codes = ints[:, n + 3]
+        sources = [names[c] for c in codes.tolist()]
         misses = None
-        if self.eagle is None or self.draft is None:  # one drafter
-            sources = ["ngram" if self.eagle is None else self.eagle.source] * s
-        else:
-            names = ("ngram", self.eagle.source)  # by the step's from-head column
-            sources = [names[h] for h in ints[:, n + 3].tolist()]
-            misses = int(ints[:, n + 3].sum()) if step.drafting else None
+        if self.eagle is not None and self.draft is not None and step.drafting:  # a hybrid: trees the index left to the head
+            misses = int((codes == Source.HEAD).sum())
         return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses)
 
     # ---------------- the model ----------------

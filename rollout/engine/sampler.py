@@ -1,18 +1,25 @@
 """Sampling from logits, with the logprob of each token under the distribution it came from.
 
-Randomness is counter-based: the uniform draw for a token is a hash of (request seed,
-sample index, output position). A token therefore depends only on its own logits and
-key, not on batch composition, preemption or speculation: with the same seed, spec on and
-spec off draw the same tokens, and a draft-tree node at depth d uses the key of output
-position p + d. Sampling is inverse-CDF over the vocabulary with that one uniform per row.
-On CUDA, rows without truncation are drawn by the fused kernels of `kernels/sampling.py`;
-the torch code here is their reference and serves everything else.
+Sampling is Gumbel-max over counter-based noise: a row's token is the argmax over the vocabulary
+of z_v + G_v, with z the processed logits / T (truncated tokens at -inf) and G_v a Gumbel draw
+that is a hash of (sequence key, output position, token id). That draws exactly from softmax(z),
+and a token depends only on its own logits and key, not on batch composition, preemption or
+speculation: with the same seed, spec on and spec off draw the same tokens, and a draft-tree
+node at depth d uses the key of output position p + d. Because every token has its own noise,
+two rollouts of a prompt drawn with the same key under slightly different weights pick the same
+token wherever the weights moved no token's z past another's noisy score (a 0.996 chance per
+token after an lr 1e-6 step, against 0.93 for one shared uniform through the inverse CDF): a
+later rollout's earlier sample is a draft it mostly accepts (`EngineConfig.coupled_sampling`).
+On CUDA, rows without truncation are drawn by the fused kernels of `kernels/sampling.py`; the
+torch code here is their reference and serves everything else.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import sampling as sampling_kernels
@@ -29,6 +36,14 @@ def mix32(x):
     return x ^ (x >> 15)
 
 
+def prompt_seed(prompt_ids: list[int], seed: int) -> int:
+    """A request's seed under coupled sampling: a 63-bit hash of its prompt's token ids and the
+    engine's seed (the same in every process and every run, unlike Python's hash)."""
+    digest = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8,
+                             key=seed.to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def sequence_key(seed: int, sample_index: int) -> int:
     """The RNG key of one sample of a request: a 32-bit hash of the 64-bit seed and the index."""
     h = mix32(seed & MASK32)
@@ -36,11 +51,32 @@ def sequence_key(seed: int, sample_index: int) -> int:
     return mix32(h ^ mix32(sample_index & MASK32))
 
 
-def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One uniform in (0, 1) per row, float64: keys [L] (uint32 in int64), positions [L] int64."""
-    h = mix32(keys ^ mix32(positions & MASK32))
-    h = mix32(h ^ 0x9E3779B9)
-    return (h.double() + 0.5) / 2.0**32
+def row_hashes(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit hash per row (in int64) of (key, output position): keys [L] uint32 values, positions [L]."""
+    return mix32(mix32(keys ^ mix32(positions & MASK32)) ^ 0x9E3779B9)
+
+
+def token_hashes(rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[L, V] 32-bit hashes (in int64) of each row's hash and each token id."""
+    tokens = torch.arange(vocab, dtype=torch.int64, device=rows.device)
+    return mix32(rows[:, None] ^ mix32(tokens * 0x9E3779B1 & MASK32))
+
+
+def exponentials(h: torch.Tensor) -> torch.Tensor:
+    """-log(u) for u = (h + 0.5) / 2^32, float32 and accurate at both ends: for u near 1 through
+    v = 1 - u (from the integer, so exact in float) as -log1p(-v), written with Kahan's
+    log(w) * v / (1 - w), w = 1 - v, which the kernel computes the same way. The smallest values
+    decide the argmaxes; a float u rounded to 1 would make them 0. Gumbel noise is -log of these."""
+    u = (h.float() + 0.5) * 2.0**-32
+    v = ((MASK32 - h).float() + 0.5) * 2.0**-32  # 1 - u
+    w = 1.0 - v
+    near_one = torch.where(w == 1.0, v, -torch.log(w) * v / (1.0 - w))
+    return torch.where(h < 2**31, -torch.log(u), near_one)
+
+
+def gumbel_scores(z: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """z + Gumbel noise [L, V] float32 for z [L, V] float32 (processed logits / T, -inf where truncated)."""
+    return z - torch.log(exponentials(token_hashes(row_hashes(keys, positions), z.shape[-1])))
 
 
 @dataclass
@@ -57,14 +93,17 @@ class SamplingTensors:
     any_truncation: bool
 
 
-def processed_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """log of the distribution each row samples from: temperature, then top-k, top-p, min-p."""
+def processed_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """z = logits / T (greedy rows: T = 1), then -inf outside top-k, top-p, min-p: float32 [L, V]."""
     greedy = st.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    z = logits / temperature[:, None]
-    if st.any_truncation:
-        z = _truncate(z, st)
-    return torch.log_softmax(z, dim=-1)
+    z = logits.float() / temperature[:, None]
+    return _truncate(z, st) if st.any_truncation else z
+
+
+def processed_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """log of the distribution each row samples from: temperature, then top-k, top-p, min-p."""
+    return torch.log_softmax(processed_logits(logits, st), dim=-1)
 
 
 def _truncate(z: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -94,14 +133,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, tor
 
 def sample_reference(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` in torch: the definition the kernels are held to, and the path for truncation."""
-    logprobs = processed_logprobs(logits, st)
+    z = processed_logits(logits, st)
+    logprobs = torch.log_softmax(z, dim=-1)
     greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
         tokens = greedy_tokens
     else:
-        cdf = logprobs.exp().cumsum(dim=-1)  # [L, V]
-        u = uniforms(st.keys, st.positions).to(cdf.dtype) * cdf[:, -1]
-        # side="left" never lands on a zero-mass token: its cdf equals its predecessor's.
-        drawn = torch.searchsorted(cdf, u[:, None]).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        drawn = gumbel_scores(z, st.keys, st.positions).argmax(dim=-1)  # (the first of equal scores)
         tokens = torch.where(st.temperature == 0, greedy_tokens, drawn)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

@@ -85,6 +85,14 @@ class Emitted:
     index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
 
 
+class Source(IntEnum):
+    """Which drafter made a sequence's tree in a step (its statistics' name: `Emitted.sources`)."""
+
+    NGRAM = 0
+    HEAD = 1  # a draft head's (eagle or mtp)
+    COUPLED = 2  # the sample's earlier rollout under coupled sampling
+
+
 class HeadWork(IntEnum):
     """What a step asks of a draft head (spec/eagle.py)."""
 
@@ -102,6 +110,7 @@ class DraftSettings:
     cands: int
     depth: int  # deepest draft, and a tree's drafts at most (its top-ranked)
     scan: torch.Tensor  # [groups, M] int32: the rows each group of sequences searches (spec/index.py)
+    coupled: bool = False  # a sample follows its earlier rollout drawn with its key (kernels/coupled_draft.py)
 
 
 @dataclass
@@ -172,7 +181,7 @@ class DecodeInputs:
 class DecodeOutputs:
     """What a decode or verify step leaves on the device for the host."""
 
-    ints: torch.Tensor  # [S, N + 3] int64: emitted tokens by depth, accepted length, accepted-node bits, rows
+    ints: torch.Tensor  # [S, N + 4] int64: emitted tokens by depth, accepted length, accepted-node bits, rows, Source
     logprobs: torch.Tensor  # [S, N] float32: the emitted tokens' logprobs
     trees: tuple[torch.Tensor, ...] | None  # the drafter's whole trees (tokens, depths, ancestors, keys) [S, depth + 1]
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [R, k], logprobs [R, k] by row (eager steps)

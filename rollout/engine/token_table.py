@@ -33,11 +33,14 @@ class TokenTable:
         self.tokens = torch.zeros(self.num_rows, capacity, dtype=torch.int32, device=device)
         self.lengths = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
         self.prompt_lens = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
+        # each row's sampling key (uint32 values): a history row drawn with a running sample's key is
+        # that sample's earlier rollout under coupled sampling, which it drafts from (kernels/ngram_draft.py)
+        self.keys = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
         self._kept: dict[int, tuple[int, int, int]] = {}  # history row -> (live row, length, prompt length), queued
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tokens, self.lengths, self.prompt_lens))
+        return sum(t.numel() * t.element_size() for t in (self.tokens, self.lengths, self.prompt_lens, self.keys))
 
     def write(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
         """tokens[rows[i], cols[i]] = values[i] (host-known tokens: prompt chunks)."""
@@ -45,17 +48,18 @@ class TokenTable:
         if len(rows):
             self.tokens[to_device(rows, self.device), to_device(cols, self.device)] = to_device(values.astype(np.int32), self.device)
 
-    def record_prefill(self, rows: np.ndarray, lengths: np.ndarray, prompt_lens: np.ndarray,
+    def record_prefill(self, rows: np.ndarray, lengths: np.ndarray, prompt_lens: np.ndarray, keys: np.ndarray,
                        drawn: torch.Tensor | None = None, draw_rows: np.ndarray | None = None,
                        draw_cols: np.ndarray | None = None) -> None:
-        """After an eager step: the lengths and prompt lengths of `rows`, and the drawn tokens (on the
-        device) at (draw_rows, draw_cols)."""
+        """After an eager step: the lengths, prompt lengths and sampling keys of `rows`, and the drawn
+        tokens (on the device) at (draw_rows, draw_cols)."""
         self.flush()
         r = to_device(rows, self.device)
         if drawn is not None and len(draw_rows):
             self.tokens[to_device(draw_rows, self.device), to_device(draw_cols, self.device)] = drawn.to(torch.int32)
         self.lengths[r] = to_device(lengths.astype(np.int32), self.device)
         self.prompt_lens[r] = to_device(prompt_lens.astype(np.int32), self.device)
+        self.keys[r] = to_device(keys.astype(np.int64), self.device)
 
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
         """Rows `dsts` take the first `length` tokens of row `src` (a fork's prompt)."""
@@ -77,6 +81,7 @@ class TokenTable:
         self._kept.clear()
         dst, src, length, prompt_len = to_device(queued, self.device)
         self.tokens[dst] = self.tokens[src]
+        self.keys[dst] = self.keys[src]
         self.lengths[dst] = length
         self.prompt_lens[dst] = prompt_len
 

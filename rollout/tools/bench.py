@@ -72,6 +72,7 @@ class Row:
     tokens_per_s_max: float = 0.0
     accept_rate: float = 0.0
     accept_length: float = 0.0
+    coupled_share: float = 0.0  # share of the output tokens that were accepted coupled drafts (--coupled-sampling)
 
 
 def speed_model_dir(shape: str) -> str:
@@ -121,8 +122,9 @@ def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]],
 
 
 def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch_size: int,
-                seed: int, keep_history: bool = False) -> tuple[Row, Timeline]:
-    """One rollout of `prompts`, timed; `keep_history`: the drafter keeps earlier rollouts' samples."""
+                seed: int, keep_history: bool = False) -> tuple[Row, Timeline, list[list[list[int]]]]:
+    """One rollout of `prompts`, timed; `keep_history`: the drafter keeps earlier rollouts' samples.
+    Returns its row, its timeline and the samples' tokens (per prompt, per sample)."""
     from rollout.config import SamplingParams
 
     params = [
@@ -158,8 +160,9 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         draft_steps=st["rollout/draft_steps"], tail_s=ends[-1] - ends[int(0.9 * (len(ends) - 1))],
         indexed=found / total if total else 0.0, gc_ms=gc_time.seconds * 1e3,
         accept_rate=st["rollout/spec_accept_rate"], accept_length=st["rollout/spec_accept_length"],
+        coupled_share=st.get("rollout/spec_accepted_tokens/coupled", 0) / tokens if tokens else 0.0,
     )
-    return row, timeline
+    return row, timeline, [[s.output_ids for s in r.sequences] for r in reqs]
 
 
 class GcTimer:
@@ -239,8 +242,8 @@ def _sync(device: torch.device) -> None:
 
 def markdown(rows: list[Row]) -> str:
     head = ("| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | tail s | steps | step ms "
-            "| draft steps | indexed | gc ms | accept rate | accept len |")
-    lines = [head, "|" + "---|" * 17]
+            "| draft steps | indexed | gc ms | accept rate | accept len | coupled |")
+    lines = [head, "|" + "---|" * 18]
     off = {(r.batch_size, r.temperature): r for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
         base = off.get((r.batch_size, r.temperature)) if r.system == "rollout" else None
@@ -252,7 +255,8 @@ def markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens:.0f} | "
             f"{r.wall_s:.2f} | {speed} | {ratio} | {tail} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
-            f"{r.draft_steps:.0f} | {r.indexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} |"
+            f"{r.draft_steps:.0f} | {r.indexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} | "
+            f"{r.coupled_share:.0%} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -335,7 +339,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.output_len = args.output_len or (2048 if rl else 128)
     rows: list[Row] = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    tokenizer = None
     runs: list[Row] = []
     timelines: list[Timeline] = []
     modes = args.spec_modes.split(",")
@@ -349,33 +352,44 @@ def cmd_bench(args: argparse.Namespace) -> None:
             config.kv_cache_memory_fraction = pool_share()
         engines[spec] = Engine(config=config)
     freeze_heap()  # as the server's engine process does
+    trainer = EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples) if args.epoch_update else None
     for r in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
         # Each round draws its own samples (every mode the same seeds in it): on the GPU the modes'
         # samples part ways (a verify step's bf16 logits are not a decode step's), and a
         # rollout's wall time can hang on its longest sample (rl at T=0.7: spec off's ran to
         # the 2,048-token limit), so rounds of one seed would repeat one draw, not sample them.
         seed = args.seed + 20_000 * r
-        for spec in modes:
-            args.spec = spec
-            engine = engines[spec]
-            tokenizer = engine.tokenizer
-            for args.temperature in temperatures:
-                for b in batch_sizes:
-                    prompts, n = workload_prompts(args, tokenizer, b)
-                    # warm-up (other seeds): compile kernels, capture this size's graphs; with --keep-history it
-                    # is also the previous epoch whose samples the drafter remembers (and the only one)
-                    run_rollout(engine, args, prompts, n, spec, b, seed=seed + 10_000)
-                    row, timeline = run_rollout(engine, args, prompts, n, spec, b, seed=seed, keep_history=args.keep_history)
+        # the warm-up (other seeds; coupled: the same) compiles kernels and captures this size's graphs;
+        # with --keep-history it is also the previous epoch whose samples the drafter remembers
+        warm_seed = seed if args.coupled_sampling else seed + 10_000
+        for args.temperature in temperatures:
+            for b in batch_sizes:
+                prompts, n = workload_prompts(args, engines[modes[0]].tokenizer, b)
+                first_epoch = {}
+                for spec in modes:
+                    if trainer is not None:
+                        trainer.restore(engines[spec])
+                    first_epoch[spec] = run_rollout(engines[spec], args, prompts, n, spec, b, seed=warm_seed)[2]
+                if trainer is not None:  # a trainer's step on the first epoch's samples, pushed to every mode
+                    update = trainer.step(prompts, first_epoch[modes[0]])
+                    for spec in modes:
+                        engines[spec].update_weights(update)
+                for spec in modes:
+                    args.spec = spec
+                    row, timeline, _ = run_rollout(engines[spec], args, prompts, n, spec, b, seed=seed,
+                                                   keep_history=args.keep_history)
                     runs.append(row)
                     timelines.append(timeline)
                     print(markdown(runs[-1:]).splitlines()[-1], flush=True)
                     budget_keys = ("rollout/spec_accept_estimate", "rollout/spec_accept_slowest", "rollout/spec_cost",
-                                   "rollout/spec_draft_rows", "rollout/spec_head")
-                    spec_stats = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in engine.stats().items()
+                                   "rollout/spec_draft_rows", "rollout/spec_head", "rollout/spec_accept_rate/")
+                    spec_stats = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in engines[spec].stats().items()
                                   if k.startswith(budget_keys)}
                     if spec_stats:
                         print(f"  budget: {spec_stats}", flush=True)
-    del engine, engines
+    tokenizer = engines[modes[0]].tokenizer
+    engine = None
+    del engine, engines, trainer
     thaw_heap()  # the engines hold reference cycles: free their KV pools before HF's model loads
     rows += median_rows(runs)
     if args.baseline_hf:
@@ -407,6 +421,47 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(f"\n{table}\nwrote {out_dir / name}.{{json,md,png}}")
 
 
+class EpochUpdate:
+    """A trainer between two epochs of `rl --keep-history`: one policy-gradient step (REINFORCE, the
+    group-normalised advantage of a reward that prefers shorter samples) with AdamW at `lr` on the
+    first epoch's samples, in fp32 on the engine's device; the result goes to the engines in their
+    dtype (bf16 on the GPU, as a trainer pushes it). Each round starts from the model's own weights."""
+
+    def __init__(self, engine, lr: float, samples: int):
+        from transformers import AutoModelForCausalLM
+
+        self.lr, self.samples = lr, samples
+        self.dtype = engine.dtype
+        self.model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).to(engine.device)
+        self.base = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+
+    def restore(self, engine) -> None:
+        """Both the trainer and `engine` back to the model's own weights."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(self.base[name])
+        engine.update_weights((n, t.to(self.dtype)) for n, t in self.base.items())
+
+    def step(self, prompts: list[list[int]], samples: list[list[list[int]]]) -> list[tuple[str, torch.Tensor]]:
+        device = next(self.model.parameters()).device
+        pairs = [(p, s) for p, group in zip(prompts, samples) for s in group][: self.samples]
+        n = len(samples[0])
+        lengths = torch.tensor([len(s) for _, s in pairs], dtype=torch.float32)
+        reward = -lengths.view(-1, n) if len(pairs) % n == 0 else -lengths.view(1, -1)
+        adv = ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-4)).flatten()
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
+        tokens = max(1, int(lengths.sum()))
+        for (prompt, sample), a in zip(pairs, adv.tolist()):
+            if not sample:
+                continue
+            ids = torch.tensor([prompt + sample], device=device)
+            logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt) :, None]).sum()
+            (-a * lp / tokens).backward()
+        optimizer.step()
+        return [(name, p.detach().to(self.dtype)) for name, p in self.model.named_parameters()]
+
+
 def _device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -431,6 +486,11 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--baseline-hf", action="store_true", help="also run HF transformers generate on the same prompts")
     b.add_argument("--keep-history", action="store_true",
                    help="let the n-gram drafter keep earlier runs' outputs (an RL epoch re-sampling the same prompts)")
+    b.add_argument("--epoch-update", type=float, default=0.0, metavar="LR",
+                   help="between the epochs (with --keep-history), a trainer's policy-gradient step with AdamW at this "
+                        "learning rate on the first epoch's samples, pushed to every mode's engine in its dtype")
+    b.add_argument("--epoch-update-samples", type=int, default=64,
+                   help="the first epoch's samples that step trains on (the first prompts' groups)")
     b.add_argument("--repeats", type=int, default=1,
                    help="rounds over the spec modes; the table reports medians and the tok/s spread")
     b.add_argument("--out", default="bench/results")
