@@ -6,16 +6,16 @@ of z. In torch that is some ten passes over the [rows, vocab] float32 logits. He
 
 1. `_chunk_kernel`, one program per (row, chunk of `CHUNK` columns): the chunk's maximum of
    z = logits / temperature, the first column holding it, sum(exp(z - max)), and for a sampled
-   row the chunk's best z + G and the first column holding it (the noise hashed in registers,
-   as the reference's `gumbel_scores`).
+   row the chunk's best score (z + G, in base 2) and the first column holding it (the noise
+   hashed in registers, as the reference's `gumbel_scores`).
 2. `_pick_kernel`, one program per row: combines the chunks into the row's maximum and
    normalizer; a greedy row takes the first maximal column, a sampled row the first column of
    the best score. The logprob is z[token] - max - log(total), as log-softmax gives it.
 
 So the logits are read once, and a row's work is spread over its chunks, which keeps a batch of
 one from being one program's serial loop. The noise is the reference's to the last bit but for
-`log`, whose CUDA and Triton versions may differ in the last place: two tokens whose scores
-meet within that can swap, a chance of about 1e-7 per draw. Truncation (top-k, top-p, min-p)
+`log2`, which here is the hardware's approximation (2^-22 relative): two tokens whose scores
+meet within that can swap, a chance of about 1e-6 per draw. Truncation (top-k, top-p, min-p)
 needs a sort and stays in torch, and a step with any truncated row draws all its rows there.
 """
 
@@ -83,13 +83,21 @@ if triton is not None:
         return temp, tl.where(temp > 0, temp, 1.0)
 
     @triton.jit
+    def _log2(x):
+        """log2 by the hardware's approximation (MUFU.LG2, ~2^-22 relative): one instruction, where
+        libdevice's accurate logf costs about twenty and the noise needs two a vocabulary entry."""
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
     def _exponential(h):
-        """-log(u), u = (h + 0.5) / 2^32, for h uint32: `rollout.engine.sampler.exponentials`."""
+        """-log2(u), u = (h + 0.5) / 2^32, for h uint32: `rollout.engine.sampler.exponentials`."""
+        low = h < tl.full([], 0x80000000, tl.uint32)
         u = (h.to(tl.float32) + 0.5) * 2.3283064365386963e-10
         v = ((tl.full([], 0xFFFFFFFF, tl.uint32) - h).to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 1 - u
-        w = 1.0 - v
-        near_one = tl.where(w == 1.0, v, -tl.log(w) * v / (1.0 - w))
-        return tl.where(h < tl.full([], 0x80000000, tl.uint32), -tl.log(u), near_one)
+        e = -_log2(tl.where(low, u, 1.0 - v))
+        series = v * (1.0 + v * (0.5 + v * 0.3333333432674408)) * 1.4426950408889634  # (float32 constants, as the reference's)
+        return tl.where(low | (v >= 0.00390625), e, series)
 
     @triton.jit
     def _chunk_kernel(logits_ptr, temp_ptr, key_ptr, pos_ptr, partial_ptr, stride, vocab, plane,
@@ -111,8 +119,8 @@ if triton is not None:
             if temp > 0:
                 position = tl.load(pos_ptr + row).to(tl.uint32)  # the low 32 bits, as `& MASK32`
                 h = _mix32(_mix32(tl.load(key_ptr + row).to(tl.uint32) ^ _mix32(position)) ^ tl.full([], 0x9E3779B9, tl.uint32))
-                noise = _exponential(_mix32(h ^ _mix32(cols.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32))))
-                score = tl.where(cols < vocab, z - tl.log(noise), float("-inf"))
+                noise = _exponential(_mix32(h ^ (cols.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32))))
+                score = tl.where(cols < vocab, z * 1.4426950408889634 - _log2(noise), float("-inf"))
                 best = tl.max(score, 0)
                 tl.store(out + 3 * plane, best)
                 tl.store(out + 4 * plane, tl.min(tl.where(score == best, cols, vocab), 0).to(tl.float32))

@@ -57,26 +57,33 @@ def row_hashes(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def token_hashes(rows: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[L, V] 32-bit hashes (in int64) of each row's hash and each token id."""
+    """[L, V] 32-bit hashes (in int64) of each row's hash and each token id (a Weyl step apart)."""
     tokens = torch.arange(vocab, dtype=torch.int64, device=rows.device)
-    return mix32(rows[:, None] ^ mix32(tokens * 0x9E3779B1 & MASK32))
+    return mix32(rows[:, None] ^ (tokens * 0x9E3779B1 & MASK32))
+
+
+SMALL = 2.0**-8  # below this, -log(1 - v) is its series v + v^2/2 + v^3/3 (error under v^4 / 4)
+LOG2E = 1.4426950408889634
 
 
 def exponentials(h: torch.Tensor) -> torch.Tensor:
-    """-log(u) for u = (h + 0.5) / 2^32, float32 and accurate at both ends: for u near 1 through
-    v = 1 - u (from the integer, so exact in float) as -log1p(-v), written with Kahan's
-    log(w) * v / (1 - w), w = 1 - v, which the kernel computes the same way. The smallest values
-    decide the argmaxes; a float u rounded to 1 would make them 0. Gumbel noise is -log of these."""
+    """-log2(u) for u = (h + 0.5) / 2^32 (an exponential draw, in base 2), float32 and accurate at
+    both ends: for u near 1 through v = 1 - u (from the integer, so exact in float), as
+    -log2(1 - v) or, for small v, its series. The smallest values decide the argmaxes; a float u
+    rounded to 1 would make them 0. One log a value, as the kernel computes it."""
+    low = h < 2**31
     u = (h.float() + 0.5) * 2.0**-32
     v = ((MASK32 - h).float() + 0.5) * 2.0**-32  # 1 - u
-    w = 1.0 - v
-    near_one = torch.where(w == 1.0, v, -torch.log(w) * v / (1.0 - w))
-    return torch.where(h < 2**31, -torch.log(u), near_one)
+    e = -torch.log2(torch.where(low, u, 1.0 - v))
+    series = v * (1.0 + v * (0.5 + v * (1.0 / 3.0))) * LOG2E
+    return torch.where(low | (v >= SMALL), e, series)
 
 
 def gumbel_scores(z: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """z + Gumbel noise [L, V] float32 for z [L, V] float32 (processed logits / T, -inf where truncated)."""
-    return z - torch.log(exponentials(token_hashes(row_hashes(keys, positions), z.shape[-1])))
+    """(z + Gumbel noise) * log2(e), up to a constant, [L, V] float32 for z [L, V] float32 (processed
+    logits / T, -inf where truncated): z log2(e) - log2(E) for E the exponential draws, in base 2
+    throughout (one fast hardware log2 each in the kernel)."""
+    return z * LOG2E - torch.log2(exponentials(token_hashes(row_hashes(keys, positions), z.shape[-1])))
 
 
 @dataclass

@@ -73,6 +73,8 @@ class Row:
     accept_rate: float = 0.0
     accept_length: float = 0.0
     coupled_share: float = 0.0  # share of the output tokens that were accepted coupled drafts (--coupled-sampling)
+    prefix_share: float = 0.0  # --keep-history: share of the output tokens in the prefix each sample shares with
+    prefix_median: float = 0.0  # its sample of the epoch before (same prompt and index), and that prefix's median length
 
 
 def speed_model_dir(shape: str) -> str:
@@ -242,8 +244,8 @@ def _sync(device: torch.device) -> None:
 
 def markdown(rows: list[Row]) -> str:
     head = ("| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | tail s | steps | step ms "
-            "| draft steps | indexed | gc ms | accept rate | accept len | coupled |")
-    lines = [head, "|" + "---|" * 18]
+            "| draft steps | indexed | gc ms | accept rate | accept len | coupled | shared prefix |")
+    lines = [head, "|" + "---|" * 19]
     off = {(r.batch_size, r.temperature): r for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
         base = off.get((r.batch_size, r.temperature)) if r.system == "rollout" else None
@@ -256,7 +258,7 @@ def markdown(rows: list[Row]) -> str:
             f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens:.0f} | "
             f"{r.wall_s:.2f} | {speed} | {ratio} | {tail} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
             f"{r.draft_steps:.0f} | {r.indexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} | "
-            f"{r.coupled_share:.0%} |"
+            f"{r.coupled_share:.0%} | {r.prefix_share:.0%} (median {r.prefix_median:.0f}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -376,8 +378,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
                         engines[spec].update_weights(update)
                 for spec in modes:
                     args.spec = spec
-                    row, timeline, _ = run_rollout(engines[spec], args, prompts, n, spec, b, seed=seed,
-                                                   keep_history=args.keep_history)
+                    row, timeline, samples = run_rollout(engines[spec], args, prompts, n, spec, b, seed=seed,
+                                                         keep_history=args.keep_history)
+                    if args.keep_history:  # where each sample parted from its sample of the epoch before
+                        shared = [_common_prefix(a, b_) for g, h in zip(samples, first_epoch[spec]) for a, b_ in zip(g, h)]
+                        row.prefix_share = sum(shared) / max(1, row.output_tokens)
+                        row.prefix_median = statistics.median(shared)
                     runs.append(row)
                     timelines.append(timeline)
                     print(markdown(runs[-1:]).splitlines()[-1], flush=True)
@@ -419,6 +425,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.workload == "rl":
         plot_timelines(timelines, out_dir / f"{name}-timeline.png", f"rl, {batch_sizes[-1]} sequences, on {meta['device']}")
     print(f"\n{table}\nwrote {out_dir / name}.{{json,md,png}}")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k
 
 
 class EpochUpdate:
