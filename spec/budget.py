@@ -119,8 +119,10 @@ class DraftBudget:
             self._levels[b] = sorted((i, c) for c, i in rows.items())
         return self._levels[b]
 
-    def plan(self, num_seqs: int, free_slots: int, draining: bool = False) -> StepPlan:
-        """`draining`: nothing waits to be admitted, so the batch ends with its slowest sequences."""
+    def plan(self, num_seqs: int, free_slots: int, draining: bool = False, sure: float = 0.0) -> StepPlan:
+        """`draining`: nothing waits to be admitted, so the batch ends with its slowest sequences.
+        `sure`: drafts the batch holds that will be accepted with little doubt (coupled chains),
+        ranked above the rest: whatever the estimates, a step of C rows accepts min(C, sure) of them."""
         self._steps += 1
         shadow = self._steps % SHADOW_EVERY == 0
         b = bucket(num_seqs)
@@ -133,6 +135,8 @@ class DraftBudget:
             acc = self.accepted_at(b)
             if draining and self.slowest is not None:
                 acc = np.minimum(acc, self.slowest)
+            if sure:
+                acc = np.maximum(acc, [min(rows_at(f, b, self.depth), sure) / num_seqs for f in FRACTIONS])
 
             def value(i: int, c: int) -> float:  # tokens per second, per sequence
                 seen = self._added.get((b, c), ())

@@ -8,6 +8,7 @@
     spec.head_for_prefill(new_prompts)           whether a prefill step runs the draft head
     spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
     spec.observe_index(misses)                   a hybrid's drafting step: sequences the index had nothing for
+    spec.observe_coupled(k)                      a drafting step: sequences that follow their earlier rollout
     spec.observe_head_step(...)                  a step the draft head ran in: its time, its tokens (HeadCycle)
     spec.stats()
 
@@ -36,6 +37,7 @@ from spec.index import NgramIndex
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
 CANDIDATES = 8  # continuations a tree is built from (the most recent of the longest matches)
 SCORED = 128  # trees scored per evaluation at most, spread over the batch (each costs the host a list slice)
+COUPLED_ACCEPT = 0.9  # the share of coupled drafts the budget counts on being accepted
 
 
 @dataclass(eq=False)
@@ -67,6 +69,7 @@ class Speculator:
         self.draft = (DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan, coupled)
                       if ngram else None)
         self._index_misses = 1  # a hybrid: sequences the index had nothing for in its last drafting step (none seen yet)
+        self._coupled = 0  # sequences that followed their earlier rollout in the last drafting step
         self._waiting: deque[_Trees] = deque()
         self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified
 
@@ -95,6 +98,9 @@ class Speculator:
 
     def observe_index(self, misses: int) -> None:
         self._index_misses = misses
+
+    def observe_coupled(self, followed: int) -> None:
+        self._coupled = followed
 
     @property
     def step_kinds(self) -> list[tuple[bool, HeadWork]]:
@@ -132,7 +138,13 @@ class Speculator:
         """`draining`: no request waits to be admitted (spec/budget.py)."""
         if not self.enabled:
             return StepPlan(0, False, False)
-        plan = self.budget.plan(num_seqs, free_slots, draining)
+        # Sequences that follow their earlier rollout under coupled sampling (as of the last drafting
+        # step) draft its next tokens, accepted 0.87-0.99 of the time on the GPU (bench/RESULTS.md);
+        # their chains' keys rank above every n-gram draft, so a step's rows go to them first. The
+        # budget weighs them at COUPLED_ACCEPT, against its measured costs, rather than wait for its
+        # estimates, which learn too slowly for them (per-sequence rates move a tenth of the way
+        # every 8 steps, and the drain caps them at the slowest tenth's).
+        plan = self.budget.plan(num_seqs, free_slots, draining, sure=self._coupled * self.depth * COUPLED_ACCEPT)
         self._steps += 1
         self._rows += plan.draft_rows
         if self.drafts_ahead:

@@ -389,6 +389,8 @@ class Engine:
                 self.spec.observe_head_step(len(seqs), step.head == HeadWork.CHAIN, cost, tokens, head_tokens)
             if emitted.index_misses is not None:
                 self.spec.observe_index(emitted.index_misses)
+            if emitted.coupled is not None:
+                self.spec.observe_coupled(emitted.coupled)
 
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between

@@ -406,7 +406,9 @@ class ModelRunner:
         misses = None
         if self.eagle is not None and self.draft is not None and step.drafting:  # a hybrid: trees the index left to the head
             misses = int((codes == Source.HEAD).sum())
-        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses)
+        coupled = int((codes == Source.COUPLED).sum()) if step.drafting and self.draft is not None and self.draft.coupled else None
+        return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses,
+                       coupled=coupled)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -83,6 +83,7 @@ class Emitted:
     sources: list[str] | None = None  # each sequence's drafter (decode and verify steps)
     top: list[list[tuple[list[int], list[float]]]] | None = None  # per token: the most likely tokens and their logprobs
     index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
+    coupled: int | None = None  # a drafting step: sequences that followed their earlier rollout (Source.COUPLED)
 
 
 class Source(IntEnum):
