@@ -20,11 +20,10 @@ venv: $(STAMP)
 # The main job: a GRPO-style rollout of the default model with speculation (its n-gram index and
 # draft head) and coupled sampling, one weight push, the same prompts rolled out again under the
 # pushed weights (drafting from the first rollout's samples), that rollout also on a spec-off
-# server, and a table of accept rates and tokens/s (CPU, or the GPU if any). The adaptive budget
-# trusts drafts only after tens of steps, longer than these rollouts: it verifies what fits.
+# server, and a table of accept rates and tokens/s (CPU, or the GPU if any).
 demo: $(STAMP)
 	$(BIN)/python recipes/grpo.py --steps 1 --final-rollout --prompts 4 --n 8 --max-new-tokens 96 --dataset-size 4 \
-		--coupled-sampling --compare-spec-off --spec-no-adaptive
+		--coupled-sampling --compare-spec-off
 
 test: $(STAMP)
 	WANDB_MODE=offline $(BIN)/python -m pytest -q
