@@ -305,7 +305,7 @@ def figure(records: list[StepRecord]):
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 5.5), sharex=True)
     top.plot(steps, [r.reward for r in records], marker="o", label="mean reward")
     top.set_ylabel("mean reward")
-    bottom.plot(steps, [r.rollout_s for r in records], marker="o", color="tab:green", label="rollout seconds")
+    bottom.plot(steps, [r.rollout_s for r in records], marker="o", color="black", label="rollout seconds")
     bottom.set_ylabel("rollout seconds")
     rates = bottom.twinx()
     sources = sorted({k.rsplit("/", 1)[1] for r in records for k in r.spec if k.startswith("rollout/spec_accept_rate/")})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import requests
 import torch
 
 from rollout import Engine, SamplingParams
@@ -66,3 +67,17 @@ def test_an_explicit_seed_overrides_the_prompts_and_uncoupled_requests_draw_afre
     uncoupled = Engine(model=str(model_dir), spec="off", device="cpu")
     assert rollout(uncoupled, batch)[0] != rollout(uncoupled, batch)[0]
     assert rollout(uncoupled, batch, seeded)[0] == explicit  # an explicit seed draws the same in any engine
+
+
+def test_the_server_reports_coupled_drafts_by_source_in_meta_info_and_metrics(model_dir):
+    from server_process import running_server
+
+    body = {"input_ids": [5, 9, 13, 17], "sampling_params": {"n": 4, "max_new_tokens": 24, "ignore_eos": True}}
+    with running_server(str(model_dir), "--spec", "ngram", "--coupled-sampling", "--spec-no-adaptive") as server:
+        first = requests.post(server.url + "/generate", json=body, timeout=60).json()
+        second = requests.post(server.url + "/generate", json=body, timeout=60).json()
+        metrics = requests.get(server.url + "/metrics", timeout=30).text
+    assert [o["output_ids"] for o in second] == [o["output_ids"] for o in first]
+    by_source = second[0]["meta_info"]["spec_by_source"]
+    assert by_source["coupled"]["accepted_tokens"] == by_source["coupled"]["draft_tokens"] > 0
+    assert 'rollout_spec_draft_tokens_by_source{source="coupled"}' in metrics

@@ -51,3 +51,16 @@ def test_under_500_concurrent_requests_health_and_loads_answer_within_a_second(s
     slow = [p for p in probes if p[1] != 200 or p[2] > 1.0]
     assert len(probes) > 40 and not slow, slow
     assert stats(server)["rollout/kv_usage"] == 0
+
+
+@pytest.mark.parametrize("spec", ["off", "ngram", "auto"])
+def test_after_kv_exhaustion_an_idle_default_server_holds_no_kv_and_releases_its_memory(default_model_dir, spec):
+    with running_server("default", "--spec", spec, "--kv-cache-tokens", "480", "--max-running-seqs", "16") as server:
+        body = {"text": ["2+2=", "3+5=", "7*6=", "9-4="], "sampling_params": {
+            "n": 4, "temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True}}
+        assert requests.post(server.url + "/generate", json=body, timeout=300).status_code == 200
+        after = stats(server)
+        assert after["rollout/num_preempted"] > 0  # the pool ran dry on the way
+        assert after["rollout/kv_usage"] == 0 and after["rollout/num_running"] == 0
+        assert requests.post(server.url + "/release_memory_occupation", json={}, timeout=60).status_code == 200
+        assert requests.post(server.url + "/resume_memory_occupation", json={}, timeout=60).status_code == 200

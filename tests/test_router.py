@@ -84,3 +84,27 @@ def test_a_model_the_server_does_not_serve_is_a_404_naming_the_served_one(server
         r = requests.post(server.url + path, json={**body, "model": "gpt-4o-does-not-exist", "max_tokens": 2}, timeout=30)
         assert r.status_code == 404 and "'tiny'" in r.json()["error"]["message"], r.text
         assert requests.post(server.url + path, json={**body, "model": "tiny", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_one_push_to_the_routers_url_reaches_every_replica(replicas, chat_model_dir, method):
+    """WeightPusher given the router's URL pushes to its workers (GET /workers): both replicas serve
+    the pushed weights under one version, and answer alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync import WeightPusher
+
+    model = AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32)
+    greedy = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    before = [requests.post(r.url + "/generate", json=greedy, timeout=60).json()["output_ids"] for r in replicas]
+    with launched_router([r.url for r in replicas], "round_robin") as router:
+        version = str(int(requests.get(replicas[0].url + "/get_weight_version", timeout=10).json()["weight_version"]) + 1)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(-1.5 if method == "distributed" else 3.0)  # each push changes what they answer
+        with WeightPusher(router.url, method=method) as pusher:
+            assert len(pusher.transports) == 2
+            pusher.push(model.named_parameters(), version=version)
+    after = [requests.post(r.url + "/generate", json=greedy, timeout=60).json() for r in replicas]
+    assert after[0]["output_ids"] == after[1]["output_ids"] != before[0] == before[1]
+    assert all(a["meta_info"]["weight_version"] == version for a in after)

@@ -13,11 +13,13 @@ Methods:
   rendezvous running side by side) and remade after any failure. Each push's HTTP call
   runs in a thread while this thread broadcasts the buckets; a bucket is packed while the
   previous one is on the wire. Several engine URLs share one group (ranks 1..n).
-- `disk`: safetensors into a directory the engine can read (`disk_dir`; default /dev/shm
+- `disk`: safetensors into a directory the engines can read (`disk_dir`; default /dev/shm
   when it has room, else the temp directory), then
-  `/update_weights_from_disk`; the files are removed once the engine answers.
-- `ipc`: CUDA IPC handles of packed GPU buffers to an engine on the same GPU
-  (`/update_weights_from_tensor`); the buffers stay alive until the engine has copied them.
+  `/update_weights_from_disk` to each; the files are removed once the engines answer.
+- `ipc`: CUDA IPC handles of packed GPU buffers to engines on the same GPU
+  (`/update_weights_from_tensor`); the buffers stay alive until the engines have copied them.
+
+A URL may be an SGLang router's (`sglang-router`): its workers (GET /workers) take the push.
   Costs one extra copy of the pushed weights in GPU memory for the push's duration
   (`bucket_bytes=0` shares each tensor as is, when already contiguous in the sent dtype).
 
@@ -122,7 +124,7 @@ class WeightPusher:
         rename: Callable[[str], str] | None = strip_wrapper_prefixes,
         transports: list | None = None,
     ):
-        """`url`: one engine or a list (distributed only). `dtype`: cast floating tensors before sending
+        """`url`: one engine, a list, or a router (its workers). `dtype`: cast floating tensors before sending
         (e.g. torch.bfloat16 for an engine serving bf16 from fp32 master weights; None keeps them).
         `bucket_bytes`: tensors packed per broadcast / IPC handle; 0 sends each tensor as is.
         Default: 128 MiB for NCCL (few large collectives), 0 for gloo (packing would be one more
@@ -136,9 +138,7 @@ class WeightPusher:
             urls = [url] if isinstance(url, str) else list(url or [])
             if not urls:
                 raise ValueError("give the engine URL(s), e.g. WeightPusher('http://127.0.0.1:30000')")
-            transports = [HttpTransport(u, admin_key) for u in urls]
-        if method != "distributed" and len(transports) != 1:
-            raise ValueError(f"method {method!r} pushes to one engine; use method='distributed' for several")
+            transports = [HttpTransport(u, admin_key) for u in router_workers(urls, admin_key)]
         self.transports = transports
         self.method = method
         self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -315,7 +315,7 @@ class WeightPusher:
             os.replace(tmp, path / "model.safetensors")
             payload = {"model_path": str(path), "weight_version": common["weight_version"],
                        "flush_cache": common["flush_cache"], "abort_all_requests": common["abort_all_requests"]}
-            return [self.transports[0].post("/update_weights_from_disk", payload, self.timeout_s + 60)]
+            return self._post_all("/update_weights_from_disk", payload)
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -329,11 +329,20 @@ class WeightPusher:
         torch.cuda.current_stream().synchronize()
         payload = {**common, "bucket_bytes": bucket_bytes, "handles": [share_cuda_tensor(b) for b in bufs]}
         try:
-            return [self.transports[0].post("/update_weights_from_tensor", payload, self.timeout_s + 60)]
+            return self._post_all("/update_weights_from_tensor", payload)
         finally:
             del bufs
 
     # ---------------- helpers ----------------
+    def _post_all(self, route: str, payload: dict) -> list[dict]:
+        """One update to every engine at once; the first failure (naming its engine's URL) is raised
+        once all have answered (each engine takes an update whole or keeps its weights)."""
+        futs = [self._pool.submit(tr.post, route, payload, self.timeout_s + 60) for tr in self.transports]
+        responses, error = self._gather(futs)
+        if error is not None:
+            raise error
+        return responses
+
     @staticmethod
     def _gather(futs: list[Future]) -> tuple[list[dict], WeightSyncError | None]:
         responses, error = [], None
@@ -345,6 +354,28 @@ class WeightPusher:
             except Exception as e:  # noqa: BLE001
                 error = error or WeightSyncError(f"{type(e).__name__}: {e}", 500)
         return responses, error
+
+
+def router_workers(urls: list[str], admin_key: str | None = None) -> list[str]:
+    """The engine URLs behind `urls`: an SGLang router's (`sglang-router`, which answers GET /workers
+    with its workers) in its place, any other URL as it is."""
+    import requests
+
+    out = []
+    for url in urls:
+        try:
+            r = requests.get(url.rstrip("/") + "/workers", timeout=10,
+                             headers={"Authorization": f"Bearer {admin_key}"} if admin_key else None)
+            workers = r.json().get("workers") if r.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            workers = None
+        if isinstance(workers, list) and workers and all(isinstance(w, dict) and "url" in w for w in workers):
+            found = [w["url"] for w in workers]
+            log.info("router %s: pushing to its %d workers %s", url, len(found), found)
+            out += found
+        else:
+            out.append(url)
+    return out
 
 
 def _scratch_dir(nbytes: int) -> Path:

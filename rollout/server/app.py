@@ -176,6 +176,8 @@ def meta_info(state: RequestState, i: int, start: int = 0, token_text=None) -> d
         "spec_accept_token_num": spec.get("accepted_tokens", 0),
         "spec_draft_token_num": spec.get("draft_tokens", 0),
         "spec_accept_length": len(s.ids) / verify if verify else 0.0,
+        # by drafter (ngram, coupled, eagle, mtp): {"draft_tokens", "accepted_tokens"}, beyond SGLang's counters
+        "spec_by_source": spec.get("by_source", {}),
     }
     if state.return_logprob:
         text = token_text or (lambda t: None)

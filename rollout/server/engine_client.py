@@ -100,6 +100,7 @@ class EngineClient:
         self.weight_version = "0"  # the engine's, as of its latest message (the label of `_version`)
         self._version = -1  # the engine's integer weight version behind `weight_version`
         self.busy_s = 0.0  # how long the engine loop had been busy with its current work, at its latest beat
+        self._beat_at = 0.0  # time.monotonic() of that beat
         self.load: dict = {}  # the engine's load at its latest beat (rollout.server.protocol Load)
         self.requests: dict[str, RequestState] = {}
         self.dead: str | None = None  # why, while no engine answers
@@ -261,7 +262,7 @@ class EngineClient:
 
     def stuck_for(self) -> float:
         """How long the engine loop has been busy with one step or message, as of now."""
-        return self.busy_s + self.silent_for() if self.busy_s else 0.0
+        return self.busy_s + time.monotonic() - self._beat_at if self.busy_s else 0.0
 
     def _note_version(self, label: str, version: int) -> None:
         """The engine's weight version as a message reports it; never back to an older one (a beat
@@ -393,7 +394,7 @@ class EngineClient:
         kind = msg["type"]
         if kind == protocol.BEAT:
             self._note_version(msg["weight_version"], msg["version"])
-            self.busy_s, self.load = msg["busy_s"], msg["load"]
+            self.busy_s, self.load, self._beat_at = msg["busy_s"], msg["load"], self.last_heard
         elif kind == protocol.READY:
             self.info = msg["info"]
             self._version, self.weight_version = -1, str(self.info["weight_version"])  # (a new process counts anew)
