@@ -440,3 +440,20 @@ def test_the_drafters_history_survives_weight_updates(tiny, tmp_path):
         assert engine.weight_version == 2 and engine.spec.index is index and snapshot() == before
     finally:
         rx.close()
+
+
+def test_checkpoint_headers_have_one_reader_for_the_initial_load_the_engine_and_the_server(tmp_path):
+    """A checkpoint's dtypes read alike wherever it is read: an int tensor is named as what it is,
+    a dtype the model cannot take is refused by name, before anything is read."""
+    from rollout.models.weights import WeightError, checkpoint_specs
+    from weight_sync.receiver import _checkpoint_specs
+
+    save_file({"a": torch.zeros(2, dtype=torch.int32), "b": torch.ones(3, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    assert checkpoint_specs(tmp_path) == [("a", (2,), torch.int32), ("b", (3,), torch.bfloat16)]
+    assert [(s.name, s.dtype) for s in _checkpoint_specs(tmp_path)] == [("a", torch.int32), ("b", torch.bfloat16)]
+    save_file({"c": torch.zeros(2, dtype=torch.float8_e4m3fn)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightError, match="F8_E4M3"):
+        checkpoint_specs(tmp_path)
+    with pytest.raises(WeightSyncError, match="F8_E4M3"):
+        _checkpoint_specs(tmp_path)
