@@ -17,7 +17,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 META_FIELDS = {
     "id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
     "output_token_weight_versions", "spec_verify_ct", "spec_accept_length", "spec_draft_token_num",
-    "spec_accept_token_num",
+    "spec_accept_token_num", "spec_by_source",
 }  # fmt: skip
 PROMPT = [5, 9, 13, 5, 9, 13, 5, 9, 13, 21]
 
