@@ -108,6 +108,20 @@ def test_history_is_bounded_and_drafts_the_next_epoch(model_dir):
     assert stats["rollout/spec_history_rows"] <= 6 and stats["rollout/spec_index_bytes"] > 0
 
 
+def test_coupled_chains_the_budget_can_count_on_are_verified_at_once_while_they_pay_for_their_rows():
+    """Coupled chains (`sure` drafts, ranked first) are weighed as accepted without waiting for the
+    estimates, and still against the measured costs: where a row costs what a step does, none."""
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=512)
+    for _ in range(5):
+        budget.observe_step(16, 0, 0.010)
+    assert budget.plan(16, 10_000, draining=True).draft_rows == 0  # nothing estimated
+    assert budget.plan(16, 10_000, draining=True, sure=16 * 8 * 0.9).draft_rows == 128  # every chain whole
+    for rows in (2, 4, 8, 16, 32, 64, 128):  # measured: a row costs as much as a plain step's sequence, and more
+        for _ in range(5):
+            budget.observe_step(16, rows, 0.010 + rows * 0.002)
+    assert budget.plan(16, 10_000, draining=True, sure=16 * 8 * 0.9).draft_rows == 0
+
+
 def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measured_costs():
     budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=512)
     assert budget.capacities(16) == [0, 2, 4, 8, 16, 32, 64, 128]
