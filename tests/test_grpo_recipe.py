@@ -65,3 +65,16 @@ def test_the_recipes_figure_has_integer_steps_a_legend_clear_of_the_axes_and_nam
     box = legend.get_window_extent(renderer)
     for ax in fig.axes:
         assert not box.overlaps(ax.get_tightbbox(renderer)), "the legend covers an axis or its labels"
+
+
+def test_the_recipe_rolls_out_coupled_and_compares_with_a_spec_off_server(default_model_dir, tmp_path):
+    """--coupled-sampling --dataset-size: the second step meets the first step's prompts, drawn with
+    the same noise, and drafts from them; --compare-spec-off times the same rollout without speculation."""
+    args = grpo.parse_args(["--model", str(default_model_dir), "--steps", "1", "--final-rollout", "--prompts", "2",
+                            "--n", "2", "--max-new-tokens", "12", "--dataset-size", "2", "--device", "cpu",
+                            "--spec", "ngram", "--spec-no-adaptive", "--coupled-sampling", "--compare-spec-off",
+                            "--out", str(tmp_path), "--lr", "1e-6"])
+    first, second = grpo.run(args).records
+    assert first.off_tokens_per_s == 0 < second.off_tokens_per_s  # (the first rollout has nothing to draft from)
+    assert second.spec["rollout/spec_draft_tokens/coupled"] > 0
+    assert second.spec["rollout/spec_accept_rate/coupled"] > 0.5
