@@ -7,9 +7,10 @@ and a token depends only on its own logits and key, not on batch composition, pr
 speculation: with the same seed, spec on and spec off draw the same tokens, and a draft-tree
 node at depth d uses the key of output position p + d. Because every token has its own noise,
 two rollouts of a prompt drawn with the same key under slightly different weights pick the same
-token wherever the weights moved no token's z past another's noisy score (a 0.996 chance per
-token after an lr 1e-6 step, against 0.93 for one shared uniform through the inverse CDF): a
-later rollout's earlier sample is a draft it mostly accepts (`EngineConfig.coupled_sampling`).
+token wherever the weights moved no token's z past another's noisy score, whereas one shared
+uniform through the inverse CDF shifts every token's boundary when any probability moves: a
+later rollout's earlier sample is a draft it can accept (`EngineConfig.coupled_sampling`; how
+long two samples stay aligned on the GPU: bench/RESULTS.md).
 On CUDA, rows without truncation are drawn by the fused kernels of `kernels/sampling.py`; the
 torch code here is their reference and serves everything else.
 """
