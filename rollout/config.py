@@ -266,6 +266,9 @@ class EngineConfig:
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs")
     overlap_schedule: bool = option(True, "launch each decode step before the host has the previous step's tokens")
     pdl: bool = option(True, "use programmatic dependent launch for the Triton kernels on Hopper (process-wide)")
+    dp_size: int = option(1, "engine replicas behind this server, each a process on its own device (data parallelism; "
+                          "a prompt's requests stay on one replica)")
+    base_gpu_id: int = option(0, "the first GPU this server takes: replica i runs on cuda:(base_gpu_id + i)")
     seed: int = option(0, "seeds the samples of requests that give no seed")
     coupled_sampling: bool = option(False, "a request that gives no seed gets one from its prompt's token ids and --seed, "
                                     "so every rollout of a prompt draws sample i with the same noise, and a later "
@@ -285,8 +288,18 @@ class EngineConfig:
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: choose auto, cpu, cuda or cuda:N")
+        if self.dp_size < 1 or self.base_gpu_id < 0:
+            raise ValueError("dp_size must be >= 1 and base_gpu_id >= 0")
+        if self.device.startswith("cuda:") and (self.dp_size > 1 or self.base_gpu_id):
+            raise ValueError(f"device {self.device!r} names one GPU: with dp_size or base_gpu_id give --device cuda (or auto)")
         if self.max_running_seqs < 1 or (self.max_prefill_tokens is not None and self.max_prefill_tokens < 1):
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
+
+    def replica(self, dp_rank: int, cuda: bool) -> "EngineConfig":
+        """The settings of replica `dp_rank`: its own GPU (when `cuda`), one replica's worth."""
+        on_gpu = cuda and self.device in ("auto", "cuda")
+        device = f"cuda:{self.base_gpu_id + dp_rank}" if on_gpu else ("cpu" if self.device == "auto" else self.device)
+        return replace(self, device=device, dp_size=1, base_gpu_id=0)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:

@@ -53,12 +53,14 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0", bos_token="1", eos_token="2")
 
 
-def make_tiny_model(kind: str, path: Path, seed: int = 0, layers: int | None = None):
+def make_tiny_model(kind: str, path: Path, seed: int = 0, layers: int | None = None, intermediate_size: int | None = None):
     """Save a random `kind` model with its tokenizer under `path`; returns the HF model (fp32, eval)."""
     torch.manual_seed(seed)
     config = CONFIGS[kind]()
     if layers is not None:
         config.num_hidden_layers = layers
+    if intermediate_size is not None:
+        config.intermediate_size = intermediate_size
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(path)
     word_tokenizer().save_pretrained(path)

@@ -10,8 +10,12 @@ class WeightSyncError(RuntimeError):
     as sent (bad metadata, unknown names, wrong shapes), 404 for an unknown group, 409 for a
     version that is not above the current one, 504 for a trainer that stopped sending,
     500 for anything else.
+
+    `failed`: from `WeightPusher.push`, the engine URLs that did not take the update (the others
+    did); a pusher made for just those retries them alone.
     """
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, failed: list[str] | None = None):
         super().__init__(message)
         self.status = status
+        self.failed = failed or []

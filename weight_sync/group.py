@@ -6,7 +6,10 @@ NCCL on GPU. Nothing here calls `init_process_group`, so the trainer's own defau
 be dropped and rebuilt as often as needed.
 
 Every wait has a deadline and a cancel check: a trainer that dies or hangs mid-broadcast
-costs at most the timeout, never a stuck engine. NCCL notes: two ranks cannot share one GPU
+costs at most the timeout, never a stuck engine. A trainer that gives up on a push (another
+engine refused it) says so in the store before it aborts, and an engine that cannot reach the
+store any more takes the trainer for gone: either way the engines stop waiting within
+`ABORT_POLL_S`, since a closed gloo pair does not always fail the receive on the other side. NCCL notes: two ranks cannot share one GPU
 (NCCL refuses duplicate devices; a colocated trainer pushes by IPC instead). The watchdog's
 default reaction to a failed collective is to kill the process, so our groups are built with
 TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, keep the process), their
@@ -41,6 +44,7 @@ HANDSHAKE = (0x77_73_79_6E_63, 1)  # "wsync", protocol version
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ENV_LOCK = threading.Lock()
 GLOO_OP_TIMEOUT_S = 60.0
+ABORT_POLL_S = 0.1  # how often a receiving engine asks the store whether the trainer gave up
 _LIVE: "weakref.WeakSet[WeightGroup]" = weakref.WeakSet()
 
 
@@ -56,7 +60,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
 
 class WeightGroup:
-    def __init__(self, name: str, backend: str, pg, store, rank: int, world_size: int, device: torch.device):
+    def __init__(self, name: str, backend: str, pg, store, prefixed, rank: int, world_size: int, device: torch.device):
         self.name = name
         self.backend = backend
         self.rank = rank
@@ -65,6 +69,8 @@ class WeightGroup:
         self.device = device if backend == "nccl" else torch.device("cpu")
         self._pg = pg
         self._store = store  # the trainer's side hosts the store; it must outlive the group
+        self._prefixed = prefixed  # this group's keys in it (`aborted`: the trainer gave up a transfer)
+        self._polled = time.monotonic()
         self._opts = BroadcastOptions()
         self._opts.rootRank = 0
         self._opts.rootTensor = 0
@@ -117,7 +123,7 @@ class WeightGroup:
                 f"as rank {rank} of {world_size} ({backend}): {e}",
                 status=504 if "timeout" in str(e).lower() or "timed out" in str(e).lower() else 500,
             ) from e
-        group = cls(group_name, backend, pg, store, rank, world_size, device)
+        group = cls(group_name, backend, pg, store, prefixed, rank, world_size, device)
         try:
             hello = torch.tensor(HANDSHAKE if rank == 0 else (0, 0), dtype=torch.int64, device=group.device)
             group.broadcast(hello, deadline)
@@ -145,6 +151,9 @@ class WeightGroup:
         while True:
             if cancelled is not None and cancelled():
                 raise WeightSyncError(f"weight-update group {self.name!r} was closed during a transfer", status=500)
+            if self.rank != 0 and time.monotonic() - self._polled > ABORT_POLL_S:
+                self._polled = time.monotonic()
+                self._check_trainer()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WeightSyncError(f"timed out waiting for the trainer on group {self.name!r}", status=504)
@@ -162,16 +171,30 @@ class WeightGroup:
                     continue  # our slice ended, not the peer: check the deadline and cancel flag again
                 raise WeightSyncError(f"broadcast on group {self.name!r} failed (did the trainer stop?): {e}", status=500) from e
 
+    def _check_trainer(self) -> None:
+        try:
+            gave_up = self._prefixed.check(["aborted"])
+        except Exception as e:  # noqa: BLE001 - the store went with the trainer
+            raise WeightSyncError(f"the trainer of group {self.name!r} is gone ({e})", status=500) from e
+        if gave_up:
+            raise WeightSyncError(f"the trainer abandoned the transfer on group {self.name!r}", status=500)
+
     def close(self) -> None:
-        """Abort the group; pending transfers fail on both sides. With gloo this waits for a transfer
-        still in flight to fail or time out (at most min(timeout_s, 60 s); at once when the peer is gone)."""
+        """Abort the group; pending transfers fail on both sides (the engines' within ABORT_POLL_S).
+        With gloo this waits for a transfer still in flight to fail or time out (at most
+        min(timeout_s, 60 s); at once when the peer is gone)."""
         pg, self._pg = self._pg, None
+        if pg is not None and self.rank == 0:
+            try:
+                self._prefixed.set("aborted", "1")
+            except Exception as e:  # noqa: BLE001
+                log.debug("marking group %s aborted: %s", self.name, e)
         if pg is not None:
             try:
                 pg.abort()
             except Exception as e:  # noqa: BLE001
                 log.debug("aborting group %s: %s", self.name, e)
-        self._store = None
+        self._store = self._prefixed = None
 
     @property
     def closed(self) -> bool:

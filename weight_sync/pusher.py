@@ -24,7 +24,11 @@ A URL may be an SGLang router's (`sglang-router`): its workers (GET /workers) ta
   (`bucket_bytes=0` shares each tensor as is, when already contiguous in the sent dtype).
 
 Every push is all or nothing on each engine: it raises `WeightSyncError` with the engine's
-message when an engine rejects or loses the update, and that engine keeps its old weights.
+message when an engine rejects or loses the update, and that engine keeps its old weights; the
+error's `failed` lists the URLs that did (a disk or IPC push still reaches the others; a broadcast
+is one collective, so it reaches none). `WeightPusher(err.failed, ...)` retries those alone, with
+the same version. A server with several ranks (`--dp-size`) joins the group with all of them
+(its /server_info says how many), so one broadcast reaches every replica.
 Parameters that are DTensors (FSDP2) must be gathered first (e.g.
 `torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`)
 and pushed from one rank.
@@ -99,6 +103,17 @@ class HttpTransport:
                 message = message.get("message")
             raise WeightSyncError(f"{route} on {self.url}: {message or r.reason} (HTTP {r.status_code})", status=r.status_code)
         return body
+
+    def ranks(self) -> int:
+        """The ranks this server puts in a trainer's group: one per GPU of each replica (SGLang's
+        /server_info `dp_size` x `tp_size`; 1 for a server that does not say)."""
+        import requests
+
+        try:
+            info = self._session.get(self.url + "/server_info", timeout=30).json()
+            return int(info.get("dp_size") or 1) * int(info.get("tp_size") or 1)
+        except (requests.RequestException, ValueError, TypeError, AttributeError):
+            return 1
 
     def __repr__(self) -> str:
         return self.url
@@ -234,6 +249,7 @@ class WeightPusher:
             self._broadcast(group, specs, tensors, layout, bucket_bytes, futs)
         except WeightSyncError as e:
             sent_error = e
+            self._drop_group()  # now, not after the answers: the engines still receiving see the trainer leave
         responses, server_error = self._gather(futs)
         if server_error is not None or sent_error is not None:
             self._drop_group()  # the next push makes a fresh one
@@ -268,16 +284,18 @@ class WeightPusher:
         device = tensor_device if tensor_device.type == "cuda" else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = resolve_backend(self.backend, device)
         port = self.master_port or _free_port(self.master_address)
-        world = len(self.transports) + 1
+        ranks = [tr.ranks() if hasattr(tr, "ranks") else 1 for tr in self.transports]
+        world = 1 + sum(ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]  # a server of k ranks takes offset .. offset + k - 1
         futs = [
             self._pool.submit(
                 tr.post,
                 "/init_weights_update_group",
-                {"master_address": self.master_address, "master_port": port, "rank_offset": i + 1, "world_size": world,
+                {"master_address": self.master_address, "master_port": port, "rank_offset": offset, "world_size": world,
                  "group_name": self.group_name, "backend": backend},
                 self.timeout_s + 60,
             )
-            for i, tr in enumerate(self.transports)
+            for tr, offset in zip(self.transports, offsets)
         ]
         failed = lambda: any(f.done() and f.exception() is not None for f in futs)  # noqa: E731
         try:
@@ -343,17 +361,23 @@ class WeightPusher:
             raise error
         return responses
 
-    @staticmethod
-    def _gather(futs: list[Future]) -> tuple[list[dict], WeightSyncError | None]:
-        responses, error = [], None
-        for f in futs:
+    def _gather(self, futs: list[Future]) -> tuple[list[dict], WeightSyncError | None]:
+        """The engines' answers (`futs` in the order of `self.transports`) and, if any failed, one
+        error: the first engine's message, the URLs of all that failed in `failed`."""
+        responses, errors = [], []
+        for tr, f in zip(self.transports, futs):
             try:
                 responses.append(f.result())
             except WeightSyncError as e:
-                error = error or e
+                errors.append((str(tr), e))
             except Exception as e:  # noqa: BLE001
-                error = error or WeightSyncError(f"{type(e).__name__}: {e}", 500)
-        return responses, error
+                errors.append((str(tr), WeightSyncError(f"{type(e).__name__}: {e}", 500)))
+        if not errors:
+            return responses, None
+        first = min((e for _, e in errors), key=lambda e: e.status >= 500)  # a refusal before the timeouts it caused
+        failed = [url for url, _ in errors]
+        message = str(first) if len(errors) == 1 else f"{first} (failed on {len(errors)} of {len(futs)}: {', '.join(failed)})"
+        return responses, WeightSyncError(message, first.status, failed)
 
 
 def router_workers(urls: list[str], admin_key: str | None = None) -> list[str]:

@@ -1,8 +1,9 @@
 """`rollout serve`: the HTTP front end (FastAPI + uvicorn) in this process, the engine in another.
 
 A request's path: a route parses and checks the JSON (rollout.server.guard), tokenizes,
-and `Frontend.submit` hands token ids to `EngineClient` (rollout.server.engine_client), which
-ships them to the engine process over ZMQ. Results come back as token ids; the route
+and `Frontend.submit` hands token ids to `Replicas` (rollout.server.replicas), which picks the
+engine replica and its `EngineClient` (rollout.server.engine_client) ships them to that engine
+process over ZMQ. Results come back as token ids; the route
 detokenizes and answers in SGLang's native shape (here) or OpenAI's (rollout.server.openai_routes).
 
 Routes here: /generate, /abort_request, /health, /get_model_info, /get_server_info, /metrics;
@@ -40,6 +41,7 @@ from rollout.server.engine_client import (
     EngineRefused,
     RequestState,
 )
+from rollout.server.replicas import Replicas
 from rollout.server.frontend import (
     DEFAULT_PORT,
     JSON,
@@ -256,22 +258,28 @@ async def abort_request(request: Request) -> Response:
 
 @native.get("/health")
 async def health(request: Request) -> Response:
-    """200 while the engine process is up, has been heard from lately (it beats from a thread of
+    """200 while an engine process is up, has been heard from lately (it beats from a thread of
     its own, during steps too) and is not stuck: no step or message has held its loop for longer
-    than --health-timeout. 503 otherwise. Answered by the front end alone, so it is quick whatever
-    the load."""
+    than --health-timeout. 503 when no replica is so. Answered by the front end alone, so it is
+    quick whatever the load."""
     fe = frontend(request)
-    eng = fe.engine
-    limit = fe.settings.health_timeout
+    clients = fe.engine.clients
+    why = [unhealthy(c, "the engine process" if len(clients) == 1 else f"engine process {c.dp_rank}",
+                     fe.settings.health_timeout) for c in clients]
+    if all(why):
+        return JSON(error_body(503, "; ".join(why) if len(why) > 1 else why[0]), status_code=503)
+    return JSON({"status": "ok", "weight_version": fe.engine.weight_version})
+
+
+def unhealthy(eng: EngineClient, name: str, limit: float) -> str | None:
+    """Why one engine process does not serve now (None: it does)."""
     if not eng.alive:
-        return JSON(error_body(503, eng.dead or "the engine process is not running"), status_code=503)
+        return eng.dead or f"{name} is not running"
     if eng.silent_for() > limit:
-        why = f"the engine process has not answered for {eng.silent_for():.0f} s (--health-timeout)"
-        return JSON(error_body(503, why), status_code=503)
+        return f"{name} has not answered for {eng.silent_for():.0f} s (--health-timeout)"
     if eng.stuck_for() > limit:
-        why = f"the engine loop has been busy with one step for {eng.stuck_for():.0f} s (--health-timeout)"
-        return JSON(error_body(503, why), status_code=503)
-    return JSON({"status": "ok", "weight_version": eng.weight_version})
+        return f"{name}'s loop has been busy with one step for {eng.stuck_for():.0f} s (--health-timeout)"
+    return None
 
 
 @native.get("/health_generate")
@@ -287,34 +295,37 @@ async def health_generate(request: Request) -> Response:
     return JSON({"status": "ok", "weight_version": fe.engine.weight_version})
 
 
-def engine_load(fe: Frontend) -> dict:
-    """The engine's load in SGLang's /v1/loads shape: its numbers as of its latest beat (every
+def engine_loads(fe: Frontend) -> list[dict]:
+    """Each replica's load in SGLang's /v1/loads shape: its numbers as of its latest beat (every
     protocol.HEARTBEAT_S), the requests in flight as the front end counts them. Answered by the
     front end alone, so a router's or trainer's poll never waits on a step."""
-    eng = fe.engine
-    load = eng.load
-    total = len(eng.requests)
-    running = min(total, load.get("num_running_reqs", 0))
-    return {
-        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": total - running, "num_total_reqs": total,
-        "num_used_tokens": load.get("num_used_tokens", 0), "num_waiting_tokens": load.get("num_waiting_tokens", 0),
-        "max_total_num_tokens": eng.info.get("kv_cache_tokens", 0), "token_usage": load.get("token_usage", 0.0),
-        "gen_throughput": load.get("gen_throughput", 0.0),
-    }  # fmt: skip
+    out = []
+    for eng in fe.engine.clients:
+        load = eng.load
+        total = len(eng.requests)
+        running = min(total, load.get("num_running_reqs", 0))
+        out.append({
+            "dp_rank": eng.dp_rank, "num_running_reqs": running, "num_waiting_reqs": total - running,
+            "num_total_reqs": total, "num_used_tokens": load.get("num_used_tokens", 0),
+            "num_waiting_tokens": load.get("num_waiting_tokens", 0),
+            "max_total_num_tokens": eng.info.get("kv_cache_tokens", 0), "token_usage": load.get("token_usage", 0.0),
+            "gen_throughput": load.get("gen_throughput", 0.0),
+        })  # fmt: skip
+    return out
 
 
 @native.get("/v1/loads", dependencies=[Depends(require_api_key)])
 async def loads(request: Request) -> Response:
-    """SGLang's load report (slime polls it until no request is left)."""
-    return JSON({"timestamp": time.time(), "dp_rank_count": 1, "loads": [engine_load(frontend(request))]})
+    """SGLang's load report, one entry per replica (slime polls it until no request is left)."""
+    each = engine_loads(frontend(request))
+    return JSON({"timestamp": time.time(), "dp_rank_count": len(each), "loads": each})
 
 
 @native.get("/get_load", dependencies=[Depends(require_api_key)])
 async def get_load(request: Request) -> Response:
-    """SGLang's load, which sglang-router's power_of_two policy compares: tokens held in the KV cache
+    """SGLang's load, which sglang-router's power_of_two policy compares: tokens held in the KV caches
     or waiting to be prefilled."""
-    load = engine_load(frontend(request))
-    return JSON({"load": load["num_used_tokens"] + load["num_waiting_tokens"]})
+    return JSON({"load": sum(x["num_used_tokens"] + x["num_waiting_tokens"] for x in engine_loads(frontend(request)))})
 
 
 @native.get("/get_model_info", dependencies=[Depends(require_api_key)])
@@ -338,62 +349,70 @@ async def get_model_info(request: Request) -> Response:
 async def get_server_info(request: Request) -> Response:
     fe = frontend(request)
     engine_info = await fe.engine.control("get_server_info", timeout=30)
-    return JSON({**fe.settings.public(), **engine_info, "frontend": fe.engine.counters()})
+    return JSON({"dp_size": 1, "tp_size": 1, **fe.settings.public(), **engine_info, "frontend": fe.engine.counters()})
 
 
 @native.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(request: Request) -> Response:
     fe = frontend(request)
-    stats = {}
-    if fe.engine.alive:
-        try:
-            stats = await fe.engine.control("stats", timeout=10)
-        except (EngineDead, ControlError, asyncio.TimeoutError):
-            pass
+    stats = await fe.engine.stats(timeout=10)
     return PlainTextResponse(render_metrics(stats, fe.engine), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def render_metrics(stats: dict, engine: EngineClient) -> str:
+def render_metrics(stats: list[dict | None], engine: Replicas) -> str:
     """Prometheus text: engine stats as gauges (`rollout/x` -> `rollout_x`, `rollout/x/ngram` ->
-    `rollout_x_by_source{source="ngram"}`), then the front end's counters."""
+    `rollout_x_by_source{source="ngram"}`), then the front end's counters; each with the label
+    `dp_rank` when there are several replicas."""
+    several = len(engine.clients) > 1
     samples: dict[str, list[tuple[str, float]]] = {}
-    for key, value in stats.items():
-        if not isinstance(value, (int, float)):
-            continue
-        parts = key.split("/")
-        labels = f'{{source="{parts[2]}"}}' if len(parts) == 3 else ""
-        name = re.sub(r"[^a-zA-Z0-9_:]", "_", "_".join(parts[:2])) + ("_by_source" if labels else "")
-        samples.setdefault(name, []).append((labels, value))
+    for dp_rank, replica_stats in enumerate(stats):
+        dp = [f'dp_rank="{dp_rank}"'] if several else []
+        for key, value in (replica_stats or {}).items():
+            if not isinstance(value, (int, float)):
+                continue
+            parts = key.split("/")
+            source = [f'source="{parts[2]}"'] if len(parts) == 3 else []
+            name = re.sub(r"[^a-zA-Z0-9_:]", "_", "_".join(parts[:2])) + ("_by_source" if source else "")
+            samples.setdefault(name, []).append((_labels(source + dp), value))
     lines = []
     for name in sorted(samples):
         lines.append(f"# TYPE {name} gauge")
         lines += [f"{name}{labels} {float(v)!r}" for labels, v in samples[name]]
-    c = engine.counters()
     counters = [
-        ("rollout_requests_total", "requests (prompts) received", [("", c["requests_total"])]),
-        ("rollout_prompt_tokens_total", "prompt tokens received", [("", c["prompt_tokens_total"])]),
-        ("rollout_generation_tokens_total", "tokens generated", [("", c["generation_tokens_total"])]),
-        ("rollout_samples_finished_total", "samples finished, by reason",
-         [(f'{{finish_reason="{r}"}}', v) for r, v in sorted(c["samples_finished_total"].items())]),
-        ("rollout_engine_restarts_total", "engine processes started again after one died",
-         [("", c["engine_restarts_total"])]),
-    ]  # fmt: skip
-    for name, help_, values in counters:
+        ("rollout_requests_total", "requests (prompts) received", "requests_total"),
+        ("rollout_prompt_tokens_total", "prompt tokens received", "prompt_tokens_total"),
+        ("rollout_generation_tokens_total", "tokens generated", "generation_tokens_total"),
+        ("rollout_samples_finished_total", "samples finished, by reason", "samples_finished_total"),
+        ("rollout_engine_restarts_total", "engine processes started again after one died", "engine_restarts_total"),
+    ]
+    per_replica = [(c.counters(), [f'dp_rank="{c.dp_rank}"'] if several else []) for c in engine.clients]
+    for name, help_, key in counters:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
-        lines += [f"{name}{labels} {v}" for labels, v in values]
+        for c, dp in per_replica:
+            if key == "samples_finished_total":
+                for reason, v in sorted(c[key].items()):
+                    by_reason = f'finish_reason="{reason}"'
+                    lines.append(f"{name}{_labels([by_reason] + dp)} {v}")
+            else:
+                lines.append(f"{name}{_labels(dp)} {c[key]}")
     gauges = [
-        ("rollout_requests_in_flight", "requests submitted and not finished", c["requests_in_flight"]),
-        ("rollout_queue_depth", "sequences waiting for prefill in the engine", stats.get("rollout/num_waiting", 0)),
-        ("rollout_engine_up", "1 while the engine process is alive", int(engine.alive)),
+        ("rollout_requests_in_flight", "requests submitted and not finished", len(engine.requests)),
+        ("rollout_queue_depth", "sequences waiting for prefill in the engines",
+         sum((r or {}).get("rollout/num_waiting", 0) for r in stats)),
+        ("rollout_engine_up", "engine processes alive", sum(c.alive for c in engine.clients)),
     ]
     for name, help_, v in gauges:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {v}"]
     return "\n".join(lines) + "\n"
 
 
+def _labels(labels: list[str]) -> str:
+    return "{" + ",".join(labels) + "}" if labels else ""
+
+
 # ---------------- the app ----------------
-def create_app(engine: EngineClient, settings: ServerSettings, tokenizer) -> FastAPI:
-    """The ASGI app; its lifespan waits for the engine process (spawning it if needed) and stops it."""
+def create_app(engine: Replicas, settings: ServerSettings, tokenizer) -> FastAPI:
+    """The ASGI app; its lifespan waits for the engine processes (spawning them if needed) and stops them."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -495,8 +514,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                      "routes need --admin-key (or $ROLLOUT_ADMIN_KEY); or serve on 127.0.0.1")
         if settings.api_key is None:
             log.warning("serving on %s without --api-key: anyone who reaches this port can generate", args.host)
-    log.info("starting the engine process for %s", model_path)
-    engine = EngineClient(config, settings.log_level)
+    log.info("starting %s for %s", "the engine process" if config.dp_size == 1 else f"{config.dp_size} engine processes",
+             model_path)
+    engine = Replicas(config, settings.log_level)
     engine.spawn()  # loads the model while this process loads the tokenizer
     try:
         from transformers import AutoTokenizer
@@ -521,7 +541,7 @@ class _StoppingServer(uvicorn.Server):
     """uvicorn's server, which on SIGTERM or Ctrl-C first fails the requests in flight with a JSON 503
     ("the server is shutting down"), so that no client waits out the graceful period for a 500."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient):
+    def __init__(self, config: uvicorn.Config, engine: Replicas):
         super().__init__(config)
         self.engine = engine
 

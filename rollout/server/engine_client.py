@@ -92,8 +92,9 @@ STABLE_S = 60.0  # an engine that lived this long resets the back-off
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, log_level: str = "info", restart: bool = True):
+    def __init__(self, config: EngineConfig, log_level: str = "info", restart: bool = True, dp_rank: int = 0):
         self.config = config
+        self.dp_rank = dp_rank  # (of the server's replicas: rollout.server.replicas)
         self.log_level = log_level
         self.restart = restart
         self.info: dict = {}
@@ -191,7 +192,7 @@ class EngineClient:
             delay = RESTART_BACKOFF_S[min(in_a_row, len(RESTART_BACKOFF_S) - 1)]
             while not self._stopping:
                 self.restarts += 1
-                log.warning("restarting the engine process in %.0f s (restart %d)%s", delay, self.restarts,
+                log.warning("restarting engine process %d in %.0f s (restart %d)%s", self.dp_rank, delay, self.restarts,
                             f", with weights {self._restore['weight_version']} from {self._restore['model_path']}"
                             if self._restore else "")
                 await asyncio.sleep(delay)
@@ -201,10 +202,10 @@ class EngineClient:
                 try:
                     await self._wait_ready(timeout=1800.0)
                 except RuntimeError as e:
-                    log.error("the restarted engine process failed: %s", e)
+                    log.error("restarted engine process %d failed: %s", self.dp_rank, e)
                     delay = RESTART_BACKOFF_S[-1]
                     continue
-                log.info("the engine process is back (pid %d), weight version %s", self.info["engine_pid"],
+                log.info("engine process %d is back (pid %d), weight version %s", self.dp_rank, self.info["engine_pid"],
                          self.weight_version)
                 break
 
@@ -274,7 +275,7 @@ class EngineClient:
         if self.dead is None:
             self.dead = why
             if "shutting down" not in why:
-                log.error("%s; in-flight requests fail and /health answers 503", why)
+                log.error("engine process %d: %s; its in-flight requests fail", self.dp_rank, why)
         err = EngineDead(self.dead)
         for state in self.requests.values():
             _fail(state, err)

@@ -1,7 +1,7 @@
 """The front end's shared core: tokenize, submit to the engine, wait or stream, detokenize.
 
 Both APIs (SGLang's native in rollout.server.app, OpenAI's in rollout.server.openai_routes) sit on
-`Frontend`: `submit` checks lengths and hands token ids to the EngineClient; `wait`
+`Frontend`: `submit` checks lengths and hands token ids to the engine replicas; `wait`
 returns when every request is done (aborting them if the HTTP client hangs up);
 `updates` yields a streaming request's progress with text deltas; `texts` decodes
 finished outputs in one batch.
@@ -24,12 +24,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rollout.config import SamplingParams, request_limit
 from rollout.engine.detokenizer import StreamDetokenizer, trim_at_stop
 from rollout.server.engine_client import (
-    EngineClient,
     EngineDead,
     EngineRefused,
     RequestState,
 )
 from rollout.server.guard import ApiError, check_text, error_body
+from rollout.server.replicas import Replicas
 
 DEFAULT_PORT = 30000
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -87,7 +87,7 @@ class Frontend:
     tokenizer is not safe to share between threads): the event loop stays free to answer
     `/health` and to stream while a large request is being tokenized."""
 
-    def __init__(self, engine: EngineClient, tokenizer, settings: ServerSettings, model_path: str):
+    def __init__(self, engine: Replicas, tokenizer, settings: ServerSettings, model_path: str):
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings

@@ -1,0 +1,207 @@
+"""The engine replicas behind one front end (`--dp-size M`), with a prompt kept on one replica.
+
+`Replicas` is what the routes talk to: `submit`, `abort`, `control` and the state `/health` and
+`/v1/loads` read, over M `EngineClient`s, each the handle on one engine process with its own
+device (replica i on `cuda:(base_gpu_id + i)`). With M = 1 it is one engine and nothing else.
+
+Routing keeps a prompt where its KV prefix, its siblings' n-gram index and its earlier rollouts
+are: all `n` samples of a request are one engine request, and a prompt's later requests go to
+the replica that served it last (first by a hash of its token ids). Only a replica that is down,
+or holds many more samples than the least loaded one (`OVERLOAD_SLACK` of a replica's rows past
+twice its load), sends a prompt elsewhere, and the prompt then stays there.
+
+Control calls go to every replica at once: weight updates arrive at all of them (replica i
+joins a trainer's group at `rank_offset + i`, so one broadcast reaches all), and a call that
+fails on a replica fails with its dp rank named, as soon as that replica answers. A replica
+that dies fails its own requests and is restarted by its client; the others keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+from rollout.config import EngineConfig
+from rollout.server.engine_client import ControlError, EngineClient, EngineDead, RequestState
+
+OVERLOAD_SLACK = 0.5  # of a replica's max_running_seqs: how far past twice the least load a prompt's home may be
+HOMES_KEPT = 1 << 16  # prompts whose replica is remembered (least recently used dropped first)
+PER_RANK = {"init_weights_update_group"}  # ops whose arguments differ by replica
+
+
+class Replicas:
+    def __init__(self, config: EngineConfig, log_level: str = "info", restart: bool = True):
+        import torch
+
+        cuda = torch.cuda.is_available()
+        self.config = config
+        self.clients = [EngineClient(config.replica(i, cuda), log_level, restart, dp_rank=i) for i in range(config.dp_size)]
+        self._owner: dict[str, EngineClient] = {}  # rid in flight -> its replica
+        self._homes: OrderedDict[bytes, int] = OrderedDict()  # prompt digest -> the replica that served it last
+
+    # ---------------- life cycle ----------------
+    def spawn(self) -> None:
+        for c in self.clients:
+            c.spawn()
+
+    async def start(self) -> dict:
+        """Wait until every replica has loaded; returns replica 0's info."""
+        try:
+            await asyncio.gather(*(c.start() for c in self.clients))
+        except BaseException:
+            await self.stop()
+            raise
+        return self.info
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(c.stop() for c in self.clients), return_exceptions=True)
+
+    def shutting_down(self) -> None:
+        for c in self.clients:
+            c.shutting_down()
+
+    def kill_now(self) -> None:
+        for c in self.clients:
+            c.kill_now()
+
+    # ---------------- state ----------------
+    @property
+    def info(self) -> dict:
+        return self.clients[0].info  # (the replicas serve one model with one configuration)
+
+    @property
+    def alive(self) -> bool:
+        return any(c.alive for c in self.clients)
+
+    @property
+    def dead(self) -> str | None:
+        """Why no replica serves (None while one does)."""
+        return None if self.alive else self.clients[0].dead
+
+    @property
+    def weight_version(self) -> str:
+        return next((c.weight_version for c in self.clients if c.alive), self.clients[0].weight_version)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return {rid: c.requests[rid] for rid, c in self._owner.items() if rid in c.requests}
+
+    def counters(self) -> dict:
+        each = [c.counters() for c in self.clients]
+        out = {k: sum(e[k] for e in each) for k in each[0] if k != "samples_finished_total"}
+        out["samples_finished_total"] = {}
+        for e in each:
+            for reason, v in e["samples_finished_total"].items():
+                out["samples_finished_total"][reason] = out["samples_finished_total"].get(reason, 0) + v
+        return out
+
+    def describe(self) -> list[dict]:
+        """Each replica as /server_info lists it."""
+        return [{"dp_rank": c.dp_rank, "alive": c.alive, "device": c.config.device, "engine_pid": c.info.get("engine_pid"),
+                 "weight_version": c.weight_version, "restarts": c.restarts, "error": None if c.alive else c.dead}
+                for c in self.clients]
+
+    # ---------------- requests ----------------
+    def submit(self, rid: str, input_ids: list[int], params: dict, return_logprob: bool,
+               stream: asyncio.Queue | None = None, top_logprobs_num: int = 0) -> RequestState:
+        if rid in self._owner:
+            raise ValueError(f"rid: request id {rid!r} is already in flight")
+        client = self.clients[self.route(input_ids)]
+        state = client.submit(rid, input_ids, params, return_logprob, stream, top_logprobs_num)
+        self._owner[rid] = client
+        state.done.add_done_callback(lambda _: self._owner.pop(rid, None))
+        return state
+
+    def abort(self, rid: str) -> None:
+        client = self._owner.get(rid)
+        if client is not None:
+            client.abort(rid)
+
+    def route(self, input_ids: list[int]) -> int:
+        """The replica for a prompt: where it went last, unless that one is down or overloaded."""
+        if len(self.clients) == 1:
+            return 0
+        alive = [i for i, c in enumerate(self.clients) if c.alive]
+        if not alive:
+            raise EngineDead(self.dead or "no engine replica is running")
+        key = hashlib.blake2b(repr(input_ids).encode(), digest_size=16).digest()
+        home = self._homes.get(key)
+        if home is None:
+            home = int.from_bytes(key[:8], "little") % len(self.clients)
+        samples = [sum(s.n for s in c.requests.values()) for c in self.clients]
+        least = min(alive, key=lambda i: samples[i])
+        slack = OVERLOAD_SLACK * self.info.get("max_running_seqs", self.config.max_running_seqs)
+        if home not in alive or samples[home] > 2 * samples[least] + slack:
+            home = least
+        self._homes[key] = home
+        self._homes.move_to_end(key)
+        if len(self._homes) > HOMES_KEPT:
+            self._homes.popitem(last=False)
+        return home
+
+    # ---------------- control ----------------
+    async def control(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
+        """One control call on every replica at once (abort of one request: on its own replica).
+        Raises the first failure, its dp rank named once there are several, without waiting for
+        the others: a replica that refused a broadcast must not keep the trainer waiting on it."""
+        args = args or {}
+        if len(self.clients) == 1 and op != "get_server_info":
+            return await self.clients[0].control(op, args, timeout)
+        if op == "abort_request" and not args.get("abort_all"):
+            client = self._owner.get(args.get("rid"))
+            return await client.control(op, args, timeout) if client else {"aborted": []}
+        if op in ("get_weight_version", "get_server_info"):
+            client = next((c for c in self.clients if c.alive), self.clients[0])
+            result = await client.control(op, args, timeout)
+            return {**result, "dp_size": len(self.clients), "replicas": self.describe()} if op == "get_server_info" else result
+        calls = {asyncio.ensure_future(c.control(op, self._args_for(op, args, i), timeout)): i
+                 for i, c in enumerate(self.clients)}
+        results: dict[int, Any] = {}
+        pending = set(calls)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for fut in done:
+                    err = fut.exception()
+                    if err is not None:
+                        raise _on_rank(err, calls[fut])
+                    results[calls[fut]] = fut.result()
+        finally:
+            for fut in pending:
+                fut.cancel()
+        return _merge(op, [results[i] for i in range(len(self.clients))])
+
+    @staticmethod
+    def _args_for(op: str, args: dict, dp_rank: int) -> dict:
+        if op in PER_RANK:
+            return {**args, "rank_offset": args["rank_offset"] + dp_rank}
+        return args
+
+    async def stats(self, timeout: float) -> list[dict | None]:
+        """Each replica's engine stats (None for one that is down or did not answer in time)."""
+        async def one(c: EngineClient) -> dict | None:
+            try:
+                return await c.control("stats", timeout=timeout) if c.alive else None
+            except (EngineDead, ControlError, asyncio.TimeoutError):
+                return None
+
+        return list(await asyncio.gather(*(one(c) for c in self.clients)))
+
+
+def _on_rank(err: BaseException, dp_rank: int) -> BaseException:
+    message = f"dp rank {dp_rank}: {err}"
+    if isinstance(err, ControlError):
+        return ControlError(message, err.status)
+    if isinstance(err, EngineDead):
+        return EngineDead(message)
+    return err
+
+
+def _merge(op: str, results: list[Any]) -> Any:
+    """One answer for the replicas' answers: the aborted rids together, replica 0's otherwise (they
+    did the same thing)."""
+    if op == "abort_request":
+        return {"aborted": [rid for r in results for rid in r.get("aborted", [])]}
+    return results[0]

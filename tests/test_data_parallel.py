@@ -1,0 +1,161 @@
+"""`rollout serve --dp-size 2` on the CPU: two engine processes behind one front end, a prompt kept
+on one of them, one weight push for both, one dying while the other serves; and a push to two
+servers of which one refuses it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from server_process import running_server
+from tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from weight_sync import WeightPusher, WeightSyncError
+
+PROMPTS = [[5 + k, 9, 13 + 2 * k, 7, 11 + k] for k in range(16)]
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dp-llama")
+    make_tiny_model("llama", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dp2(tiny):
+    with running_server(str(tiny), "--dp-size", "2", "--max-running-seqs", "32", "--kv-cache-tokens", "4096") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def dp1(tiny):
+    with running_server(str(tiny), "--max-running-seqs", "32", "--kv-cache-tokens", "4096") as server:
+        yield server
+
+
+def perturbed(path, seed: int):
+    """The tiny model with its final norm's scales redrawn: greedy tokens change."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.randn(model.model.norm.weight.shape, generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+def generate(url: str, prompts, params=GREEDY, timeout: float = 120) -> list[dict]:
+    r = requests.post(url + "/generate", json={"input_ids": prompts, "sampling_params": params}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def requests_by_replica(url: str) -> dict[str, int]:
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {rank: int(v) for rank, v in re.findall(r'^rollout_requests_total\{dp_rank="(\d)"\} (\d+)', text, re.M)}
+
+
+def replicas(url: str) -> list[dict]:
+    return requests.get(url + "/server_info", timeout=30).json()["replicas"]
+
+
+def test_dp2_reports_each_replica_and_keeps_a_prompt_on_one(dp2, dp1):
+    info = requests.get(dp2.url + "/server_info", timeout=30).json()
+    assert info["dp_size"] == 2 and [r["dp_rank"] for r in info["replicas"]] == [0, 1]
+    assert len({r["engine_pid"] for r in info["replicas"]}) == 2
+    loads = requests.get(dp2.url + "/v1/loads", timeout=10).json()
+    assert loads["dp_rank_count"] == 2 and [x["dp_rank"] for x in loads["loads"]] == [0, 1]
+
+    before = requests_by_replica(dp2.url)
+    for _ in range(3):  # one prompt, again and again (an RL epoch after another): one replica takes them all
+        generate(dp2.url, PROMPTS[0], {**GREEDY, "n": 4})
+    moved = {rank: requests_by_replica(dp2.url)[rank] - before[rank] for rank in before}
+    assert sorted(moved.values()) == [0, 3], moved
+
+    before = requests_by_replica(dp2.url)
+    out = generate(dp2.url, PROMPTS)
+    spread = {rank: requests_by_replica(dp2.url)[rank] - before[rank] for rank in before}
+    assert min(spread.values()) > 0 and sum(spread.values()) == len(PROMPTS), spread  # both replicas serve
+    assert [s["output_ids"] for s in out] == [s["output_ids"] for s in generate(dp1.url, PROMPTS)]
+
+
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_one_push_changes_both_replicas_as_it_changes_one_server(dp2, dp1, tiny, method):
+    model = perturbed(tiny, seed=1 if method == "distributed" else 2)
+    before = [s["output_ids"] for s in generate(dp2.url, PROMPTS)]
+    version = str(max(int(requests.get(u + "/get_weight_version", timeout=10).json()["weight_version"])
+                      for u in (dp1.url, dp2.url)) + 1)
+    for url in (dp1.url, dp2.url):
+        with WeightPusher(url, method=method) as pusher:
+            pusher.push(model.named_parameters(), version=version)
+    after = generate(dp2.url, PROMPTS)
+    assert [s["output_ids"] for s in after] == [s["output_ids"] for s in generate(dp1.url, PROMPTS)] != before
+    assert {s["meta_info"]["weight_version"] for s in after} == {version}
+    assert [r["weight_version"] for r in replicas(dp2.url)] == [version, version]
+
+
+@pytest.mark.parametrize("method", ["disk", "distributed"])
+def test_a_server_that_refuses_a_push_is_named_keeps_its_weights_and_the_other_is_whole(tiny, tmp_path, method):
+    """Two servers, the second of another shape: the error names the second; it keeps its weights;
+    the first took the whole update (disk: each server is its own update) or none of it (a
+    broadcast is one collective); a pusher for the failed URL alone retries it."""
+    other = tmp_path / "wider"
+    make_tiny_model("llama", other, intermediate_size=96)
+    model = perturbed(tiny, seed=3)
+    with running_server(str(tiny)) as good, running_server(str(other)) as bad:
+        before = {s.url: [x["output_ids"] for x in generate(s.url, PROMPTS[:4])] for s in (good, bad)}
+        with WeightPusher([good.url, bad.url], method=method) as pusher, pytest.raises(WeightSyncError) as err:
+            pusher.push(model.named_parameters(), version="7")
+        assert bad.url in str(err.value) and "shape" in str(err.value)
+        assert bad.url in err.value.failed and (good.url in err.value.failed) == (method == "distributed")
+        assert [x["output_ids"] for x in generate(bad.url, PROMPTS[:4])] == before[bad.url]
+        assert requests.get(bad.url + "/get_weight_version", timeout=10).json()["weight_version"] == "0"
+        good_now = generate(good.url, PROMPTS[:4])
+        if method == "disk":
+            assert {x["meta_info"]["weight_version"] for x in good_now} == {"7"}
+            assert [x["output_ids"] for x in good_now] != before[good.url]
+        else:
+            assert [x["output_ids"] for x in good_now] == before[good.url]
+            with WeightPusher(err.value.failed[:1], method=method) as retry:  # the good one, alone, retried
+                retry.push(model.named_parameters(), version="7")
+            assert generate(good.url, PROMPTS[:1])[0]["meta_info"]["weight_version"] == "7"
+
+
+def test_killing_one_engine_process_fails_its_requests_fast_and_the_other_keeps_serving(dp2):
+    long = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
+    result: dict = {}
+
+    def run():
+        t0 = time.monotonic()
+        r = requests.post(dp2.url + "/generate", json={"input_ids": PROMPTS[3], "sampling_params": long}, timeout=300)
+        result.update(status=r.status_code, body=r.text, seconds=time.monotonic() - t0)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    busy = []
+    while not busy and time.monotonic() < deadline:
+        busy = [x["dp_rank"] for x in requests.get(dp2.url + "/v1/loads", timeout=10).json()["loads"] if x["num_total_reqs"]]
+        time.sleep(0.05)
+    assert busy, "the long request never showed in /v1/loads"
+    victim = replicas(dp2.url)[busy[0]]
+    killed_at = time.monotonic()
+    os.kill(victim["engine_pid"], signal.SIGKILL)
+    thread.join(60)
+    assert result["status"] == 503 and time.monotonic() - killed_at < 10, result
+    # The other replica serves every prompt meanwhile, the victim's included.
+    assert len(generate(dp2.url, PROMPTS)) == len(PROMPTS)
+    assert requests.get(dp2.url + "/health", timeout=10).status_code == 200
+    deadline = time.monotonic() + 120
+    while not all(r["alive"] for r in replicas(dp2.url)):
+        assert time.monotonic() < deadline, replicas(dp2.url)
+        time.sleep(0.5)
+    back = replicas(dp2.url)[busy[0]]
+    assert back["restarts"] == 1 and back["engine_pid"] != victim["engine_pid"]
+    assert len(generate(dp2.url, PROMPTS)) == len(PROMPTS)
