@@ -29,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from
 
 from rollout.client import RolloutClient  # noqa: E402
 from rollout.models.loader import resolve_model_path  # noqa: E402
+from rollout.server.replicas import summed_stats  # noqa: E402
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids  # noqa: E402
 from rollout.tools.launch import launched_server  # noqa: E402
 from rollout.tools.wandb_log import WandbLogger  # noqa: E402
 from weight_sync import WeightPusher  # noqa: E402
+from weight_sync.pusher import router_workers  # noqa: E402
 
 MICRO_BATCH = 16  # sequences per trainer forward/backward
 
@@ -192,6 +194,12 @@ def run(args: argparse.Namespace) -> GrpoRun:
             raise SystemExit(f"--coupled-sampling: the server at {url} does not sample coupled (serve it with --coupled-sampling)")
         urls = [url] + ([off_client.url] if off_client is not None else [])
         pusher = WeightPusher(urls, method=push, dtype=torch.bfloat16 if device == "cuda" else None)
+        # (a router's URL stands for its workers: the push reaches each, and their counters add up)
+        workers = [stack.enter_context(RolloutClient(u)) for u in router_workers([url])]
+
+        def server_stats() -> dict:
+            return summed_stats([w.server_info()["stats"] for w in workers])
+
         rollouts = args.steps + (1 if args.final_rollout else 0)
         for step in range(1, rollouts + 1):
             tasks = step_tasks(args, step)
@@ -199,11 +207,11 @@ def run(args: argparse.Namespace) -> GrpoRun:
             sampling = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
             if not args.coupled_sampling:  # (coupled: the server seeds each prompt's samples from the prompt)
                 sampling["seed"] = args.seed * 1000 + step
-            before = client.server_info()["stats"]
+            before = server_stats()
             t0 = time.perf_counter()
             groups = client.generate(prompts, sampling, n=args.n, return_logprob=True)
             rollout_s = time.perf_counter() - t0
-            after = client.server_info()["stats"]
+            after = server_stats()
             off_tokens_per_s = 0.0
             if off_client is not None and step > 1:  # (the first rollout has no earlier one to draft from)
                 t1 = time.perf_counter()

@@ -159,3 +159,18 @@ def test_killing_one_engine_process_fails_its_requests_fast_and_the_other_keeps_
     back = replicas(dp2.url)[busy[0]]
     assert back["restarts"] == 1 and back["engine_pid"] != victim["engine_pid"]
     assert len(generate(dp2.url, PROMPTS)) == len(PROMPTS)
+
+
+def test_rollout_bench_drives_servers_and_a_router_over_http(dp2, dp1, tiny, tmp_path):
+    import json
+
+    from rollout.tools.cli import main
+    from rollout.tools.launch import launched_router
+
+    with launched_router([dp2.url], "cache_aware") as router:
+        main(["bench", "--model", str(tiny), "--workload", "decode", "--batch-sizes", "4", "--prompt-len", "8",
+              "--output-len", "6", "--repeats", "2", "--out", str(tmp_path),
+              "--url", f"dp1={dp1.url},dp2={dp2.url},router={router.url}"])
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+    assert [(r["spec"], r["system"], r["repeats"]) for r in rows] == [("dp1", "http", 2), ("dp2", "http", 2), ("router", "http", 2)]
+    assert all(r["output_tokens"] == 4 * 6 and r["tokens_per_s"] > 0 for r in rows)

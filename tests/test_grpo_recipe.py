@@ -11,6 +11,8 @@ from server_process import running_server
 from transformers import AutoTokenizer
 from wandb_records import history
 
+from rollout.tools.launch import launched_router
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import grpo  # noqa: E402
 
@@ -19,14 +21,16 @@ ACCEPTANCE_KEYS = ["rollout/spec_accept_rate", "rollout/spec_accept_length", "ro
 
 
 def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(default_model_dir, tmp_path, monkeypatch):
+    """Through sglang-router, in front of a server of two replicas: every replica takes the pushes."""
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))  # the user's, over --out
     with running_server(str(default_model_dir), "--kv-cache-tokens", "16384", "--spec", "ngram",
-                        "--spec-no-adaptive") as server:
-        args = grpo.parse_args(["--server", server.url, "--steps", "2", "--prompts", "2", "--n", "4",
+                        "--spec-no-adaptive", "--dp-size", "2") as server, launched_router([server.url]) as router:
+        args = grpo.parse_args(["--server", router.url, "--steps", "2", "--prompts", "2", "--n", "4",
                                 "--max-new-tokens", "24", "--device", "cpu", "--out", str(tmp_path / "out"), "--lr", "1e-4"])
         result = grpo.run(args)
 
-        assert requests.get(server.url + "/get_weight_version").json()["weight_version"] == "2"
+        replicas = requests.get(server.url + "/server_info").json()["replicas"]
+        assert [r["weight_version"] for r in replicas] == ["2", "2"]
         assert [r.weight_version for r in result.records] == [1, 2]
         assert all(r.mismatch_mean < 1e-3 for r in result.records)  # fp32 on both sides
 

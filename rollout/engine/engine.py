@@ -112,6 +112,8 @@ class Engine:
         self.config = config or EngineConfig(model=model, spec=spec, device=device, **overrides)
         cfg = self.config
         self.device = _resolve_device(cfg.device)
+        if self.device.type == "cuda":  # Triton launches and graph captures go to the current GPU: make it ours
+            torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(cfg.dtype, self.device)
         self.model_path = resolve_model_path(cfg.model)
         self.model_config = ModelConfig.from_dir(self.model_path)

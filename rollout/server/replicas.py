@@ -152,10 +152,13 @@ class Replicas:
         if op == "abort_request" and not args.get("abort_all"):
             client = self._owner.get(args.get("rid"))
             return await client.control(op, args, timeout) if client else {"aborted": []}
-        if op in ("get_weight_version", "get_server_info"):
-            client = next((c for c in self.clients if c.alive), self.clients[0])
-            result = await client.control(op, args, timeout)
-            return {**result, "dp_size": len(self.clients), "replicas": self.describe()} if op == "get_server_info" else result
+        if op == "get_weight_version":
+            return await next((c for c in self.clients if c.alive), self.clients[0]).control(op, args, timeout)
+        if op == "get_server_info":
+            alive = [c for c in self.clients if c.alive] or self.clients[:1]
+            infos = await asyncio.gather(*(c.control(op, args, timeout) for c in alive))
+            return {**infos[0], "stats": summed_stats([i["stats"] for i in infos]), "dp_size": len(self.clients),
+                    "replicas": self.describe()}
         calls = {asyncio.ensure_future(c.control(op, self._args_for(op, args, i), timeout)): i
                  for i, c in enumerate(self.clients)}
         results: dict[int, Any] = {}
@@ -197,6 +200,19 @@ def _on_rank(err: BaseException, dp_rank: int) -> BaseException:
     if isinstance(err, EngineDead):
         return EngineDead(message)
     return err
+
+
+def summed_stats(stats: list[dict]) -> dict:
+    """One server's stats from its replicas': counts (integers) summed; rates and other measures
+    (floats) the first replica's that has them (each replica's are in /metrics, labelled by dp_rank)."""
+    out: dict = {}
+    for replica in stats:
+        for key, value in replica.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                out[key] = out.get(key, 0) + value
+            else:
+                out.setdefault(key, value)
+    return out
 
 
 def _merge(op: str, results: list[Any]) -> Any:

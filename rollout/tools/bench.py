@@ -6,6 +6,7 @@ Workloads (all requests submitted at once, timed from submission to the last tok
   rl        as grpo, the way RL rolls out: T = 1.0 and up to 2,048 new tokens by default, EOS
             stops, so outputs are long and their lengths vary (the long tail)
   sharegpt  B first-turn ShareGPT prompts
+With `--url`, the workload goes over HTTP to running servers or a router (rollout.tools.bench_http).
 Each row is one (spec mode, batch size), medians over `--repeats` rounds that alternate the
 modes; `--baseline-hf` adds HF transformers `generate` on the same prompts in the same run.
 Besides tokens/s a row reports the long tail (seconds from the 90th percentile sample's end to
@@ -341,6 +342,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
     args.output_len = args.output_len or (2048 if rl else 128)
     rows: list[Row] = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.url:
+        from transformers import AutoTokenizer
+
+        from rollout.models.loader import resolve_model_path
+        from rollout.tools.bench_http import bench_over_http
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+        write_results(args, bench_over_http(args, tokenizer, temperatures, batch_sizes), [], batch_sizes)
+        return
     runs: list[Row] = []
     timelines: list[Timeline] = []
     modes = args.spec_modes.split(",")
@@ -412,7 +422,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 prompts, n = workload_prompts(args, tokenizer, b)
                 rows.append(run_hf(hf, tokenizer, args, prompts, n, b))
                 print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    write_results(args, rows, timelines, batch_sizes)
 
+
+def write_results(args, rows: list[Row], timelines: list[Timeline], batch_sizes: list[int]) -> None:
+    """The rows as JSON, a Markdown table and a PNG (and for `rl` the timelines' PNG) under --out."""
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -422,7 +436,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     table = markdown(rows)
     (out_dir / f"{name}.md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}")
     plot(rows, out_dir / f"{name}.png", f"{args.workload} on {meta['device']}")
-    if args.workload == "rl":
+    if args.workload == "rl" and timelines:
         plot_timelines(timelines, out_dir / f"{name}-timeline.png", f"rl, {batch_sizes[-1]} sequences, on {meta['device']}")
     print(f"\n{table}\nwrote {out_dir / name}.{{json,md,png}}")
 
@@ -508,6 +522,9 @@ def add_bench_parser(sub) -> None:
                    help="the first epoch's samples that step trains on (the first prompts' groups)")
     b.add_argument("--repeats", type=int, default=1,
                    help="rounds over the spec modes; the table reports medians and the tok/s spread")
+    b.add_argument("--url", default=None, metavar="[LABEL=]URL,...",
+                   help="send the workload over HTTP to running servers (a router's URL too) instead of engines "
+                        "in this process, alternating between them; --model names their model (for its tokenizer)")
     b.add_argument("--out", default="bench/results")
     EngineConfig.add_args(b)
     b.set_defaults(func=cmd_bench)

@@ -37,11 +37,13 @@ class LaunchedServer:
 
 
 @contextmanager
-def launched_server(*serve_args: str, timeout: float = 900.0) -> Iterator[LaunchedServer]:
-    """`rollout serve <serve_args>` on a free port, once /health answers; SIGTERM at the end."""
+def launched_server(*serve_args: str, host: str = "127.0.0.1", timeout: float = 900.0,
+                    env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
+    """`rollout serve <serve_args>` on `host` and a free port, once /health answers; SIGTERM at the end."""
     port = free_port()
-    cmd = [sys.executable, "-m", "rollout", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
-    with _launched("rollout serve", cmd, f"http://127.0.0.1:{port}", timeout) as server:
+    cmd = [sys.executable, "-m", "rollout", "serve", "--host", host, "--port", str(port), "--log-level", "warning",
+           *serve_args]
+    with _launched("rollout serve", cmd, f"http://{host}:{port}", timeout, env) as server:
         yield server
 
 
@@ -58,9 +60,9 @@ def launched_router(worker_urls: list[str], policy: str = "cache_aware", timeout
 
 
 @contextmanager
-def _launched(what: str, cmd: list[str], url: str, timeout: float) -> Iterator[LaunchedServer]:
+def _launched(what: str, cmd: list[str], url: str, timeout: float, env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
     log_path = Path(tempfile.mkstemp(prefix=f"{what.replace(' ', '-')}-", suffix=".log")[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = LaunchedServer(url, proc, log_path)

@@ -1,0 +1,83 @@
+"""Data parallelism on one machine, measured over HTTP: `rollout serve --dp-size M` for each M
+against M = 1, speculation on and off, and optionally sglang-router in front of one replica.
+
+    python bench/dp_runs.py --dp-sizes 1,2,4 --specs ngram,off --batch-sizes 512 --repeats 3
+    python bench/dp_runs.py --dp-sizes 1 --specs ngram --router     # routing overhead: direct vs router
+
+Per spec mode, one server per dp size is up at once (replica i of each on GPU i, KV pools sized
+by --kv-cache-tokens so that they fit side by side), and `rollout bench --url` alternates
+between them round by round. The workload is `rl` (64 prompts x 8 samples per 512, up to 2,048
+new tokens, EOS stops); each batch size's warm-up rollout is the epoch before, kept in the
+servers' drafters, so the timed rounds are a second epoch. Prints each row and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollout.tools.cli import main as rollout_main  # noqa: E402
+from rollout.tools.launch import launched_router, launched_server  # noqa: E402
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from rollout.models.loader import resolve_model_path
+
+    model = str(resolve_model_path(args.model))  # once, before servers start side by side
+    rows = []
+    for spec in args.specs.split(","):
+        with ExitStack() as stack:
+            targets = []
+            for dp in [int(d) for d in args.dp_sizes.split(",")]:
+                server = stack.enter_context(launched_server(
+                    "--model", model, "--spec", spec, "--dp-size", str(dp), "--max-running-seqs", str(args.max_running_seqs),
+                    "--kv-cache-tokens", str(args.kv_cache_tokens), timeout=900))  # fmt: skip
+                targets.append((f"{spec}-dp{dp}", server.url))
+                if args.router:
+                    router = stack.enter_context(launched_router([server.url], "cache_aware"))
+                    targets.append((f"{spec}-dp{dp}-router", router.url))
+            out = Path(args.out) / spec
+            rollout_main(["bench", "--model", model, "--workload", "rl", "--n", "8", "--batch-sizes", args.batch_sizes,
+                          "--temperature", args.temperature, "--repeats", str(args.repeats), "--out", str(out),
+                          *(["--output-len", str(args.output_len)] if args.output_len else []),
+                          "--url", ",".join(f"{label}={url}" for label, url in targets)])
+            rows += json.loads(next(out.glob("*.json")).read_text())["rows"]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dp-sizes", default="1,2")
+    ap.add_argument("--specs", default="ngram,off")
+    ap.add_argument("--batch-sizes", default="512")
+    ap.add_argument("--temperature", default="0.7")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=None, help="max new tokens (default: rl's 2,048)")
+    ap.add_argument("--max-running-seqs", type=int, default=512)
+    ap.add_argument("--kv-cache-tokens", type=int, default=800_000)
+    ap.add_argument("--router", action="store_true", help="also each server behind its own sglang-router")
+    ap.add_argument("--out", default="bench/results/dp")
+    args = ap.parse_args()
+    rows = run(args)
+    print("\n| target | batch | T | tok/s (median) | rounds | accept | vs dp1, same spec | vs off, same dp |")
+    print("|---|---|---|---|---|---|---|---|")
+    by = {(r["spec"], r["batch_size"], r["temperature"]): r["tokens_per_s"] for r in rows}
+    for r in rows:
+        spec, _, rest = r["spec"].partition("-")
+        key = (r["batch_size"], r["temperature"])
+        dp1 = by.get((f"{spec}-dp1", *key))
+        off = by.get((f"off-{rest}", *key))
+        print(f"| {r['spec']} | {r['batch_size']} | {r['temperature']} | {r['tokens_per_s']:,.0f} | {r['repeats']} | "
+              f"{r['accept_rate']:.2f} | {r['tokens_per_s'] / dp1:.2f}x | "
+              f"{(r['tokens_per_s'] / off) if off else float('nan'):.2f}x |" if dp1 else f"| {r['spec']} | ... |")
+
+
+if __name__ == "__main__":
+    main()
