@@ -3,8 +3,9 @@ against M = 1, speculation on and off, and optionally sglang-router in front of 
 
     python bench/dp_runs.py --dp-sizes 1,2,4 --specs ngram,off --batch-sizes 512 --repeats 3
     python bench/dp_runs.py --dp-sizes 1 --specs ngram --router     # routing overhead: direct vs router
+    python bench/dp_runs.py --dp-sizes 1,4 --separate 4             # DP inside one server against 4 servers + router
 
-Per spec mode, one server per dp size is up at once (replica i of each on GPU i, KV pools sized
+Per spec mode, one server per dp size (and --separate one-GPU servers behind a router) is up at once (replica i of each on GPU i, KV pools sized
 by --kv-cache-tokens so that they fit side by side), and `rollout bench --url` alternates
 between them round by round. The workload is `rl` (64 prompts x 8 samples per 512, up to 2,048
 new tokens, EOS stops); each batch size's warm-up rollout is the epoch before, kept in the
@@ -33,15 +34,22 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for spec in args.specs.split(","):
         with ExitStack() as stack:
-            targets = []
-            for dp in [int(d) for d in args.dp_sizes.split(",")]:
-                server = stack.enter_context(launched_server(
-                    "--model", model, "--spec", spec, "--dp-size", str(dp), "--max-running-seqs", str(args.max_running_seqs),
-                    "--kv-cache-tokens", str(args.kv_cache_tokens), timeout=900))  # fmt: skip
-                targets.append((f"{spec}-dp{dp}", server.url))
-                if args.router:
-                    router = stack.enter_context(launched_router([server.url], "cache_aware"))
-                    targets.append((f"{spec}-dp{dp}-router", router.url))
+            common = ["--model", model, "--spec", spec, "--max-running-seqs", str(args.max_running_seqs),
+                      "--kv-cache-tokens", str(args.kv_cache_tokens)]
+
+            def start(*extra: str):
+                return stack.enter_context(launched_server(*common, *extra, wait=False))
+
+            servers = {f"{spec}-dp{dp}": start("--dp-size", str(dp)) for dp in map(int, args.dp_sizes.split(","))}
+            singles = [start("--base-gpu-id", str(i)) for i in range(args.separate)]  # one GPU each
+            for server in [*servers.values(), *singles]:  # (they load and capture side by side)
+                server.wait_healthy(900)
+            targets = [(label, server.url) for label, server in servers.items()]
+            if args.router:
+                targets.append((f"{spec}-dp1-router", stack.enter_context(launched_router([servers[f"{spec}-dp1"].url])).url))
+            if singles:
+                routed = stack.enter_context(launched_router([s.url for s in singles]))
+                targets.append((f"{spec}-{len(singles)}servers-router", routed.url))
             out = Path(args.out) / spec
             rollout_main(["bench", "--model", model, "--workload", "rl", "--n", "8", "--batch-sizes", args.batch_sizes,
                           "--temperature", args.temperature, "--repeats", str(args.repeats), "--out", str(out),
@@ -62,7 +70,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=None, help="max new tokens (default: rl's 2,048)")
     ap.add_argument("--max-running-seqs", type=int, default=512)
     ap.add_argument("--kv-cache-tokens", type=int, default=800_000)
-    ap.add_argument("--router", action="store_true", help="also each server behind its own sglang-router")
+    ap.add_argument("--router", action="store_true", help="also the dp1 server behind sglang-router (its overhead)")
+    ap.add_argument("--separate", type=int, default=0, metavar="N",
+                    help="also N one-GPU servers (GPUs 0..N-1) behind one sglang-router: data parallelism across servers")
     ap.add_argument("--out", default="bench/results/dp")
     args = ap.parse_args()
     rows = run(args)

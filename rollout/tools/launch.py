@@ -35,15 +35,31 @@ class LaunchedServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_healthy(self, timeout: float) -> None:
+        """Until /health answers 200 (RuntimeError with the log if the process exits or takes too long)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args[:4]} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.proc.args[:4]} not healthy after {timeout} s:\n{self.log()}")
+            time.sleep(0.2)
+
 
 @contextmanager
 def launched_server(*serve_args: str, host: str = "127.0.0.1", timeout: float = 900.0,
-                    env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
-    """`rollout serve <serve_args>` on `host` and a free port, once /health answers; SIGTERM at the end."""
+                    env: dict[str, str] | None = None, wait: bool = True) -> Iterator[LaunchedServer]:
+    """`rollout serve <serve_args>` on `host` and a free port, once /health answers (`wait=False`: at
+    once, to start several side by side and then `wait_healthy` each); SIGTERM at the end."""
     port = free_port()
     cmd = [sys.executable, "-m", "rollout", "serve", "--host", host, "--port", str(port), "--log-level", "warning",
            *serve_args]
-    with _launched("rollout serve", cmd, f"http://{host}:{port}", timeout, env) as server:
+    with _launched(cmd, f"http://{host}:{port}", timeout if wait else None, env) as server:
         yield server
 
 
@@ -55,30 +71,20 @@ def launched_router(worker_urls: list[str], policy: str = "cache_aware", timeout
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, "--worker-urls", *worker_urls, "--log-level", "warn",
            "--prometheus-port", str(free_port())]  # (its default, 29000, is one port for every router on the host)
-    with _launched("sglang-router", cmd, f"http://127.0.0.1:{port}", timeout) as router:
+    with _launched(cmd, f"http://127.0.0.1:{port}", timeout) as router:
         yield router
 
 
 @contextmanager
-def _launched(what: str, cmd: list[str], url: str, timeout: float, env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
-    log_path = Path(tempfile.mkstemp(prefix=f"{what.replace(' ', '-')}-", suffix=".log")[1])
+def _launched(cmd: list[str], url: str, timeout: float | None, env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
+    log_path = Path(tempfile.mkstemp(prefix="rollout-launched-", suffix=".log")[1])
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = LaunchedServer(url, proc, log_path)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode}:\n{server.log()}")
-            try:
-                if requests.get(server.url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} not healthy after {timeout} s:\n{server.log()}")
-            time.sleep(0.2)
+        if timeout is not None:
+            server.wait_healthy(timeout)
         yield server
     finally:
         if proc.poll() is None:
