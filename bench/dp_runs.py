@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=None, help="max new tokens (default: rl's 2,048)")
     ap.add_argument("--max-running-seqs", type=int, default=512)
-    ap.add_argument("--kv-cache-tokens", type=int, default=800_000)
+    ap.add_argument("--kv-cache-tokens", type=int, default=600_000)
     ap.add_argument("--router", action="store_true", help="also the dp1 server behind sglang-router (its overhead)")
     ap.add_argument("--separate", type=int, default=0, metavar="N",
                     help="also N one-GPU servers (GPUs 0..N-1) behind one sglang-router: data parallelism across servers")
