@@ -329,6 +329,14 @@ def _pool_shares(fraction: float, engines: int, device: str):
     return lambda: min(pool / torch.cuda.mem_get_info(gpu)[0], fraction)
 
 
+def bench_grid(args: argparse.Namespace) -> tuple[list[float], list[int]]:
+    """The temperatures and batch sizes a run covers; fills in the workload's default output length."""
+    rl = args.workload == "rl"
+    args.output_len = args.output_len or (2048 if rl else 128)
+    temperatures = [float(t) for t in (args.temperature or ("1.0" if rl else "0")).split(",")]
+    return temperatures, [int(b) for b in args.batch_sizes.split(",")]
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from rollout.engine.engine import Engine, freeze_heap, thaw_heap
 
@@ -337,20 +345,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError("--baseline-hf needs a real checkpoint; drop it with --random-model")
         args.model = speed_model_dir(args.random_model)
         args.load_format = "dummy"
-    rl = args.workload == "rl"
-    temperatures = [float(t) for t in (args.temperature or ("1.0" if rl else "0")).split(",")]
-    args.output_len = args.output_len or (2048 if rl else 128)
+    temperatures, batch_sizes = bench_grid(args)
     rows: list[Row] = []
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if args.url:
-        from transformers import AutoTokenizer
-
-        from rollout.models.loader import resolve_model_path
-        from rollout.tools.bench_http import bench_over_http
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
-        write_results(args, bench_over_http(args, tokenizer, temperatures, batch_sizes), [], batch_sizes)
-        return
     runs: list[Row] = []
     timelines: list[Timeline] = []
     modes = args.spec_modes.split(",")

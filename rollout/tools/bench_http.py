@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from rollout.tools.bench import Row, markdown, median_rows, workload_prompts
+from rollout.tools.bench import Row, bench_grid, markdown, median_rows, workload_prompts, write_results
 
 
 def parse_targets(spec: str) -> list[tuple[str, str]]:
@@ -55,6 +55,17 @@ def rollout_over_http(url: str, label: str, args, prompts: list[list[int]], n: i
         tail_s=ends[-1] - ends[int(0.9 * (len(ends) - 1))], accept_rate=accepted / drafted if drafted else 0.0,
         accept_length=tokens / verify if verify else 0.0,
     )  # fmt: skip
+
+
+def cmd_bench_http(args) -> None:
+    """`rollout bench --url ...` (the CLI sends a bench with --url here)."""
+    from transformers import AutoTokenizer
+
+    from rollout.models.loader import resolve_model_path
+
+    temperatures, batch_sizes = bench_grid(args)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    write_results(args, bench_over_http(args, tokenizer, temperatures, batch_sizes), [], batch_sizes)
 
 
 def bench_over_http(args, tokenizer, temperatures: list[float], batch_sizes: list[int]) -> list[Row]:

@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"rollout serve needs the package {missing}: pip install fastapi uvicorn pyzmq msgpack")
     args = build_parser().parse_args(argv)
     args.command_line = "rollout " + " ".join(argv)
+    if getattr(args, "url", None) and args.command == "bench":  # the workload over HTTP, not in this process
+        from rollout.tools.bench_http import cmd_bench_http
+
+        args.func = cmd_bench_http
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:
