@@ -268,7 +268,8 @@ class EngineConfig:
     pdl: bool = option(True, "use programmatic dependent launch for the Triton kernels on Hopper (process-wide)")
     dp_size: int = option(1, "engine replicas behind this server, each a process on its own device (data parallelism; "
                           "a prompt's requests stay on one replica)")
-    base_gpu_id: int = option(0, "the first GPU this server takes: replica i runs on cuda:(base_gpu_id + i)")
+    base_gpu_id: int = option(0, "the first GPU this server takes (device auto or cuda): replica i runs on "
+                              "cuda:(base_gpu_id + i)")
     seed: int = option(0, "seeds the samples of requests that give no seed")
     coupled_sampling: bool = option(False, "a request that gives no seed gets one from its prompt's token ids and --seed, "
                                     "so every rollout of a prompt draws sample i with the same noise, and a later "
@@ -295,11 +296,10 @@ class EngineConfig:
         if self.max_running_seqs < 1 or (self.max_prefill_tokens is not None and self.max_prefill_tokens < 1):
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
 
-    def replica(self, dp_rank: int, cuda: bool) -> "EngineConfig":
-        """The settings of replica `dp_rank`: its own GPU (when `cuda`), one replica's worth."""
-        on_gpu = cuda and self.device in ("auto", "cuda")
-        device = f"cuda:{self.base_gpu_id + dp_rank}" if on_gpu else ("cpu" if self.device == "auto" else self.device)
-        return replace(self, device=device, dp_size=1, base_gpu_id=0)
+    def replica(self, dp_rank: int) -> "EngineConfig":
+        """The settings of replica `dp_rank`: one replica, on the GPU `dp_rank` past this server's first
+        (the engine process resolves the device: the front end never touches CUDA)."""
+        return replace(self, dp_size=1, base_gpu_id=self.base_gpu_id + dp_rank)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:

@@ -363,7 +363,8 @@ class WeightPusher:
 
     def _gather(self, futs: list[Future]) -> tuple[list[dict], WeightSyncError | None]:
         """The engines' answers (`futs` in the order of `self.transports`) and, if any failed, one
-        error: the first engine's message, the URLs of all that failed in `failed`."""
+        error: a refusal's message before any timeout's (which a refusal causes in a broadcast), the
+        URLs of all that failed in `failed`."""
         responses, errors = [], []
         for tr, f in zip(self.transports, futs):
             try:

@@ -111,7 +111,7 @@ class Engine:
             spec = replace(spec, **spec_overrides) if isinstance(spec, SpecConfig) else SpecConfig(method=spec, **spec_overrides)
         self.config = config or EngineConfig(model=model, spec=spec, device=device, **overrides)
         cfg = self.config
-        self.device = _resolve_device(cfg.device)
+        self.device = _resolve_device(cfg.device, cfg.base_gpu_id)
         if self.device.type == "cuda":  # Triton launches and graph captures go to the current GPU: make it ours
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(cfg.dtype, self.device)
@@ -755,14 +755,15 @@ def _without_finished(batch: Batch | None) -> Batch | None:
     return Batch(seqs) if seqs else None
 
 
-def _resolve_device(name: str) -> torch.device:
+def _resolve_device(name: str, gpu: int = 0) -> torch.device:
+    """`auto` and `cuda` mean GPU `gpu` (EngineConfig.base_gpu_id) when there is one; `cuda:N` is GPU N."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("device cuda was asked for but no CUDA GPU is available; use device='cpu' or 'auto'")
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:  # always an explicit GPU, for set_device and friends
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", gpu)
     return device
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from rollout.config import EngineConfig
@@ -33,12 +33,10 @@ PER_RANK = {"init_weights_update_group"}  # ops whose arguments differ by replic
 
 class Replicas:
     def __init__(self, config: EngineConfig, log_level: str = "info", restart: bool = True):
-        import torch
-
-        cuda = torch.cuda.is_available()
         self.config = config
-        self.clients = [EngineClient(config.replica(i, cuda), log_level, restart, dp_rank=i) for i in range(config.dp_size)]
+        self.clients = [EngineClient(config.replica(i), log_level, restart, dp_rank=i) for i in range(config.dp_size)]
         self._owner: dict[str, EngineClient] = {}  # rid in flight -> its replica
+        self._samples = [0] * config.dp_size  # samples in flight per replica (routing reads it per request)
         self._homes: OrderedDict[bytes, int] = OrderedDict()  # prompt digest -> the replica that served it last
 
     # ---------------- life cycle ----------------
@@ -91,15 +89,12 @@ class Replicas:
     def counters(self) -> dict:
         each = [c.counters() for c in self.clients]
         out = {k: sum(e[k] for e in each) for k in each[0] if k != "samples_finished_total"}
-        out["samples_finished_total"] = {}
-        for e in each:
-            for reason, v in e["samples_finished_total"].items():
-                out["samples_finished_total"][reason] = out["samples_finished_total"].get(reason, 0) + v
+        out["samples_finished_total"] = dict(sum((Counter(e["samples_finished_total"]) for e in each), Counter()))
         return out
 
     def describe(self) -> list[dict]:
         """Each replica as /server_info lists it."""
-        return [{"dp_rank": c.dp_rank, "alive": c.alive, "device": c.config.device, "engine_pid": c.info.get("engine_pid"),
+        return [{"dp_rank": c.dp_rank, "alive": c.alive, "device": c.info.get("device"), "engine_pid": c.info.get("engine_pid"),
                  "weight_version": c.weight_version, "restarts": c.restarts, "error": None if c.alive else c.dead}
                 for c in self.clients]
 
@@ -108,10 +103,16 @@ class Replicas:
                stream: asyncio.Queue | None = None, top_logprobs_num: int = 0) -> RequestState:
         if rid in self._owner:
             raise ValueError(f"rid: request id {rid!r} is already in flight")
-        client = self.clients[self.route(input_ids)]
-        state = client.submit(rid, input_ids, params, return_logprob, stream, top_logprobs_num)
-        self._owner[rid] = client
-        state.done.add_done_callback(lambda _: self._owner.pop(rid, None))
+        i = self.route(input_ids)
+        state = self.clients[i].submit(rid, input_ids, params, return_logprob, stream, top_logprobs_num)
+        self._owner[rid] = self.clients[i]
+        self._samples[i] += state.n
+
+        def finished(_) -> None:
+            self._owner.pop(rid, None)
+            self._samples[i] -= state.n
+
+        state.done.add_done_callback(finished)
         return state
 
     def abort(self, rid: str) -> None:
@@ -130,7 +131,7 @@ class Replicas:
         home = self._homes.get(key)
         if home is None:
             home = int.from_bytes(key[:8], "little") % len(self.clients)
-        samples = [sum(s.n for s in c.requests.values()) for c in self.clients]
+        samples = self._samples
         least = min(alive, key=lambda i: samples[i])
         slack = OVERLOAD_SLACK * self.info.get("max_running_seqs", self.config.max_running_seqs)
         if home not in alive or samples[home] > 2 * samples[least] + slack:
