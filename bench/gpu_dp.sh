@@ -11,17 +11,7 @@
 #   call 4: bash bench/gpu_dp.sh push
 set -uo pipefail
 stage=${1:?stage: setup | dp | push}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /root/mcache/site
-export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-wheels=$(ls .whl/*.whl .whl_dp/*.whl .whl_router/*.whl 2>/dev/null)
-[ -z "$wheels" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /root/mcache/site $wheels || exit 1
-export PYTHONPATH=/root/mcache/site:$PWD PATH=/root/mcache/site/bin:$PATH
-[ -f .devcache/smol.part.aa ] && cp .devcache/smol.part.aa /root/mcache/
-[ -f .devcache/smol.part.ab ] && cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf
-GPUS=$(nvidia-smi -L | wc -l)
+source bench/gpu_env.sh .whl .whl_dp .whl_router
 DPS=$([ "$GPUS" -ge 4 ] && echo 1,2,4 || echo 1,2)
 
 case "$stage" in

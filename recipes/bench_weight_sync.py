@@ -4,16 +4,17 @@
     python recipes/bench_weight_sync.py --models default,8b      # GPU: adds a Llama-3.1-8B-shaped random model
     python recipes/bench_weight_sync.py --methods ipc --models 8b --bucket-mb 0,128
     python recipes/bench_weight_sync.py --methods distributed --models 8b --dp-size 2   # 3+ GPUs: one push, 2 replicas
+    python recipes/bench_weight_sync.py --methods distributed --models 8b,32b --tp-size 2   # 3+ GPUs: one push, 2 ranks
 
 The engine is a real `rollout serve` (started here, one per model, random weights for the
-8B shape); a trainer subprocess holds the weights (the default model's checkpoint, or
+8B and 32B (Qwen2.5-32B) shapes); a trainer subprocess holds the weights (the default model's checkpoint, or
 random weights of the 8B shape) and pushes them with `WeightPusher` over HTTP, as a
 training loop would. Reported per row: the trainer's wall time for `push()` (median of the
 repeats after a warm-up push that also builds the group), the engine's receive and swap
 times, and the effective bandwidth (bytes sent / push time).
 
 Broadcast uses NCCL when the machine has a GPU for the trainer beside the server's (trainer on
-cuda:0, the server's `--dp-size` replicas on cuda:1 on), else gloo through host memory (NCCL cannot put two ranks on one GPU; a colocated trainer pushes
+cuda:0, the server's `--dp-size` x `--tp-size` ranks on cuda:1 on), else gloo through host memory (NCCL cannot put two ranks on one GPU; a colocated trainer pushes
 by IPC). On one GPU, `ipc` shares the trainer's buffers with the engine; `disk` writes
 safetensors to /dev/shm when it has room.
 """
@@ -74,10 +75,11 @@ def run_trainer(args: argparse.Namespace) -> None:
 
 # ---------------- engine side ----------------
 @contextmanager
-def serve(model_dir: str, device: str, dtype: str, random_weights: bool, dp_size: int, base_gpu_id: int) -> Iterator[str]:
+def serve(model_dir: str, device: str, dtype: str, random_weights: bool, dp_size: int, tp_size: int,
+          base_gpu_id: int) -> Iterator[str]:
     """`rollout serve` for one model; yields its URL, stops it at the end."""
     args = ["--model", model_dir, "--device", device, "--dtype", dtype, "--spec", "off", "--kv-cache-tokens", "4096",
-            "--dp-size", str(dp_size), "--base-gpu-id", str(base_gpu_id)]
+            "--dp-size", str(dp_size), "--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id)]
     if random_weights:
         args += ["--load-format", "dummy"]
     with launched_server(*args) as server:
@@ -89,18 +91,18 @@ def bench(args: argparse.Namespace) -> None:
     from rollout.tools.bench import speed_model_dir
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    own_gpu = cuda and torch.cuda.device_count() > args.dp_size  # a GPU for the trainer beside the replicas'
+    own_gpu = cuda and torch.cuda.device_count() > args.dp_size * args.tp_size  # a GPU for the trainer beside the engines'
     base_gpu_id = 1 if own_gpu else 0
     rows = []
     for model in args.models.split(","):
         if model == "default":
             model_dir, random_weights = str(ensure_default_model()), False
-        elif model == "8b":
-            model_dir, random_weights = speed_model_dir("llama3-8b"), True
+        elif model in ("8b", "32b"):
+            model_dir, random_weights = speed_model_dir("llama3-8b" if model == "8b" else "qwen2.5-32b"), True
         else:
-            raise SystemExit(f"--models: default or 8b, not {model!r}")
+            raise SystemExit(f"--models: default, 8b or 32b, not {model!r}")
         dtype = "bfloat16" if cuda else "float32"
-        with serve(model_dir, "cuda" if cuda else "cpu", dtype, random_weights, args.dp_size, base_gpu_id) as url:
+        with serve(model_dir, "cuda" if cuda else "cpu", dtype, random_weights, args.dp_size, args.tp_size, base_gpu_id) as url:
             for method in args.methods.split(","):
                 if method == "ipc" and not cuda:
                     print(f"skip ipc for {model}: needs a GPU", file=sys.stderr)
@@ -124,7 +126,7 @@ def bench(args: argparse.Namespace) -> None:
                     timed = [r for r in runs if not r["warmup"]] or runs
                     med = lambda k: statistics.median(r[k] for r in timed)  # noqa: E731
                     rows.append({
-                        "model": model, "dp": args.dp_size, "params_m": timed[0]["numel"] / 1e6, "mb": timed[0]["bytes"] / 1e6, "dtype": dtype,
+                        "model": model, "dp": args.dp_size, "tp": args.tp_size, "params_m": timed[0]["numel"] / 1e6, "mb": timed[0]["bytes"] / 1e6, "dtype": dtype,
                         "method": method, "backend": backend if method == "distributed" else "-",
                         "bucket_mb": f"{timed[0]['bucket_bytes'] / (1 << 20):g}" if method != "disk" else "-", "push_s": med("push_s"),
                         "receive_s": med("receive_s"), "apply_s": med("apply_s"),
@@ -133,22 +135,23 @@ def bench(args: argparse.Namespace) -> None:
                     print(json.dumps(rows[-1]), flush=True)
     device_name = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"\nweight push on {device_name} ({torch.get_num_threads()} CPU threads)\n")
-    print("| model | replicas | params (M) | MB sent | method | backend | bucket MB | push s | receive s | swap s | GB/s |")
+    print("| model | replicas x ranks | params (M) | MB sent | method | backend | bucket MB | push s | receive s | swap s | GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['dp']} | {r['params_m']:.0f} | {r['mb']:.0f} | {r['method']} | {r['backend']} | {r['bucket_mb']} | "
+        print(f"| {r['model']} | {r['dp']} x {r['tp']} | {r['params_m']:.0f} | {r['mb']:.0f} | {r['method']} | {r['backend']} | {r['bucket_mb']} | "
               f"{r['push_s']:.3f} | {r['receive_s']:.3f} | {r['apply_s']:.3f} | {r['gb_per_s']:.2f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=None, help="comma list of default, 8b (default: default on CPU, default,8b on GPU)")
+    ap.add_argument("--models", default=None, help="comma list of default, 8b, 32b (default: default on CPU, default,8b on GPU)")
     ap.add_argument("--methods", default=None, help="comma list of distributed, disk, ipc (default: all that the machine allows)")
     ap.add_argument("--bucket-mb", default="auto", help="comma list of bucket sizes in MB; 0 = one broadcast/handle per tensor; "
                     "auto = the pusher's default (128 for NCCL, 0 for gloo and IPC)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu"])
     ap.add_argument("--dp-size", type=int, default=1, help="the server's replicas (rollout serve --dp-size): one push reaches all")
+    ap.add_argument("--tp-size", type=int, default=1, help="each replica's tensor-parallel ranks (rollout serve --tp-size)")
     # trainer role (internal)
     ap.add_argument("--role", default="bench", choices=["bench", "trainer"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)

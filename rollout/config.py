@@ -266,10 +266,12 @@ class EngineConfig:
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs")
     overlap_schedule: bool = option(True, "launch each decode step before the host has the previous step's tokens")
     pdl: bool = option(True, "use programmatic dependent launch for the Triton kernels on Hopper (process-wide)")
+    tp_size: int = option(1, "GPUs (CPU processes) one engine runs over, the model split across them (tensor "
+                          "parallelism; NCCL on CUDA, gloo on the CPU)")
     dp_size: int = option(1, "engine replicas behind this server, each a process on its own device (data parallelism; "
                           "a prompt's requests stay on one replica)")
-    base_gpu_id: int = option(0, "the first GPU this server takes (device auto or cuda): replica i runs on "
-                              "cuda:(base_gpu_id + i)")
+    base_gpu_id: int = option(0, "the first GPU this server takes (device auto or cuda): replica i's rank r runs on "
+                              "cuda:(base_gpu_id + i * tp_size + r)")
     seed: int = option(0, "seeds the samples of requests that give no seed")
     coupled_sampling: bool = option(False, "a request that gives no seed gets one from its prompt's token ids and --seed, "
                                     "so every rollout of a prompt draws sample i with the same noise, and a later "
@@ -279,7 +281,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.spec, str):
             self.spec = SpecConfig(method=self.spec)
-        if self.model == "default" and self.spec.method == "auto" and self.spec.draft_model is None:
+        if self.model == "default" and self.spec.method == "auto" and self.spec.draft_model is None and self.tp_size == 1:
             self.spec = replace(self.spec, draft_model="default")  # its head is in the repository: the hybrid out of the box
         if self.spec.draft_model == "default":  # (resolved here, while the model is still named: the server swaps in its path)
             if self.model != "default":
@@ -289,17 +291,26 @@ class EngineConfig:
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: choose auto, cpu, cuda or cuda:N")
-        if self.dp_size < 1 or self.base_gpu_id < 0:
-            raise ValueError("dp_size must be >= 1 and base_gpu_id >= 0")
-        if self.device.startswith("cuda:") and (self.dp_size > 1 or self.base_gpu_id):
-            raise ValueError(f"device {self.device!r} names one GPU: with dp_size or base_gpu_id give --device cuda (or auto)")
+        if self.dp_size < 1 or self.tp_size < 1 or self.base_gpu_id < 0:
+            raise ValueError("dp_size and tp_size must be >= 1 and base_gpu_id >= 0")
+        if self.device.startswith("cuda:") and (self.dp_size > 1 or self.tp_size > 1 or self.base_gpu_id):
+            raise ValueError(f"device {self.device!r} names one GPU: with dp_size, tp_size or base_gpu_id give --device cuda "
+                             "(or auto)")
+        if self.tp_size > 1 and {"eagle", "mtp"} & set(self.spec.drafters):
+            raise ValueError("draft heads (eagle, mtp) run with tp_size 1 only; under tensor parallelism use --spec ngram "
+                             "(or auto, which is ngram there)")
         if self.max_running_seqs < 1 or (self.max_prefill_tokens is not None and self.max_prefill_tokens < 1):
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
 
     def replica(self, dp_rank: int) -> "EngineConfig":
         """The settings of replica `dp_rank`: one replica, on the GPU `dp_rank` past this server's first
         (the engine process resolves the device: the front end never touches CUDA)."""
-        return replace(self, dp_size=1, base_gpu_id=self.base_gpu_id + dp_rank)
+        return replace(self, dp_size=1, base_gpu_id=self.base_gpu_id + dp_rank * self.tp_size)
+
+    @staticmethod
+    def from_dict(raw: dict) -> "EngineConfig":
+        """From `dataclasses.asdict` of one (JSON between processes)."""
+        return EngineConfig(**{**raw, "spec": SpecConfig(**raw.get("spec", {}))})
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:

@@ -74,14 +74,21 @@ class _Update:
     version: int
     label: str
     flush_cache: bool
-    num_tensors: int
-    nbytes: int
+    specs: list[TensorSpec]
     future: Future = field(default_factory=Future)
     state: str = "receiving"  # receiving | ready | failed
     tensors: list[tuple[str, torch.Tensor]] | None = None
     buckets_done: int = 0
     started: float = field(default_factory=time.perf_counter)
     received_s: float = 0.0
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
 
 
 class WeightReceiver:
@@ -233,7 +240,8 @@ class WeightReceiver:
             try:
                 stage_dev = self._staging_device(self.engine.device, upd.nbytes)
                 with self._recv_stream(stage_dev):
-                    upd.tensors = [(n, t.to(stage_dev, copy=True)) for n, t in iter_checkpoint(Path(model_path).expanduser())]
+                    parts = self.engine.weight_targets()  # (a tensor-parallel rank reads its own)
+                    upd.tensors = [(n, t.to(stage_dev, copy=True)) for n, t in iter_checkpoint(Path(model_path).expanduser(), parts)]
                     if self._stream is not None and stage_dev.type == "cuda":
                         self._stream.synchronize()
                 self._ready(upd)
@@ -313,6 +321,34 @@ class WeightReceiver:
             if upd.state == "ready":
                 self._apply(upd)
 
+    def newest_version(self) -> int:
+        """The version of the update submitted last (a tensor-parallel server's other ranks take the same)."""
+        return self._pending[-1].version
+
+    def take_staged(self, version: int) -> list[tuple[str, torch.Tensor]]:
+        """A tensor-parallel rank's side of rank 0's swap of `version`: the tensors of its own copy,
+        once received (this receiver's updates are swapped by rank 0's call, never at a step
+        boundary of its own). Older updates, which rank 0 did not swap, are dropped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for old in [u for u in self._pending if u.version < version]:
+                self._pending.remove(old)
+                self._fail(old, WeightSyncError(f"rank 0 went on to version {version}", 409))
+            upd = next((u for u in self._pending if u.version == version), None)
+            if upd is None:
+                raise WeightSyncError(f"this rank holds no update to version {version}")
+            if upd.state != "receiving":
+                break
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"update to version {version} did not arrive within {self.timeout_s:.0f} s", 504)
+            time.sleep(0.001)
+        self._pending.remove(upd)
+        if upd.state != "ready":
+            raise WeightSyncError(f"update to version {version} failed on this rank: {self.last_error}")
+        tensors, upd.tensors = upd.tensors, None
+        upd.future.set_result({"success": True, "weight_version": upd.label})
+        return tensors
+
     def progress(self) -> list[dict]:
         """Updates in flight, oldest first (for /get_server_info and tests)."""
         return [{"method": u.method, "weight_version": u.label, "state": u.state, "buckets_done": u.buckets_done} for u in self._pending]
@@ -372,7 +408,7 @@ class WeightReceiver:
         """Queue a validated update (flags were checked by `_check_flags`)."""
         if abort_all:
             self.engine.abort_all()
-        upd = _Update(method, version, label, bool(flush_cache), len(specs), sum(s.nbytes for s in specs))
+        upd = _Update(method, version, label, bool(flush_cache), list(specs))
         self._pending.append(upd)
         return upd
 
@@ -386,6 +422,7 @@ class WeightReceiver:
             cancelled = lambda: slot.closed  # noqa: E731
             stage_dev = self._staging_device(group.device, upd.nbytes)
             tensors: list[tuple[str, torch.Tensor]] = []
+            parts = self.engine.weight_targets() if self.engine.shard.size > 1 else None
             with self._recv_stream(group.device):
                 if not layout[0].typed:
                     expected = header(specs, layout)
@@ -405,7 +442,8 @@ class WeightReceiver:
                     group.broadcast(buf, deadline, cancelled)
                     if staged is not buf:
                         staged.copy_(buf, non_blocking=True)
-                    tensors.extend(unpack(bucket, staged, specs))
+                    # (a host copy is still in flight here: only device staging is cut now)
+                    tensors.extend(_parts(unpack(bucket, staged, specs), parts if staged is buf else None))
                     upd.buckets_done += 1
                 if self._stream is not None:
                     self._stream.synchronize()
@@ -443,7 +481,8 @@ class WeightReceiver:
         try:
             if upd.version <= self.engine.weight_version:
                 raise WeightSyncError(f"weight_version {upd.version} is no longer above the current {self.engine.weight_version}", 409)
-            self.engine.update_weights(upd.tensors, version=upd.version, recompute_kv=upd.flush_cache)
+            self.engine.update_weights_staged([(s.name, s.shape, s.dtype) for s in upd.specs], upd.tensors, upd.version,
+                                              recompute_kv=upd.flush_cache)
             if self.engine.device.type == "cuda":
                 torch.cuda.synchronize(self.engine.device)  # the trainer may reuse its buffers once we answer
         except BaseException as e:  # noqa: BLE001
@@ -506,6 +545,14 @@ class WeightReceiver:
             pass
         slot.executor.shutdown(wait=False)
 
+
+
+def _parts(tensors: list[tuple[str, torch.Tensor]], targets: dict | None) -> list[tuple[str, torch.Tensor]]:
+    """A tensor-parallel rank keeps its part of each received tensor, copied out so that the
+    bucket's buffer is freed: it stages 1/N of the push, not all of it."""
+    if targets is None:
+        return tensors
+    return [(n, targets[n].take(t).clone()) if targets[n].part is not None else (n, t) for n, t in tensors]
 
 
 def _checkpoint_specs(path: Path) -> list[TensorSpec]:

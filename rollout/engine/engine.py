@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 import random
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from rollout.engine.sampler import prompt_seed, sequence_key
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
 from rollout.engine.step import Batch, Emitted, HeadWork, StepInFlight, StepRecord
+from rollout.engine.tensor_parallel import start_ranks
 from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
 from rollout.models.loader import (
@@ -40,6 +42,7 @@ from rollout.models.loader import (
     randomize,
     resolve_model_path,
 )
+from rollout.models.sharding import Shard
 from rollout.models.weights import (
     check_weights,
     checkpoint_specs,
@@ -47,6 +50,7 @@ from rollout.models.weights import (
     iter_checkpoint,
 )
 from spec.draft_head import load_head, load_mtp
+from spec.budget import StepPlan
 from spec.eagle import EagleDrafter
 from spec.speculator import Speculator
 
@@ -104,28 +108,41 @@ class Engine:
         spec: str | SpecConfig = "auto",
         device: str = "auto",
         config: EngineConfig | None = None,
+        *,
+        tp_follower: tuple | None = None,
+        tp_hooks: str | None = None,
         **overrides,
     ):
+        """Tensor parallelism (rollout/engine/tensor_parallel.py): `tp_follower` is (rank, port, pipe)
+        of a rank > 0, given by the process rank 0 starts; `tp_hooks` ("module:function") gives
+        those processes handlers of their own (a server's)."""
         spec_overrides = {k.removeprefix("spec_"): overrides.pop(k) for k in list(overrides) if k.startswith("spec_")}
         if spec_overrides:  # Engine(spec="eagle", spec_draft_model=PATH), as the CLI's --spec-draft-model
             spec = replace(spec, **spec_overrides) if isinstance(spec, SpecConfig) else SpecConfig(method=spec, **spec_overrides)
         self.config = config or EngineConfig(model=model, spec=spec, device=device, **overrides)
         cfg = self.config
-        self.device = _resolve_device(cfg.device, cfg.base_gpu_id)
+        rank = tp_follower[0] if tp_follower is not None else 0
+        self.device = _resolve_device(cfg.device, cfg.base_gpu_id + rank)
         if self.device.type == "cuda":  # Triton launches and graph captures go to the current GPU: make it ours
             torch.cuda.set_device(self.device)
         self.dtype = _resolve_dtype(cfg.dtype, self.device)
         self.model_path = resolve_model_path(cfg.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
+        Shard.check(self.model_config, cfg.tp_size)
+        self.tp = start_ranks(cfg, self.device, tp_follower, tp_hooks)  # None with one rank
+        if self.tp is not None and self.device.type == "cpu":  # ranks that share the cores: no oversubscription
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp_size))
+        self.shard = Shard(rank, cfg.tp_size, self.tp.group if self.tp is not None else None)
+        self.staged_weights = None  # a rank > 0's own copy of a pushed update, by version (set by its server)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = cfg.max_model_len or min(self.model_config.max_context, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > self.model_config.max_context:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {self.model_config.max_context}")
 
         pdl.set_enabled(cfg.pdl and pdl.supported(self.device))  # before any kernel is timed or captured
-        self.model = build_model(self.model_config, self.device, self.dtype)
+        self.model = build_model(self.model_config, self.device, self.dtype, self.shard)
         if cfg.load_format == "dummy":
-            randomize(self.model, cfg.seed)
+            randomize(self.model, cfg.seed + rank)
         else:
             load_checkpoint(self.model, self.model_path)
         head = None
@@ -138,7 +155,7 @@ class Engine:
         self.pool = KVPool(
             num_layers=self.model_config.num_layers + (head is not None),  # the head's KV: one more layer
             num_slots=self._kv_cache_tokens(),
-            num_kv_heads=self.model_config.num_kv_heads,
+            num_kv_heads=self.shard.kv_heads(self.model_config),
             head_dim=self.model_config.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -170,7 +187,7 @@ class Engine:
             max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
             capacities = self.spec.budget.capacities if cfg.spec.enabled else (lambda b: [0])
             mc = self.model_config
-            attn_out = torch.zeros(max_tokens, mc.num_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+            attn_out = torch.zeros(max_tokens, self.shard.heads(mc), mc.head_dim, dtype=self.dtype, device=self.device)
             self.runner.graphs = CudaGraphs(self.runner.run_decode, attn_out, self.table.padding_row,
                                             cfg.max_running_seqs, capacities, self.spec.step_kinds)
             t0 = time.perf_counter()
@@ -205,7 +222,10 @@ class Engine:
 
     def recover(self) -> list[Request]:
         """After a step raised: drop every request and start over with an empty KV pool (the model
-        and its weights are untouched). Returns the requests dropped, for their callers to fail."""
+        and its weights are untouched). Returns the requests dropped, for their callers to fail.
+        Not under tensor parallelism: the ranks may have failed apart, so the group restarts."""
+        if self.tp is not None:
+            raise RuntimeError("a tensor-parallel engine does not recover from a failed step: restart it")
         dropped = list(self.requests.values())
         self.requests.clear()
         self._updated, self._ended, self._in_flight = {}, {}, None
@@ -244,6 +264,14 @@ class Engine:
             seed = prompt_seed(prompt_ids, self.config.seed)
         else:
             seed = self._rng.getrandbits(63)
+        self._replay("_admit", prompt_ids, dataclasses.asdict(params), rid, seed, return_logprob, top_logprobs_num)
+        return self._admit(prompt_ids, params, rid, seed, return_logprob, top_logprobs_num)
+
+    def _admit(self, prompt_ids: list[int], params: SamplingParams | dict, rid: str, seed: int, return_logprob: bool,
+               top_logprobs_num: int) -> Request:
+        """A checked request into the scheduler (what a tensor-parallel rank > 0 replays, `params` as a dict)."""
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(rid, prompt_ids, params, seed, return_logprob, top_logprobs_num, stop_ids=stop_ids,
                       max_len=len(prompt_ids) + params.max_new_tokens)  # within max_model_len, checked above
@@ -256,6 +284,39 @@ class Engine:
         self._editing_logits += req.edits_logits
         self.scheduler.add(leader)
         return req
+
+    # ---------------- tensor parallelism (rollout/engine/tensor_parallel.py) ----------------
+    REPLAYED = ("_admit", "abort", "step", "drain", "invalidate_kv", "release_memory", "resume_memory",
+                "clear_speculation_history", "_swap_replayed")
+
+    def _replay(self, name: str, *args) -> None:
+        """Rank 0: a call the other ranks make too (sent before the next collective)."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.record(name, *args)
+
+    def _flush_replay(self) -> None:
+        if self.tp is not None and self.tp.leads:
+            self.tp.flush()
+
+    def follow(self, handlers: dict | None = None) -> None:
+        """A rank > 0: replay rank 0's calls until it stops; `handlers` take the calls that are not
+        the engine's (a server's weight receiver)."""
+        handlers = handlers or {}
+        while True:
+            name, *args = self.tp.next()
+            if name == "stop":
+                return
+            if name in handlers:
+                handlers[name](*args)
+            elif name in self.REPLAYED:
+                getattr(self, name)(*args)
+            else:
+                raise RuntimeError(f"tensor-parallel rank {self.tp.rank} cannot replay {name!r}")
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        if self.tp is not None and self.tp.leads:
+            self.tp.close()
 
     def _checked(self, params: SamplingParams) -> SamplingParams:
         """The request's params, checked against what this engine can ever run."""
@@ -288,6 +349,7 @@ class Engine:
         req = self.requests.get(rid)
         if req is None:
             return False
+        self._replay("abort", rid)
         for seq in req.sequences:
             if not seq.finished:
                 seq.forks = []
@@ -321,6 +383,7 @@ class Engine:
         """
         if self.released:
             raise MemoryStateError(f"memory released ({', '.join(sorted(self.released))}): resume it before stepping")
+        self._replay("step")
         updated, self._updated = self._updated, {}
         began = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
@@ -345,21 +408,35 @@ class Engine:
                 else:
                     self._complete(launched, updated)
         self._busy_s += time.perf_counter() - began
+        self._flush_replay()
         return self._collect(updated)
 
     def _launch(self, batch: Batch, began: float) -> StepInFlight:
         if batch.is_prefill:
             slots, positions, starts = self.scheduler.place_prefill(batch)
             head = self.spec.head_for_prefill(new_prompts=bool((starts == 0).any()))
+            self._flush_replay()
             step = self.runner.launch_prefill(batch, slots, positions, starts, head)
         else:
-            plan = self.spec.plan(len(batch.seqs), self.scheduler.free_slots, draining=not self.scheduler.waiting)
+            plan = self._plan(len(batch.seqs))
             self.spec.before_decode(plan.drafting)
             self._draft_steps += plan.draft_rows > 0
             slots = self.scheduler.step_slots(len(batch.seqs) + plan.draft_rows)
+            self._flush_replay()
             step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.head, plan.shadow)
         step.began = began
         return step
+
+    def _plan(self, num_seqs: int) -> StepPlan:
+        """The decode step's plan: the budget's, which weighs this process's measured step times,
+        so under tensor parallelism rank 0's, sent before the step's collectives."""
+        if self.tp is not None and not self.tp.leads:
+            draft_rows, drafting, shadow, head = self.tp.expect("plan")
+            return StepPlan(draft_rows, drafting, shadow, HeadWork(head))
+        plan = self.spec.plan(num_seqs, self.scheduler.free_slots, draining=not self.scheduler.waiting)
+        if self.tp is not None:
+            self.tp.record("plan", plan.draft_rows, plan.drafting, plan.shadow, int(plan.head))
+        return plan
 
     def _complete(self, step: StepInFlight, updated: dict) -> None:
         """Wait for a launched step and apply what it emitted."""
@@ -397,6 +474,7 @@ class Engine:
     def drain(self) -> list[Request]:
         """Complete the step in flight, if any (the overlap schedule leaves one running between
         steps), so that nothing runs until the next `step()`; returns what `step()` would."""
+        self._replay("drain")
         self._complete_in_flight()
         updated, self._updated = self._updated, {}
         return self._collect(updated)
@@ -439,6 +517,7 @@ class Engine:
 
     def clear_speculation_history(self) -> None:
         """Forget earlier requests' outputs (benchmarks: no drafting from a previous run)."""
+        self._replay("clear_speculation_history")
         self.spec.clear_history()
 
     def _released(self, seq: Sequence) -> None:
@@ -589,29 +668,74 @@ class Engine:
         return self._swap_weights([(n, tuple(t.shape), t.dtype) for n, t in staged], staged, version, recompute_kv)
 
     def update_weights_from_disk(self, path: str, version: int | None = None, recompute_kv: bool = True) -> int:
-        """`update_weights` from a safetensors checkpoint, streamed file by file once every shape checks."""
-        return self._swap_weights(checkpoint_specs(resolve_model_path(path)), iter_checkpoint(path), version, recompute_kv)
+        """`update_weights` from a safetensors checkpoint, streamed file by file once every shape checks
+        (each tensor-parallel rank reads its part)."""
+        path = resolve_model_path(path)
+        return self._swap_weights(checkpoint_specs(path), iter_checkpoint(path, self.weight_targets()), version,
+                                  recompute_kv, ranks_get=("disk", str(path)))
+
+    def update_weights_staged(self, specs, tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                              recompute_kv: bool = True) -> int:
+        """`update_weights` of tensors a server's receiver staged for `version` (whole, or this rank's
+        parts of the (name, shape, dtype) `specs`); under tensor parallelism every rank received its
+        own copy (`staged_weights`), and all swap or none."""
+        return self._swap_weights(specs, tensors, version, recompute_kv, ranks_get=("staged", None))
 
     def _swap_weights(self, specs, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
-                      recompute_kv: bool) -> int:
-        """The one door for new weights: every (name, shape, dtype) in `specs` is checked before any is copied."""
+                      recompute_kv: bool, ranks_get: tuple[str, object] | None = None) -> int:
+        """The one door for new weights: every (name, shape, dtype) in `specs` is checked before any is copied.
+        Under tensor parallelism the other ranks get theirs as `ranks_get` says (`_swap_replayed`):
+        relayed from rank 0 (the default), read from disk, or their own staged copy."""
         specs = list(specs)
         t0 = time.perf_counter()
         self._complete_in_flight()  # the step in flight ran on the old weights; its tokens say so
         self.check_weights(specs)
-        copy_weights(self._weight_targets(), tensors)
-        self._set_version(version)
-        self.spec.on_weights(self.weight_version, any(name.startswith(HEAD_PREFIX) for name, _, _ in specs))
-        if recompute_kv:
-            self.invalidate_kv()
+        if self.tp is not None:
+            version = self.weight_version + 1 if version is None else int(version)
+            how, where = ranks_get or ("relay", [(n, list(shape), str(dtype).removeprefix("torch.")) for n, shape, dtype in specs])
+            self.tp.record("_swap_replayed", version, recompute_kv, how, where)
+            self.tp.flush()
+            if how == "relay":
+                tensors = [(n, self.tp.group.broadcast(t.to(self.device).contiguous())) for n, t in tensors]
+            if not self.tp.group.agree(True):
+                raise WeightError("weights rejected, nothing changed: another tensor-parallel rank did not receive them")
+        self._apply_weights([name for name, _, _ in specs], tensors, version, recompute_kv)
         self._weight_sync_s = time.perf_counter() - t0
         return self.weight_version
 
+    def _swap_replayed(self, version: int, recompute_kv: bool, how: str, where) -> None:
+        """A rank > 0's side of rank 0's `_swap_weights`: its tensors, then the ranks' agreement."""
+        self._complete_in_flight()
+        tensors, ok = [], True
+        targets = self.weight_targets()
+        try:
+            if how == "relay":  # every rank takes part in every broadcast, whatever it keeps
+                for name, shape, dtype in where:
+                    full = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                    tensors.append((name, targets[name].take(self.tp.group.broadcast(full)).clone()))
+            elif how == "disk":
+                tensors = list(iter_checkpoint(where, targets))
+            else:
+                tensors = self.staged_weights(version)
+        except Exception:  # noqa: BLE001 - told to every rank by the agreement
+            log.exception("tensor-parallel rank %d could not get weight version %d", self.tp.rank, version)
+            ok = False
+        if self.tp.group.agree(ok):
+            self._apply_weights([n for n, _ in tensors], tensors, version, recompute_kv)
+
+    def _apply_weights(self, names, tensors, version: int | None, recompute_kv: bool) -> None:
+        copy_weights(self.weight_targets(), tensors)
+        self._set_version(version)
+        self.spec.on_weights(self.weight_version, any(name.startswith(HEAD_PREFIX) for name in names))
+        if recompute_kv:
+            self._complete_in_flight()
+            self.scheduler.preempt_all()
+
     def check_weights(self, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Raise WeightError unless every (name, shape, dtype) names one of the model's weights as it is."""
-        check_weights(self._weight_targets(), list(specs), require_all=False)
+        check_weights(self.weight_targets(), list(specs), require_all=False)
 
-    def _weight_targets(self) -> dict:
+    def weight_targets(self) -> dict:
         """The target's weights by HF name, and a draft head's under HEAD_PREFIX (a trainer that
         trains the head with the policy pushes both, by any method)."""
         targets = self.model.weight_targets()
@@ -635,6 +759,7 @@ class Engine:
         if self.pool.used_slots:
             raise MemoryStateError(f"{len(self.scheduler.running)} sequence(s) hold KV cache: abort them or wait "
                                    "(pause_generation) before releasing memory")
+        self._replay("release_memory", sorted(tags))
         if self.runner.graphs is None:
             tags.discard("cuda_graph")
         before = _device_bytes(self.device)
@@ -653,6 +778,8 @@ class Engine:
         """Take back what `release_memory` let go (None: all); graphs are captured again once nothing
         is released any more."""
         tags = _memory_tags(tags) & self.released
+        self._replay("resume_memory", sorted(tags))
+        self._flush_replay()  # (graphs are captured again: collectives)
         before = _device_bytes(self.device)
         if "weights" in tags:
             self.model.to(self.device)
@@ -666,6 +793,7 @@ class Engine:
 
     def invalidate_kv(self) -> None:
         """Drop every cached KV entry; running and half-prefilled sequences are recomputed."""
+        self._replay("invalidate_kv")
         self._complete_in_flight()
         self.scheduler.preempt_all()
 
@@ -713,9 +841,10 @@ class Engine:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_TOKENS + 1
         c = self.model_config
-        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        per_token = 2 * c.num_layers * self.shard.kv_heads(c) * c.head_dim * self.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * self.config.kv_cache_memory_fraction) // per_token
+        slots = int(free * self.config.kv_cache_memory_fraction) // per_token
+        return slots if self.tp is None else self.tp.group.minimum(slots)  # every rank schedules alike
 
 
 class MemoryStateError(RuntimeError):

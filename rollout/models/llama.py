@@ -2,7 +2,9 @@
 
 Tokens of all sequences in a step are flattened: hidden states are [num_tokens, hidden].
 q/k/v and gate/up projections are fused into one matmul each; `weight_targets` maps the
-HF checkpoint names (the names a trainer pushes) onto the fused parameters.
+HF checkpoint names (the names a trainer pushes) onto the fused parameters. Under tensor
+parallelism a model holds one rank's shard (rollout/models/sharding.py): the same names map
+onto this rank's part of each tensor.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from kernels import fused, skinny_gemm
 from kernels.attention import AttentionBackend, AttentionMetadata
 from rollout.models.config import ModelConfig
+from rollout.models.sharding import ALONE, Shard
 
 
 @dataclass
@@ -37,19 +41,40 @@ class ForwardContext:
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one HF tensor lands: a parameter, or a row range of a fused one."""
+    """Where one HF tensor lands: a parameter, or a row range of a fused one. Under tensor
+    parallelism only this rank's `part` of the tensor (a dimension and an index range) lands
+    there, and `full` is the whole tensor's shape (the shape a trainer pushes)."""
 
     param: nn.Parameter
     rows: slice | None = None
+    part: tuple[int, slice] | None = None
+    full: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The HF tensor's shape."""
+        if self.full is not None:
+            return self.full
         if self.rows is None:
             return tuple(self.param.shape)
         return (self.rows.stop - self.rows.start, *self.param.shape[1:])
 
     def view(self) -> torch.Tensor:
         return self.param.data if self.rows is None else self.param.data[self.rows]
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the HF tensor: cut here from the whole one, or as read (`read_part`)."""
+        if self.part is None or tuple(tensor.shape) != self.shape:
+            return tensor
+        dim, index = self.part
+        return tensor.narrow(dim, index.start, index.stop - index.start)
+
+
+def _cut(shard: Shard, param: nn.Parameter, rows: slice | None, dim: int, index: slice, full: tuple[int, ...]) -> WeightTarget:
+    """The target of a tensor of shape `full` of which this rank keeps `index` along `dim`."""
+    if shard.alone:
+        return WeightTarget(param, rows)
+    return WeightTarget(param, rows, (dim, index), full)
 
 
 class Linear(nn.Linear):
@@ -74,11 +99,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = ALONE):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.shard = shard
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.heads(cfg), shard.kv_heads(cfg), cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -100,28 +126,47 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.k_caches[self.layer], ctx.v_caches[self.layer]
         q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, out=ctx.attn_out)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = ALONE):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard = shard
+        self.intermediate_size = shard.intermediate(cfg)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """From the gate/up projection of the normalised input (the layer fuses the norm into it)."""
-        return self.down_proj(fused.silu_mul(gate_up))
+        return self.shard.all_reduce(self.down_proj(fused.silu_mul(gate_up)))
+
+
+class VocabEmbedding(nn.Embedding):
+    """The embedding rows of this rank's slice of the vocabulary; the ranks' lookups are summed
+    (a token's row is on one rank, the others add zeros)."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard = ALONE):
+        super().__init__(shard.vocab_rows(cfg), cfg.hidden_size)
+        self.shard = shard
+        self.first = shard.vocab_slice(cfg).start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.alone:
+            return super().forward(ids)
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
+        return self.shard.all_reduce(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = ALONE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (this layer's output, the residual stream before it); their sum is the hidden state."""
@@ -133,20 +178,21 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     """Named `model` inside the causal LM, so parameter names follow the HF layout."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = ALONE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg, shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = ALONE):
         super().__init__()
         self.config = cfg
-        self.model = DecoderBody(cfg)
+        self.shard = shard
+        self.model = DecoderBody(cfg, shard)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows(cfg), bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -174,6 +220,10 @@ class CausalLM(nn.Module):
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps, self.lm_head_weight)
+        if not self.shard.alone:  # each rank's slice of the vocabulary, side by side, less the padding
+            vocab = self.config.vocab_size
+            logits = self.shard.all_gather(logits)
+            logits = logits[:, :vocab].contiguous() if logits.shape[1] != vocab else logits
         return logits.float()
 
     def to_host(self) -> None:
@@ -187,30 +237,37 @@ class CausalLM(nn.Module):
                     p.data = host
 
     def weight_targets(self) -> dict[str, WeightTarget]:
-        """Every HF tensor name this model accepts, mapped to where it is stored."""
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        inter = cfg.intermediate_size
+        """Every HF tensor name this model accepts, mapped to where (this rank's part of) it is stored."""
+        cfg, sh = self.config, self.shard
+        hd, hidden = cfg.head_dim, cfg.hidden_size
+        q, kv, inter = sh.heads(cfg) * hd, sh.kv_heads(cfg) * hd, sh.intermediate(cfg)
+        q_part = slice(sh.rank * q, (sh.rank + 1) * q)
+        kv_part = slice(sh.first_kv_head(cfg) * hd, sh.first_kv_head(cfg) * hd + kv)
+        inter_part = slice(sh.rank * inter, (sh.rank + 1) * inter)
+        vocab = sh.vocab_slice(cfg)
+        rows = slice(0, vocab.stop - vocab.start)  # (the last rank's slice may leave padding rows)
         targets = {
-            "model.embed_tokens.weight": WeightTarget(self.model.embed_tokens.weight),
+            "model.embed_tokens.weight": _cut(sh, self.model.embed_tokens.weight, rows, 0, vocab, (cfg.vocab_size, hidden)),
             "model.norm.weight": WeightTarget(self.model.norm.weight),
-            "lm_head.weight": WeightTarget(self.lm_head_weight),
+            "lm_head.weight": _cut(sh, self.lm_head_weight, rows, 0, vocab, (cfg.vocab_size, hidden)),
         }
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             targets[p + "input_layernorm.weight"] = WeightTarget(layer.input_layernorm.weight)
             targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
-            qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
-            for name, rows in qkv_rows.items():
-                targets[f"{p}self_attn.{name}.weight"] = WeightTarget(attn.qkv_proj.weight, rows)
+            qkv = {"q_proj": (slice(0, q), q_part, cfg.num_heads * hd), "k_proj": (slice(q, q + kv), kv_part, cfg.num_kv_heads * hd),
+                   "v_proj": (slice(q + kv, q + 2 * kv), kv_part, cfg.num_kv_heads * hd)}
+            for name, (at, part, size) in qkv.items():
+                targets[f"{p}self_attn.{name}.weight"] = _cut(sh, attn.qkv_proj.weight, at, 0, part, (size, hidden))
                 if cfg.attention_bias:
-                    targets[f"{p}self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, rows)
-            targets[p + "self_attn.o_proj.weight"] = WeightTarget(attn.o_proj.weight)
+                    targets[f"{p}self_attn.{name}.bias"] = _cut(sh, attn.qkv_proj.bias, at, 0, part, (size,))
+            targets[p + "self_attn.o_proj.weight"] = _cut(sh, attn.o_proj.weight, None, 1, q_part, (hidden, cfg.num_heads * hd))
             if cfg.qk_norm:
                 targets[p + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
                 targets[p + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-            targets[p + "mlp.gate_proj.weight"] = WeightTarget(mlp.gate_up_proj.weight, slice(0, inter))
-            targets[p + "mlp.up_proj.weight"] = WeightTarget(mlp.gate_up_proj.weight, slice(inter, 2 * inter))
-            targets[p + "mlp.down_proj.weight"] = WeightTarget(mlp.down_proj.weight)
+            gate_up = (cfg.intermediate_size, hidden)
+            targets[p + "mlp.gate_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(0, inter), 0, inter_part, gate_up)
+            targets[p + "mlp.up_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(inter, 2 * inter), 0, inter_part, gate_up)
+            targets[p + "mlp.down_proj.weight"] = _cut(sh, mlp.down_proj.weight, None, 1, inter_part, (hidden, cfg.intermediate_size))
         return targets

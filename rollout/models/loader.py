@@ -8,6 +8,7 @@ import torch
 
 from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM
+from rollout.models.sharding import ALONE, Shard
 from rollout.models.weights import (
     check_weights,
     checkpoint_specs,
@@ -32,11 +33,15 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Parameters allocated on the device, uninitialised: load or randomise next."""
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = ALONE) -> CausalLM:
+    """Parameters allocated on the device (this rank's shard of them), zero: load or randomise
+    next (a rank's padding rows of the vocabulary stay zero)."""
     with torch.device("meta"):
-        model = CausalLM(cfg)
-    return model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
+        model = CausalLM(cfg, shard)
+    model = model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.zero_()
+    return model
 
 
 MTP_PREFIX = "model.mtp_layers."  # a checkpoint's multi-token-prediction layers: a draft head's (spec/draft_head.py)
@@ -47,7 +52,7 @@ def load_checkpoint(model: CausalLM, path: Path) -> None:
     optional = ["lm_head.weight"] if model.config.tie_word_embeddings else []
     specs = [s for s in checkpoint_specs(path) if not s[0].startswith(MTP_PREFIX)]
     check_weights(targets, specs, require_all=True, optional=optional)
-    copy_weights(targets, ((n, t) for n, t in iter_checkpoint(path) if not n.startswith(MTP_PREFIX)))
+    copy_weights(targets, ((n, t) for n, t in iter_checkpoint(path, targets) if not n.startswith(MTP_PREFIX)))
 
 
 def randomize(model: CausalLM, seed: int) -> None:

@@ -40,11 +40,18 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: str | Path, targets: dict[str, WeightTarget] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint; with `targets` (a tensor-parallel rank's), only each target's
+    part is read from the file."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                target = targets.get(name) if targets is not None else None
+                if target is None or target.part is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    dim, index = target.part
+                    yield name, f.get_slice(name)[(slice(None),) * dim + (index,)]
 
 
 def checkpoint_specs(path: str | Path) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -102,8 +109,10 @@ def check_weights(
 
 
 def copy_weights(targets: dict[str, WeightTarget], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Write already-validated tensors (cast to each parameter's dtype and device)."""
+    """Write already-validated tensors (cast to each parameter's dtype and device), each cut to
+    this rank's part of it under tensor parallelism."""
     with torch.no_grad():
         for name, tensor in tensors:
             if not name.endswith(IGNORED_SUFFIXES):
-                targets[name].view().copy_(tensor)
+                target = targets[name]
+                target.view().copy_(target.take(tensor))

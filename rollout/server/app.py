@@ -349,7 +349,7 @@ async def get_model_info(request: Request) -> Response:
 async def get_server_info(request: Request) -> Response:
     fe = frontend(request)
     engine_info = await fe.engine.control("get_server_info", timeout=30)
-    return JSON({"tp_size": 1, **fe.settings.public(), **engine_info, "frontend": fe.engine.counters()})
+    return JSON({**fe.settings.public(), **engine_info, "frontend": fe.engine.counters()})
 
 
 @native.get("/metrics", dependencies=[Depends(require_api_key)])

@@ -39,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from rollout.config import EngineConfig, SamplingParams, SpecConfig
+from rollout.config import EngineConfig, SamplingParams
 from rollout.engine.engine import Engine, freeze_heap
 from rollout.engine.sequence import Request, Sequence, Status
 from rollout.server import protocol
@@ -77,11 +77,7 @@ class EngineLoop:
             "continue_generation": self.op_continue_generation,
             "flush_cache": self.op_flush_cache,
             "get_weight_version": lambda a: self.receiver.get_weight_version(),
-            "init_weights_update_group": lambda a: self.receiver.init_group(**a),
-            "destroy_weights_update_group": lambda a: self.receiver.destroy_group(**a),
-            "update_weights_from_distributed": lambda a: self.receiver.update_from_distributed(**a),
-            "update_weights_from_disk": lambda a: self.receiver.update_from_disk(**a),
-            "update_weights_from_tensor": lambda a: self.receiver.update_from_tensor(**a),
+            **{op: (lambda a, op=op: receive_weights(self.engine, self.receiver, op, a)) for op in RECEIVER_OPS},
         }
         self.step_failures = 0
         self.busy_since: float | None = None  # time.monotonic() when the loop took up its current work
@@ -107,6 +103,8 @@ class EngineLoop:
         try:
             updated = self.engine.step()
         except Exception as e:  # a bug, or a request that got past every check: not a reason to die
+            if self.engine.tp is not None:  # (unless the ranks may have failed apart: the group restarts)
+                raise
             self.step_failures += 1
             log.exception("an engine step failed; failing the %d request(s) in flight", len(self.engine.requests))
             why = f"the engine failed while running this request ({type(e).__name__}: {e}); the server goes on"
@@ -362,14 +360,62 @@ def engine_info(engine: Engine) -> dict:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "weight_version": engine.weight_version,
         "max_running_seqs": engine.config.max_running_seqs,
+        "tp_size": engine.config.tp_size,
         "engine_pid": os.getpid(),
     }
 
 
-def restore_weights(rx: WeightReceiver, restore: dict) -> None:
+# the receiver's calls by control op; under tensor parallelism every rank's receiver takes them
+RECEIVER_OPS = {
+    "init_weights_update_group": "init_group", "destroy_weights_update_group": "destroy_group",
+    "update_weights_from_distributed": "update_from_distributed", "update_weights_from_disk": "update_from_disk",
+    "update_weights_from_tensor": "update_from_tensor",
+}
+
+
+def receive_weights(engine: Engine, rx: WeightReceiver, op: str, args: dict) -> Future:
+    """A weight op on rank 0's receiver and, once it took it, on every other tensor-parallel rank's
+    (`follower_handlers`): each joins the trainer's group at its own rank, receives or reads its
+    own copy, and swaps it in when rank 0 does (Engine.update_weights_staged)."""
+    mine = args
+    if engine.tp is not None and op == "update_weights_from_tensor" and _per_rank(args.get("handles"), engine.tp.size):
+        mine = {**args, "handles": args["handles"][0]}  # SGLang's list: one payload per rank
+    pending = len(rx.progress())
+    fut = getattr(rx, RECEIVER_OPS[op])(**mine)
+    if engine.tp is not None and not (fut.done() and fut.exception() is not None):
+        if op.startswith("update_weights") and len(rx.progress()) > pending:
+            args = {**args, "weight_version": rx.newest_version(), "abort_all_requests": False}  # (rank 0 aborts)
+        engine.tp.record("receiver", op, args)
+        engine.tp.flush()
+    return fut
+
+
+def follower_handlers(engine: Engine) -> dict:
+    """A tensor-parallel rank > 0 of a server (Engine's `tp_hooks`): its own weight receiver."""
+    rx = WeightReceiver(engine)
+    engine.staged_weights = rx.take_staged
+
+    def receive(op: str, args: dict) -> None:
+        rank = engine.tp.rank
+        if op == "init_weights_update_group":
+            args = {**args, "rank_offset": args["rank_offset"] + rank}
+        if op == "update_weights_from_tensor" and _per_rank(args.get("handles"), engine.tp.size):
+            args = {**args, "handles": args["handles"][rank]}
+        fut = getattr(rx, RECEIVER_OPS[op])(**args)
+        fut.add_done_callback(lambda f: f.exception() and log.error("rank %d: %s failed: %s", rank, op, f.exception()))
+
+    return {"receiver": receive}
+
+
+def _per_rank(handles, ranks: int) -> bool:
+    return isinstance(handles, list) and len(handles) == ranks and all(isinstance(h, list) for h in handles)
+
+
+def restore_weights(engine: Engine, rx: WeightReceiver, restore: dict) -> None:
     """A restarted engine takes the last weights its front end saw loaded from disk (pushed ones died
     with the old process); if they are gone, it serves the model's own, and says so."""
-    fut = rx.update_from_disk(model_path=restore["model_path"], weight_version=restore["weight_version"])
+    fut = receive_weights(engine, rx, "update_weights_from_disk",
+                          {"model_path": restore["model_path"], "weight_version": restore["weight_version"]})
     while not fut.done():
         rx.at_step_boundary()
         time.sleep(0.01)
@@ -380,10 +426,9 @@ def restore_weights(rx: WeightReceiver, restore: dict) -> None:
         log.info("restored weights %s from %s", restore["weight_version"], restore["model_path"])
 
 
-def config_from_json(text: str) -> EngineConfig:
-    raw = json.loads(text)
-    raw["spec"] = SpecConfig(**raw.get("spec", {}))
-    return EngineConfig(**raw)
+def _rank_died(rank: int) -> None:
+    log.error("tensor-parallel rank %d died; the engine exits so that its server restarts the whole group", rank)
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -408,12 +453,15 @@ def main(argv: list[str] | None = None) -> None:
     send.connect(args.send)
     code = 0
     try:
-        engine = Engine(config=config_from_json(args.config))
+        engine = Engine(config=EngineConfig.from_dict(json.loads(args.config)),
+                        tp_hooks="rollout.server.engine_loop:follower_handlers")
+        if engine.tp is not None:  # a rank that dies takes the group down: the front end restarts it whole
+            engine.tp.watch(_rank_died)
         freeze_heap()  # this process lives and dies with its engine
         loop = EngineLoop(engine, recv, send, args.parent_pid)
         try:
             if args.restore:
-                restore_weights(loop.receiver, json.loads(args.restore))
+                restore_weights(engine, loop.receiver, json.loads(args.restore))
             info = {**engine_info(engine), "weight_version": loop.version_label(engine.weight_version)}
             send.send(protocol.pack(protocol.ready(info)))
             log.info("engine ready: %s on %s, weight version %s", engine.model_path, engine.device, info["weight_version"])
@@ -426,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
                 heartbeat.join(timeout=5)
         finally:
             loop.close()
+            engine.close()
         if loop.orphaned and args.recv.startswith("ipc://"):  # nobody else will remove the socket directory
             shutil.rmtree(os.path.dirname(args.recv.removeprefix("ipc://")), ignore_errors=True)
     except (KeyboardInterrupt, SystemExit):

@@ -11,9 +11,10 @@ or holds many more samples than the least loaded one (`OVERLOAD_SLACK` of a repl
 twice its load), sends a prompt elsewhere, and the prompt then stays there.
 
 Control calls go to every replica at once: weight updates arrive at all of them (replica i
-joins a trainer's group at `rank_offset + i`, so one broadcast reaches all), and a call that
-fails on a replica fails with its dp rank named, as soon as that replica answers. A replica
-that dies fails its own requests and is restarted by its client; the others keep serving.
+joins a trainer's group at `rank_offset + i * tp_size`, its tensor-parallel ranks after it, so
+one broadcast reaches all), and a call that fails on a replica fails with its dp rank named,
+as soon as that replica answers. A replica that dies fails its own requests and is restarted by
+its client; the others keep serving.
 """
 
 from __future__ import annotations
@@ -177,10 +178,9 @@ class Replicas:
                 fut.cancel()
         return _merge(op, [results[i] for i in range(len(self.clients))])
 
-    @staticmethod
-    def _args_for(op: str, args: dict, dp_rank: int) -> dict:
-        if op in PER_RANK:
-            return {**args, "rank_offset": args["rank_offset"] + dp_rank}
+    def _args_for(self, op: str, args: dict, dp_rank: int) -> dict:
+        if op in PER_RANK:  # replica i's tensor-parallel ranks follow replica i - 1's
+            return {**args, "rank_offset": args["rank_offset"] + dp_rank * self.config.tp_size}
         return args
 
     async def stats(self, timeout: float) -> list[dict | None]:

@@ -47,6 +47,12 @@ SPEED_SHAPES = {
         "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
         "eos_token_id": 2, "rope_theta": 1000000.0,
     },
+    "qwen2.5-32b": {  # 65.5 GB in bf16: tensor parallelism's shape
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+        "eos_token_id": 2, "rope_theta": 1000000.0,
+    },
 }
 
 
@@ -400,6 +406,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     if spec_stats:
                         print(f"  budget: {spec_stats}", flush=True)
     tokenizer = engines[modes[0]].tokenizer
+    for engine in engines.values():
+        engine.close()  # (its other tensor-parallel ranks)
     engine = None
     del engine, engines, trainer
     thaw_heap()  # the engines hold reference cycles: free their KV pools before HF's model loads

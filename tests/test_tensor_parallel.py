@@ -1,0 +1,184 @@
+"""Tensor parallelism on the CPU (gloo): an engine over 2 or 3 processes gives the tokens of one,
+with speculation, weight pushes of every kind, and a rank that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from server_process import running_server
+from tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from rollout import Engine, SamplingParams, SpecConfig
+from rollout.config import EngineConfig
+from rollout.models.config import ModelConfig
+from rollout.models.sharding import Shard
+from weight_sync import WeightPusher, WeightSyncError
+
+PROMPTS = [[5 + k, 9, 13 + 2 * k, 7, 11 + k] for k in range(6)]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, n=2, seed=11)
+LOGPROB_TOL = 1e-5  # relative: the ranks' partial sums add up in another order than one rank's
+
+
+def outputs(engine: Engine, prompts, params) -> list:
+    return [o for r in engine.generate(prompts, params, return_logprob=True) for o in r]
+
+
+def assert_same(one: list, many: list) -> None:
+    assert [o.token_ids for o in many] == [o.token_ids for o in one]
+    for a, b in zip(one, many):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x - y) <= LOGPROB_TOL * max(1.0, abs(x)), (x, y)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-llama")
+    make_tiny_model("llama", path)
+    return path
+
+
+@pytest.mark.parametrize("kind,size", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)])
+def test_tp_engine_gives_tp1_tokens_and_logprobs(tmp_path, kind, size):
+    """q/k/v bias (qwen2), q/k norms and tied embeddings (qwen3), KV heads replicated (4 ranks, 2 heads)."""
+    make_tiny_model(kind, tmp_path)
+    one = Engine(model=str(tmp_path), spec="off", device="cpu")
+    many = Engine(model=str(tmp_path), spec="off", device="cpu", tp_size=size)
+    try:
+        assert_same(outputs(one, PROMPTS, GREEDY), outputs(many, PROMPTS, GREEDY))
+        assert_same(outputs(one, PROMPTS, SAMPLED), outputs(many, PROMPTS, SAMPLED))
+    finally:
+        many.close()
+
+
+def test_default_model_over_3_ranks_with_and_without_speculation(default_engine):
+    """9 heads and 3 KV heads: a head of each per rank. Spec ngram gives spec off's tokens, and both
+    TP1's; `auto` is the n-gram index alone under TP (no draft head)."""
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return"]
+    params = [SamplingParams(temperature=0, max_new_tokens=16)] * 2 + [SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=5)]
+    one = outputs(default_engine, prompts, params)
+    for method in ("off", "ngram"):  # (a fixed budget: drafts from the first steps)
+        engine = Engine(model="default", spec=SpecConfig(method=method, adaptive=False), device="cpu", tp_size=3)
+        try:
+            assert_same(one, outputs(engine, prompts, params))
+            assert (engine.stats()["rollout/spec_draft_tokens"] > 0) == (method == "ngram")
+        finally:
+            engine.close()
+    assert EngineConfig(model="default", spec="auto", tp_size=3).spec.drafters == ("ngram",)
+
+
+def test_a_model_whose_heads_do_not_split_gets_an_error_naming_the_sizes(default_model_dir):
+    with pytest.raises(ValueError, match=r"tp_size 2: 2 does not fit its 9 attention heads; its 3 KV heads"):
+        Shard.check(ModelConfig.from_dir(default_model_dir), 2)
+    with pytest.raises(ValueError, match="draft heads"):
+        Engine(model="default", spec="eagle", spec_draft_model="default", device="cpu", tp_size=3)
+
+
+def test_update_weights_under_tp_equals_tp1_and_a_wrong_shape_changes_no_rank(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(torch.rand(model.model.norm.weight.shape, generator=torch.Generator().manual_seed(1)) + 0.5)
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    pushed = dict(model.named_parameters())
+    one = Engine(model=str(tiny), spec="off", device="cpu")
+    many = Engine(model=str(tiny), spec="off", device="cpu", tp_size=2)
+    try:
+        before = outputs(many, PROMPTS, GREEDY)
+        many.release_memory()  # every rank lets go, and takes back
+        many.resume_memory()
+        assert_same(before, outputs(many, PROMPTS, GREEDY))
+        with pytest.raises(ValueError, match="shape"):
+            many.update_weights([("model.layers.0.mlp.down_proj.weight", torch.randn(3, 3)), *pushed.items()])
+        assert_same(before, outputs(many, PROMPTS, GREEDY))
+        assert many.weight_version == 0
+        for engine in (one, many):
+            engine.update_weights(pushed.items(), version=4)
+        after = outputs(many, PROMPTS, GREEDY)
+        assert_same(outputs(one, PROMPTS, GREEDY), after)
+        assert [o.token_ids for o in after] != [o.token_ids for o in before]
+        assert {v for o in after for v in o.weight_versions} == {4}
+    finally:
+        many.close()
+
+
+# ---------------- a server over 2 ranks ----------------
+@pytest.fixture(scope="module")
+def tp2(tiny):
+    with running_server(str(tiny), "--tp-size", "2", "--max-running-seqs", "16", "--kv-cache-tokens", "4096") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny):
+    with running_server(str(tiny), "--max-running-seqs", "16", "--kv-cache-tokens", "4096") as server:
+        yield server
+
+
+def generate(url: str, params: dict | None = None) -> list[list[int]]:
+    body = {"input_ids": PROMPTS, "sampling_params": params or {"max_new_tokens": 8, "temperature": 0}}
+    r = requests.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return [s["output_ids"] for s in r.json()]
+
+
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_a_push_to_a_tp2_server_equals_the_same_push_to_tp1(tp2, tp1, tiny, method):
+    info = requests.get(tp2.url + "/server_info", timeout=30).json()
+    assert info["tp_size"] == 2
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(7 if method == "disk" else 8)))
+    before = generate(tp2.url)
+    version = str(int(requests.get(tp2.url + "/get_weight_version", timeout=10).json()["weight_version"]) + 1)
+    for url in (tp1.url, tp2.url):
+        with WeightPusher(url, method=method) as pusher:  # (TP2: the trainer and both ranks in one group)
+            pusher.push(model.named_parameters(), version=version)
+    after = generate(tp2.url)
+    assert after == generate(tp1.url) != before
+    assert requests.get(tp2.url + "/get_weight_version", timeout=10).json()["weight_version"] == version
+
+
+def test_a_wrong_shape_push_to_a_tp2_server_changes_no_rank(tp2, tiny, tmp_path):
+    wider = tmp_path / "wider"
+    other = make_tiny_model("llama", wider, intermediate_size=96)
+    before, version = generate(tp2.url), requests.get(tp2.url + "/get_weight_version", timeout=10).json()["weight_version"]
+    with WeightPusher(tp2.url, method="distributed") as pusher, pytest.raises(WeightSyncError, match="shape"):
+        pusher.push(other.named_parameters())
+    assert generate(tp2.url) == before
+    assert requests.get(tp2.url + "/get_weight_version", timeout=10).json()["weight_version"] == version
+
+
+def test_a_rank_killed_mid_run_fails_requests_fast_and_the_group_restarts(tp2):
+    long = {"max_new_tokens": 1000, "temperature": 1.0, "ignore_eos": True, "n": 2}
+    result: dict = {}
+
+    def run():
+        r = requests.post(tp2.url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": long}, timeout=300)
+        result.update(status=r.status_code, body=r.text)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not requests.get(tp2.url + "/v1/loads", timeout=10).json()["loads"][0]["num_total_reqs"]:
+        assert time.monotonic() < deadline, "the long request never showed in /v1/loads"
+        time.sleep(0.05)
+    leader = requests.get(tp2.url + "/server_info", timeout=30).json()["engine_pid"]
+    rank1 = int(subprocess.check_output(["pgrep", "-P", str(leader), "-f", "rollout.engine.rank_process"]).split()[0])
+    killed_at = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    thread.join(60)
+    assert result.get("status") == 503 and time.monotonic() - killed_at < 10, result
+    deadline = time.monotonic() + 120
+    while requests.get(tp2.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the group did not come back"
+        time.sleep(0.5)
+    assert requests.get(tp2.url + "/server_info", timeout=30).json()["engine_pid"] != leader
+    assert len(generate(tp2.url)) == len(PROMPTS)

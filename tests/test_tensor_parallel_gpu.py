@@ -1,0 +1,32 @@
+"""Tensor parallelism on GPUs (run on the device machine: -m gpu): NCCL collectives inside the
+captured CUDA graphs give the tokens of eager steps and of one GPU, with speculation too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from rollout import Engine, SamplingParams, SpecConfig
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")]
+
+PROMPTS = [[5 + k, 9, 13 + 2 * k, 7, 11 + k] for k in range(12)]
+PARAMS = [SamplingParams(temperature=0, max_new_tokens=48)] * 6 + [SamplingParams(temperature=1.0, max_new_tokens=48, n=4, seed=9)] * 6
+
+
+def tokens(model, **kw) -> list[list[int]]:
+    engine = Engine(model=str(model), device="cuda", dtype="float32", kv_cache_tokens=20_000, **kw)
+    try:
+        return [o.token_ids for r in engine.generate(PROMPTS, PARAMS) for o in r]
+    finally:
+        engine.close()
+
+
+def test_tp2_with_graphs_gives_eager_tp1_and_spec_off_tokens(tmp_path):
+    make_tiny_model("llama", tmp_path)
+    one = tokens(tmp_path, spec="off", cuda_graphs=False)
+    assert tokens(tmp_path, spec="off", tp_size=2) == one
+    assert tokens(tmp_path, spec="off", tp_size=2, cuda_graphs=False) == one
+    assert tokens(tmp_path, spec=SpecConfig(method="ngram", adaptive=False), tp_size=2) == one
