@@ -182,3 +182,19 @@ def test_a_rank_killed_mid_run_fails_requests_fast_and_the_group_restarts(tp2):
         time.sleep(0.5)
     assert requests.get(tp2.url + "/server_info", timeout=30).json()["engine_pid"] != leader
     assert len(generate(tp2.url)) == len(PROMPTS)
+
+
+def test_one_push_reaches_all_four_ranks_of_tp2_x_dp2(tp1, tiny):
+    """Two replicas of two ranks each: the trainer's group holds all four (rank_offset + 2i + r)."""
+    with running_server(str(tiny), "--tp-size", "2", "--dp-size", "2", "--max-running-seqs", "16",
+                        "--kv-cache-tokens", "4096") as both:
+        assert [r["dp_rank"] for r in requests.get(both.url + "/server_info", timeout=30).json()["replicas"]] == [0, 1]
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.norm.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(9)))
+        version = str(int(requests.get(tp1.url + "/get_weight_version", timeout=10).json()["weight_version"]) + 1)
+        for url in (tp1.url, both.url):
+            with WeightPusher(url, method="distributed") as pusher:
+                assert pusher.push(model.named_parameters(), version=version)["weight_version"] == version
+        assert generate(both.url) == generate(tp1.url)
+        assert [r["weight_version"] for r in requests.get(both.url + "/server_info", timeout=30).json()["replicas"]] == [version] * 2

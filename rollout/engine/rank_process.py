@@ -15,7 +15,7 @@ import threading
 import time
 
 from rollout.config import EngineConfig
-from rollout.engine.engine import Engine
+from rollout.engine.engine import Engine, freeze_heap
 from rollout.engine.tensor_parallel import WATCH_S
 
 log = logging.getLogger("rollout")
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     """A rank's process: build the engine's shard, then replay rank 0's calls until told to stop.
     `--hooks module:function`: called with the engine, returns handlers for the calls that are not
     the engine's (a server's weight receiver: rollout/server/engine_loop.py)."""
-    p = argparse.ArgumentParser(prog="python -m rollout.engine.tensor_parallel")
+    p = argparse.ArgumentParser(prog="python -m rollout.engine.rank_process")
     for flag, kind in (("--config", str), ("--rank", int), ("--port", int), ("--fd", int), ("--parent-pid", int),
                        ("--hooks", str)):
         p.add_argument(flag, type=kind, required=flag != "--hooks")
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     _exit_with_parent(args.parent_pid)
     pipe = os.fdopen(args.fd, "rb")
     engine = Engine(config=EngineConfig.from_dict(json.loads(args.config)), tp_follower=(args.rank, args.port, pipe))
+    freeze_heap()  # as rank 0's process does: no full collection stalls a step the others wait on
     handlers = {}
     if args.hooks:
         module, _, function = args.hooks.partition(":")
