@@ -264,7 +264,8 @@ class Engine:
             seed = prompt_seed(prompt_ids, self.config.seed)
         else:
             seed = self._rng.getrandbits(63)
-        self._replay("_admit", prompt_ids, dataclasses.asdict(params), rid, seed, return_logprob, top_logprobs_num)
+        if self.tp is not None:
+            self._replay("_admit", prompt_ids, dataclasses.asdict(params), rid, seed, return_logprob, top_logprobs_num)
         return self._admit(prompt_ids, params, rid, seed, return_logprob, top_logprobs_num)
 
     def _admit(self, prompt_ids: list[int], params: SamplingParams | dict, rid: str, seed: int, return_logprob: bool,
