@@ -729,8 +729,7 @@ class Engine:
         self._set_version(version)
         self.spec.on_weights(self.weight_version, any(name.startswith(HEAD_PREFIX) for name in names))
         if recompute_kv:
-            self._complete_in_flight()
-            self.scheduler.preempt_all()
+            self._drop_kv()
 
     def check_weights(self, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Raise WeightError unless every (name, shape, dtype) names one of the model's weights as it is."""
@@ -795,6 +794,10 @@ class Engine:
     def invalidate_kv(self) -> None:
         """Drop every cached KV entry; running and half-prefilled sequences are recomputed."""
         self._replay("invalidate_kv")
+        self._drop_kv()
+
+    def _drop_kv(self) -> None:
+        """invalidate_kv's work, also inside a weight swap (which every rank replays whole)."""
         self._complete_in_flight()
         self.scheduler.preempt_all()
 
