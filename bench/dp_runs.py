@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             def start(*extra: str):
                 return stack.enter_context(launched_server(*common, *extra, wait=False))
 
-            servers = {f"{spec}-dp{dp}": start("--dp-size", str(dp)) for dp in map(int, args.dp_sizes.split(","))}
+            servers = {f"{spec}-dp{dp}": start("--dp-size", str(dp), "--tp-size", str(args.tp_size)) for dp in map(int, args.dp_sizes.split(","))}
             singles = [start("--base-gpu-id", str(i)) for i in range(args.separate)]  # one GPU each
             for server in [*servers.values(), *singles]:  # (they load and capture side by side)
                 server.wait_healthy(900)
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dp-sizes", default="1,2")
     ap.add_argument("--specs", default="ngram,off")
+    ap.add_argument("--tp-size", type=int, default=1, help="each replica's tensor-parallel ranks (GPUs)")
     ap.add_argument("--batch-sizes", default="512")
     ap.add_argument("--temperature", default="0.7")
     ap.add_argument("--repeats", type=int, default=3)

@@ -6,8 +6,14 @@
 #   call 2: carry .devcache/smol.part.ab .whl_dp   bash bench/gpu_tp.sh setup   (within 30 s)
 #   call 3: bash bench/gpu_tp.sh tp      (GPU test, all-reduce latency, decode TP1/2/4 of both shapes)
 #   call 4: bash bench/gpu_tp.sh more    (grpo spec off/ngram under TP2, pushes to TP2)
+#   or, on 4 GPUs after setup:
+#   call 3: bash bench/gpu_tp.sh probe   (NCCL against symmetric-memory all-reduce, kernels per step, pushes to TP2)
+#   call 4: bash bench/gpu_tp.sh rows    (32B TP4 decode, rl under TP2 x DP2 against one TP2 replica)
+#   bash bench/gpu_tp.sh gemm        (the decode products at TP widths: bench/gemm_choice.py)
+#   BASE=old.py BASE_AS=kernels/x.py bash bench/gpu_tp.sh versus   (8B b1 decode, TP2 and TP1: this tree
+#                                    against the same tree with x.py's old version)
 set -uo pipefail
-stage=${1:?stage: setup | tp | more}
+stage=${1:?stage: setup | tp | more | probe | rows | gemm | versus}
 source bench/gpu_env.sh .whl .whl_dp
 TPS=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || echo "1 2")
 bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-running-seqs 64 --repeats 3 "$@" 2>&1 | grep -v -i -e warn -e "^Loading"; }
@@ -40,6 +46,36 @@ more)
     --output-len 128 --tp-size 2 --out "$OUT/grpo-8b-tp2" 2>&1 | tail -5 | tee "$OUT/grpo-8b-tp2.log"
   [ "$GPUS" -ge 3 ] && timeout 300 python3 recipes/bench_weight_sync.py --models 8b,32b --methods distributed --tp-size 2 \
     --repeats 3 2>&1 | grep -v -i warn | tail -4 | tee "$OUT/push-tp2.log"
+  ;;
+probe)
+  for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
+    timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096 \
+      --methods nccl,symm 2>&1 | grep -i -e "all-reduce (" -e error | head -6
+  done | tee "$OUT/allreduce-symm.log"
+  timeout 240 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 16 2>&1 | grep -e "^|" -e Error | tee "$OUT/tp-kernels.log"
+  [ "$GPUS" -ge 3 ] && timeout 240 python3 recipes/bench_weight_sync.py --models 8b,32b --methods distributed --tp-size 2 \
+    --repeats 3 2>&1 | grep -v -i warn | tail -6 | tee "$OUT/push-tp2.log"
+  ;;
+gemm)  # the decode products at TP widths, Triton against cuBLAS, on weights the L2 cache does not hold
+  timeout 150 python3 bench/gemm_choice.py --tp-sizes $(echo $TPS | tr ' ' ,) 2>&1 | grep -e "^|" -e Error \
+    | tee "$OUT/gemm-choice.log"
+  ;;
+versus)  # 8B b1 decode at TP 2 and 1: this tree against the same tree with $BASE (a file's old version) put back
+  timeout 120 python3 -m pytest -q -m gpu tests/test_fused_kernels.py 2>&1 | tail -2 | tee "$OUT/fused-tests.log"
+  rm -rf /tmp/base && mkdir -p /tmp/base && tar --exclude=.devcache --exclude=.whl* -cf - . | tar -xf - -C /tmp/base
+  cp "${BASE:?old version}" "/tmp/base/${BASE_AS:?its path in the tree}"
+  for tp in ${VS_TPS:-2 1}; do for tree in $PWD /tmp/base; do
+    (cd $tree && PYTHONPATH=/root/mcache/site:$tree LIMIT=100 bench --workload decode --random-model llama3-8b \
+      --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --tp-size $tp --out "$OUT/vs-tp$tp-$(basename $tree)" \
+      | grep "^| rollout" | tail -1 | sed "s|^|tp$tp $(basename $tree) |")
+  done; done 2>&1 | tee "$OUT/versus.log"
+  ;;
+rows)
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" || exit 1
+  LIMIT=250 bench --workload decode --random-model qwen2.5-32b --spec-modes off --batch-sizes 1,64 --prompt-len 1024 \
+    --output-len 128 --tp-size 4 --out "$OUT/decode-32b-tp4" 2>&1 | tail -4 | tee "$OUT/decode-32b-tp4.log"
+  timeout 250 python3 bench/dp_runs.py --tp-size 2 --dp-sizes 1,2 --specs ngram --batch-sizes 512 --repeats 2 \
+    --out "$OUT/tp2dp2" 2>&1 | grep -v -i -e warn -e "^Loading" | tail -6 | tee "$OUT/tp2dp2.log"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -6,8 +6,10 @@ Triton kernel below streams the weight once through one tile of 16 rows. Whether
 cuBLAS is faster depends on the shape, so the first call for each (N, K, dtype) times both,
 back to back inside a CUDA graph as steps run them, and keeps the faster: this path is never
 slower than `F.linear` beyond timing noise. That first call must happen outside CUDA-graph
-capture (the runner's warm-up does it). `norm_linear` also takes the RMSNorm before a product
-(and its residual add) into the same kernel: one launch fewer, twice per decoder layer.
+capture (the runner's warm-up does it). The RMSNorm before a product stays its own kernel:
+fused into this one, every program normalised the rows again before streaming its tile, and
+on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us
+apart; bench/gemm_choice.py).
 """
 
 from __future__ import annotations
@@ -42,12 +44,7 @@ def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x + residual)), x + residual): fused.rms_norm, then `linear`. Where the
-    skinny GEMM serves the product, one kernel: every program normalises the rows itself (they
-    are short), and the first also writes the sum, the residual stream's next value."""
-    if x.device.type != "cpu" or INTERPRET:
-        if takes_triton(x, weight, bias) and (residual is None or residual.stride(1) == 1):
-            return _skinny(x, weight, bias, (residual, norm_weight, eps))
+    """(linear(rms_norm(x + residual)), x + residual): the residual add fused into the norm."""
     if residual is None:
         return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
     h, summed = fused.rms_norm(x, norm_weight, eps, residual)
@@ -104,75 +101,37 @@ def graph_ms(fn) -> float:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _skinny(x, weight, bias, None)[0]
-
-
-def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            norm: tuple[torch.Tensor | None, torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton product, with the input rows RMS-normalised first when `norm` = (residual or
-    None, norm weight, eps); returns (y, the normalised rows' sum with the residual, or x)."""
+    """The Triton product."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual, norm_weight, eps = norm if norm is not None else (None, weight, 0.0)
-    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x
     if m == 0:
-        return y, summed
+        return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    args = (x, residual if residual is not None else x, norm_weight, summed, weight,
-            bias if bias is not None else weight, y, m, n, k, eps,
-            x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), y.stride(0))
-    flags = dict(NORM=norm is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS)
+    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS)
     if INTERPRET:  # the interpreter cannot time configurations
         _skinny_gemm_kernel[grid](*args, **flags, BLOCK_N=32, BLOCK_K=64, PDL=False)
     else:
         _skinny_gemm_tuned[grid](*args, **flags, **pdl.launch_args())
-    return y, summed
+    return y
 
 
 if triton is not None:
 
     @triton.jit
-    def _norm_input(x_ptr, r_ptr, rows, kk, ok, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr):
-        """A tile of x, or of x + residual rounded to x's dtype as an eager sum is."""
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + rows[:, None] * stride_rm + kk[None, :], mask=ok, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        return x
-
-    @triton.jit
-    def _skinny_gemm_kernel(x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr, m, n, k, eps,
-                            stride_xm, stride_rm, stride_wn, stride_ym,
-                            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         rows = tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < m
-        if NORM:  # the rows' inverse RMS (as fused.rms_norm, up to the order of the fp32 sum)
-            sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, k, BLOCK_K):
-                kk = k0 + ks
-                ok = row_ok[:, None] & (kk[None, :] < k)
-                x = _norm_input(x_ptr, r_ptr, rows, kk, ok, stride_xm, stride_rm, HAS_RESIDUAL)
-                if HAS_RESIDUAL:  # the first program writes the residual stream's next value
-                    tl.store(s_ptr + rows[:, None] * k + kk[None, :], x, mask=ok & (tl.program_id(0) == 0))
-                xf = x.to(tl.float32)
-                sum_sq += tl.sum(xf * xf, axis=1)
-            inv = tl.rsqrt(sum_sq / k + eps)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + ks
-            ok = row_ok[:, None] & (kk[None, :] < k)
-            if NORM:
-                x = _norm_input(x_ptr, r_ptr, rows, kk, ok, stride_xm, stride_rm, HAS_RESIDUAL)
-                dtype = x.dtype
-                nw = tl.load(nw_ptr + kk, mask=kk < k, other=0.0).to(tl.float32)
-                x = ((x.to(tl.float32) * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
-            else:
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=ok, other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < k), other=0.0)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < n) & (kk[None, :] < k),
                         other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
@@ -187,5 +146,5 @@ if triton is not None:
             for bn, bk, w, st in [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
                                   (64, 64, 4, 4), (128, 64, 8, 3), (16, 512, 4, 2)]
         ],
-        key=["n", "k", "NORM"],
+        key=["n", "k"],
     )(_skinny_gemm_kernel)

@@ -80,7 +80,7 @@ def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 @pytest.mark.parametrize("rows,n,k,residual,bias", [(1, 960, 576, True, False), (7, 3072, 576, False, True),
                                                      (16, 576, 1536, True, False), (3, 100, 70, True, True)])
-def test_norm_fused_into_the_skinny_gemm_matches_norm_then_linear(dtype, rows, n, k, residual, bias):
+def test_norm_linear_matches_norm_then_linear(dtype, rows, n, k, residual, bias):
     from kernels.skinny_gemm import norm_linear
 
     g = torch.Generator(device=DEVICE).manual_seed(rows * n + k + residual)

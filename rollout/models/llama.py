@@ -94,7 +94,7 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps)
 
     def then(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None):
-        """(proj(norm(x + residual)), x + residual), the residual optional: one kernel at decode."""
+        """(proj(norm(x + residual)), x + residual), the residual optional."""
         return skinny_gemm.norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
 
 
@@ -114,7 +114,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """From the qkv projection of the normalised input (the layer fuses the norm into it)."""
+        """From the qkv projection of the normalised input (the layer applies the norm first: RMSNorm.then)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -138,7 +138,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """From the gate/up projection of the normalised input (the layer fuses the norm into it)."""
+        """From the gate/up projection of the normalised input (the layer applies the norm first: RMSNorm.then)."""
         return self.shard.all_reduce(self.down_proj(fused.silu_mul(gate_up)))
 
 

@@ -1,0 +1,71 @@
+"""The decode products of the Llama-3.1-8B shape at tensor-parallel widths: the Triton skinny
+GEMM (kernels/skinny_gemm.py) against cuBLAS, one row and 16, each call on the next of copies of
+the weight that together outgrow the L2 cache, as a step streams its layers.
+
+    python bench/gemm_choice.py --tp-sizes 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import torch.nn.functional as F
+
+from kernels import fused, pdl
+from kernels.skinny_gemm import MAX_ROWS, graph_ms, skinny_linear
+
+COLD_BYTES = 256 << 20  # more than Hopper's L2 (50-60 MB)
+HIDDEN, HEADS_DIM, KV_DIM, INTERMEDIATE, VOCAB = 4096, 4096, 1024, 14336, 128256
+PRODUCTS = {  # name -> (N, K) at tensor-parallel width tp
+    "qkv": lambda tp: ((HEADS_DIM + 2 * KV_DIM) // tp, HIDDEN),
+    "o": lambda tp: (HIDDEN, HEADS_DIM // tp),
+    "gate_up": lambda tp: (2 * INTERMEDIATE // tp, HIDDEN),
+    "down": lambda tp: (HIDDEN, INTERMEDIATE // tp),
+    "lm_head": lambda tp: (-(-VOCAB // tp), HIDDEN),
+}
+
+
+def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel."""
+    copies = [weight] + [torch.empty_like(weight) for _ in range(min(31, -(-COLD_BYTES // (weight.numel() * 2)) - 1))]
+    times = {}
+    for name, fn in (("triton", skinny_linear), ("cublas", F.linear)):
+        per_rows = []
+        for rows in (1, MAX_ROWS):
+            probe = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            per_rows.append(graph_ms(lambda: [fn(probe, w) for w in copies]) / len(copies))  # noqa: B023
+        times[name] = tuple(per_rows)
+    # the RMSNorm (and residual add) before the product, its own kernel
+    x, r = (torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device) for _ in range(2))
+    nw = torch.randn(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    for name, fn in (("norm+triton", skinny_linear), ("norm+cublas", F.linear)):
+        times[name] = (graph_ms(lambda: [fn(fused.rms_norm(x, nw, 1e-6, r)[0], w) for w in copies]) / len(copies),)  # noqa: B023
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp-sizes", default="1,2,4")
+    args = ap.parse_args()
+    pdl.set_enabled(pdl.supported(torch.device("cuda")))
+    print("| tp | product | N x K | MB | cuBLAS 1 row us (TB/s) | Triton 1 row | cuBLAS 16 rows | Triton 16 rows "
+          "| 1 row after RMSNorm: Triton | cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tp in map(int, args.tp_sizes.split(",")):
+        for name, shape in PRODUCTS.items():
+            n, k = shape(tp)
+            w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+            t = cold_times(w)
+            mb = n * k * 2 / 1e6
+            cell = lambda ms: f"{ms * 1e3:.1f} ({mb / ms / 1e3:.2f})"  # noqa: E731
+            print(f"| {tp} | {name} | {n} x {k} | {mb:.0f} | {cell(t['cublas'][0])} | {cell(t['triton'][0])} | "
+                  f"{cell(t['cublas'][1])} | {cell(t['triton'][1])} | "
+                  f"{t['norm+triton'][0] * 1e3:.1f} | {t['norm+cublas'][0] * 1e3:.1f} |", flush=True)
+            del w
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
