@@ -30,11 +30,16 @@ from rollout.tools.launch import launched_router, launched_server  # noqa: E402
 def run(args: argparse.Namespace) -> list[dict]:
     from rollout.models.loader import resolve_model_path
 
-    model = str(resolve_model_path(args.model))  # once, before servers start side by side
+    if args.random_model:  # random weights of a speed shape (the default model's tokenizer)
+        from rollout.tools.bench import speed_model_dir
+
+        model, weights = speed_model_dir(args.random_model), ["--load-format", "dummy"]
+    else:
+        model, weights = str(resolve_model_path(args.model)), []  # once, before servers start side by side
     rows = []
     for spec in args.specs.split(","):
         with ExitStack() as stack:
-            common = ["--model", model, "--spec", spec, "--max-running-seqs", str(args.max_running_seqs),
+            common = ["--model", model, *weights, "--spec", spec, "--max-running-seqs", str(args.max_running_seqs),
                       "--kv-cache-tokens", str(args.kv_cache_tokens)]
 
             def start(*extra: str):
@@ -62,6 +67,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--random-model", default=None, metavar="SHAPE",
+                    help="random weights of a speed shape (rollout bench's), e.g. llama3-8b for --tp-size 2")
     ap.add_argument("--dp-sizes", default="1,2")
     ap.add_argument("--specs", default="ngram,off")
     ap.add_argument("--tp-size", type=int, default=1, help="each replica's tensor-parallel ranks (GPUs)")

@@ -74,7 +74,8 @@ rows)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" || exit 1
   LIMIT=250 bench --workload decode --random-model qwen2.5-32b --spec-modes off --batch-sizes 1,64 --prompt-len 1024 \
     --output-len 128 --tp-size 4 --out "$OUT/decode-32b-tp4" 2>&1 | tail -4 | tee "$OUT/decode-32b-tp4.log"
-  timeout 250 python3 bench/dp_runs.py --tp-size 2 --dp-sizes 1,2 --specs ngram --batch-sizes 512 --repeats 2 \
+  timeout 250 python3 bench/dp_runs.py --random-model llama3-8b --tp-size 2 --dp-sizes 1,2 --specs ngram \
+    --batch-sizes 512 --output-len 512 --repeats 2 --kv-cache-tokens 200000 \
     --out "$OUT/tp2dp2" 2>&1 | grep -v -i -e warn -e "^Loading" | tail -6 | tee "$OUT/tp2dp2.log"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;

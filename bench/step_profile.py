@@ -369,7 +369,7 @@ def headcost(args: argparse.Namespace) -> None:
                     spec_head_topk=args.head_topk, device="cuda", max_running_seqs=max(args.seqs),
                     max_model_len=args.context + 200)
     print(f"{args.context} tokens of KV each; head tree {args.head_steps} x {args.head_topk}, "
-          f"{engine.runner.eagle.nodes} kept; draft rows: one per sequence")
+          f"{engine.runner.drafters.head.nodes} kept; draft rows: one per sequence")
     print("| seqs | step | graph replay ms | vs decode | kernels (eager) | their device us |")
     print("|---|---|---|---|---|---|")
     for s in args.seqs:

@@ -100,9 +100,9 @@ class Target:
                                  kv_lens=torch.tensor([t], dtype=torch.int32, device=dev),
                                  qo_indptr=torch.tensor([0, t], dtype=torch.int32, device=dev), slot_table=slot_table,
                                  out_slots=slots, tree_mask=None, max_q_len=t, max_kv_len=t)
-        e.backend.plan(meta)
+        e.runner.backend.plan(meta)
         aux = torch.empty(t, len(self.layers) * self.hidden, dtype=self.model.model.embed_tokens.weight.dtype, device=dev)
-        ctx = ForwardContext(meta, e.backend, e.pool.k_caches, e.pool.v_caches, e.runner.cos[:t], e.runner.sin[:t],
+        ctx = ForwardContext(meta, e.runner.backend, e.pool.k_caches, e.pool.v_caches, e.runner.cos[:t], e.runner.sin[:t],
                              aux_layers=self.layers, aux_hidden=aux)
         logits = self.model(torch.tensor(ids, device=dev), ctx, None)
         return aux.float(), torch.log_softmax(logits, dim=-1)

@@ -42,10 +42,16 @@ class NgramIndex:
         self.history_per_prompt = history_per_prompt
         self.share = share  # off: each sample searches only its own row
         self.scan = torch.full((table.padding_row + 1, scan_width), -1, dtype=torch.int32, device=table.device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every group, running or finished, in place: the scan table stays the tensor that
+        captured CUDA graphs read. (The token table's rows are its owner's to reset.)"""
+        self.scan.fill_(-1)
         self._changed: dict[int, _Group] = {}  # groups whose lines are not on the device yet, by identity
         self._groups: OrderedDict[Hashable, _Group] = OrderedDict()  # least recently used first
-        self._free_gids = list(range(table.padding_row, -1, -1))
-        self._free_history = list(range(table.num_rows - 1, table.history_start - 1, -1))
+        self._free_gids = list(range(self.table.padding_row, -1, -1))
+        self._free_history = list(range(self.table.num_rows - 1, self.table.history_start - 1, -1))
         self._key: dict[int, Hashable] = {}  # seq_id -> its group's key while it is live
 
     # ---- membership ----

@@ -56,18 +56,27 @@ class _Trees:
 class Speculator:
     def __init__(self, cfg: SpecConfig, table: TokenTable, coupled: bool = False):
         """`coupled`: samples draft from their earlier rollouts drawn with their keys (coupled sampling)."""
+        self.cfg = cfg
         self.enabled = cfg.enabled
         self.depth = cfg.tree_width
         # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
         self.drafts_ahead = "eagle" in cfg.drafters or "mtp" in cfg.drafters
-        self.watch = HeadWatch(cfg.head_min_accept) if self.drafts_ahead else None
-        self.cycle = HeadCycle() if self.drafts_ahead else None
-        self.budget = DraftBudget(self.depth, cfg.max_verify_tokens, table.padding_row, cfg.adaptive)
+        self.cycle: HeadCycle | None = None
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
         self.draft = (DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan, coupled)
                       if ngram else None)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was indexed and learned (after a failed step: it may hold what broke it). The
+        index's scan table, which the runner's CUDA graphs read, and the head's measured costs stay."""
+        cfg = self.cfg
+        self.index.reset()
+        self.budget = DraftBudget(self.depth, cfg.max_verify_tokens, self.index.table.padding_row, cfg.adaptive)
+        self.watch = HeadWatch(cfg.head_min_accept) if self.drafts_ahead else None
+        self.cycle = HeadCycle(costs=self.cycle.costs if self.cycle else None) if self.drafts_ahead else None
         self._index_misses = 1  # a hybrid: sequences the index had nothing for in its last drafting step (none seen yet)
         self._coupled = 0  # sequences that followed their earlier rollout in the last drafting step
         self._waiting: deque[_Trees] = deque()

@@ -50,7 +50,7 @@ def test_greedy_with_an_eagle_head_equals_spec_off(target_and_head):
     batch = prompts[:6] + [list(range(3, 40))]
     got = outputs(eagle, batch, params)
     same(outputs(off, batch, params), got)
-    assert eagle.runner.eagle.depth == eagle.spec.depth == 3  # (--spec-head-steps' default: the chain is the tree)
+    assert eagle.runner.drafters.head.depth == eagle.spec.depth == 3  # (--spec-head-steps' default: the chain is the tree)
     stats = eagle.stats()
     assert stats["rollout/spec_draft_tokens"] > 0
     assert stats["rollout/spec_accepted_tokens"] > 0.1 * stats["rollout/output_tokens"]  # the head drafts the target's choices
@@ -133,7 +133,7 @@ def test_a_heads_tree_nodes_score_their_paths_as_the_head_drafts_each_path_alone
     target, head, _, prompts = target_and_head
     engine = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_head_topk=3,
                     device="cpu", max_running_seqs=4, overlap_schedule=False)
-    runner, eagle, pool = engine.runner, engine.runner.eagle, engine.pool
+    runner, eagle, pool = engine.runner, engine.runner.drafters.head, engine.pool
     drafted, kept = [], []
     draft, keep = eagle.draft, eagle._keep
     eagle.draft = lambda *args, **kw: (drafted.append([a.clone() for a in args[:4]]), draft(*args, **kw))
@@ -184,7 +184,7 @@ def test_greedy_with_a_heads_tree_of_three_a_level_equals_spec_off(target_and_he
         engine = Engine(model=str(target), spec=spec, spec_draft_model=str(head), spec_head_topk=topk, spec_adaptive=False,
                         device="cpu", max_running_seqs=16)
         nodes = 3 if topk == 1 else 8  # (3 levels of topk, within --spec-max-draft-tokens)
-        assert engine.runner.eagle.nodes == nodes and engine.spec.depth == (nodes if spec == "eagle" else 8)
+        assert engine.runner.drafters.head.nodes == nodes and engine.spec.depth == (nodes if spec == "eagle" else 8)
         same(want, outputs(engine, batch, params))
         stats = engine.stats()
         assert stats["rollout/spec_accepted_tokens/eagle"] > 0
@@ -206,7 +206,7 @@ def test_an_eagle1_head_drafts_in_the_step_and_greedy_equals_spec_off(target_and
     write_head(tmp_path / "eagle1", "eagle")
     eagle1 = Engine(model=str(target), spec="eagle", spec_draft_model=str(tmp_path / "eagle1"), spec_adaptive=False,
                     device="cpu", max_running_seqs=16)
-    assert eagle1.runner.eagle.aux_layers == (4,)  # (the tiny target's 4 layers: past the last)
+    assert eagle1.runner.drafters.head.aux_layers == (4,)  # (the tiny target's 4 layers: past the last)
     params = SamplingParams(temperature=0, max_new_tokens=24, n=2)
     got = outputs(eagle1, prompts[:4], params)
     same(outputs(off, prompts[:4], params), got)
@@ -243,8 +243,8 @@ def test_a_hybrid_runs_the_heads_chain_only_while_the_index_misses(target_and_he
     events, plan, observe_index = [], hybrid.spec.plan, hybrid.spec.observe_index
     monkeypatch.setattr(hybrid.spec, "plan", lambda *a, **k: events.append(("plan", plan(*a, **k))) or events[-1][1])
     monkeypatch.setattr(hybrid.spec, "observe_index", lambda m: (events.append(("misses", m)), observe_index(m)))
-    chains, draft = [], hybrid.runner.eagle.draft
-    monkeypatch.setattr(hybrid.runner.eagle, "draft", lambda *a, **kw: chains.append(1) or draft(*a, **kw))
+    chains, draft = [], hybrid.runner.drafters.head.draft
+    monkeypatch.setattr(hybrid.runner.drafters.head, "draft", lambda *a, **kw: chains.append(1) or draft(*a, **kw))
     params = SamplingParams(temperature=0, max_new_tokens=40)
     batch = [[7, 8, 9, 10, 11] * 4, [20, 21, 22] * 6, prompts[0]]  # (repeats: the index matches; a prompt where it may not)
     want = off.generate(batch, params)
@@ -275,8 +275,8 @@ def test_the_head_leaves_chains_only_where_the_next_step_may_use_them(target_and
     monkeypatch.setattr(eagle.spec.budget, "plan", lambda *a, **k: shadowed(budget_plan(*a, **k)))
     plans, spec_plan = [], eagle.spec.plan
     monkeypatch.setattr(eagle.spec, "plan", lambda *a, **k: plans.append(spec_plan(*a, **k)) or plans[-1])
-    chains, draft = [], eagle.runner.eagle.draft
-    monkeypatch.setattr(eagle.runner.eagle, "draft", lambda *a, **kw: chains.append(1) or draft(*a, **kw))
+    chains, draft = [], eagle.runner.drafters.head.draft
+    monkeypatch.setattr(eagle.runner.drafters.head, "draft", lambda *a, **kw: chains.append(1) or draft(*a, **kw))
     returned, observe = [], eagle.spec.observe
     monkeypatch.setattr(eagle.spec, "observe", lambda seqs, roots, trees, *a: (
         returned.append(trees[3]) if trees is not None else None, observe(seqs, roots, trees, *a))[1])
@@ -305,8 +305,8 @@ def test_a_head_the_budget_does_not_verify_sleeps_and_wakes_for_new_prompts(targ
     target, head, off, prompts = target_and_head
     eagle = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
                    max_running_seqs=16)
-    passes, extend = [], eagle.runner.eagle.extend
-    monkeypatch.setattr(eagle.runner.eagle, "extend", lambda *a: passes.append(1) or extend(*a))
+    passes, extend = [], eagle.runner.drafters.head.extend
+    monkeypatch.setattr(eagle.runner.drafters.head, "extend", lambda *a: passes.append(1) or extend(*a))
     budget_plan = eagle.spec.budget.plan
     monkeypatch.setattr(eagle.spec.budget, "plan", lambda *a, **k: StepPlan(0, False, False))  # (verifies nothing)
     params = SamplingParams(temperature=0, max_new_tokens=40)
@@ -315,7 +315,7 @@ def test_a_head_the_budget_does_not_verify_sleeps_and_wakes_for_new_prompts(targ
     stats = eagle.stats()
     assert stats["rollout/spec_head_sleeps"] == 1 and stats["rollout/spec_head_awake"] == 0.0
     assert len(passes) <= 1 + 5 < len(eagle.step_log)  # (the prefill's, then the steps before it slept)
-    drafter = eagle.runner.eagle  # asleep, no row keeps a chain (dropped once, as it fell asleep)
+    drafter = eagle.runner.drafters.head  # asleep, no row keeps a chain (dropped once, as it fell asleep)
     assert not drafter.tracked.any() and (drafter.keys < 0).all()
     monkeypatch.setattr(eagle.spec.budget, "plan", budget_plan)
     assert [o[0].token_ids for o in eagle.generate(prompts[3:6], params)] == [o[0].token_ids for o in want[3:]]
@@ -345,8 +345,8 @@ def test_a_hybrids_head_whose_drafts_do_not_pay_for_its_time_sleeps_and_the_inde
         assert stats["rollout/spec_head_sleeps"] == sleeps and stats["rollout/spec_draft_tokens/ngram"] > 0
         assert stats["rollout/spec_head_time_share"] > stats["rollout/spec_head_token_share"] if sleeps else \
             stats["rollout/spec_head_time_share"] == 0.0
-    read, trees = [], hybrid.runner.eagle.trees  # (the free head's engine: awake, its trees read by drafting steps)
-    monkeypatch.setattr(hybrid.runner.eagle, "trees", lambda *a: read.append(1) or trees(*a))
+    read, trees = [], hybrid.runner.drafters.head.trees  # (the free head's engine: awake, its trees read by drafting steps)
+    monkeypatch.setattr(hybrid.runner.drafters.head, "trees", lambda *a: read.append(1) or trees(*a))
     hybrid.spec.cycle._sleep("a test")
     same(want, outputs(hybrid, batch, params))
     assert not read and hybrid.stats()["rollout/spec_draft_tokens/ngram"] > 0  # asleep: the index's trees alone, no merge
@@ -498,7 +498,7 @@ def test_a_hybrids_draft_rows_go_to_the_index_before_the_head():
     """Keys of a hybrid's trees: every index draft outranks every head draft (the head fills what
     the index leaves), each drafter's drafts keep their order, roots and padding stay -1."""
     from kernels.ngram_draft import KEY_SCALE
-    from rollout.engine.model_runner import index_first
+    from rollout.engine.drafters import index_first
 
     g = torch.Generator().manual_seed(5)
     keys = torch.randint(0, KEY_SCALE, (64, 9), generator=g)

@@ -65,6 +65,24 @@ def test_sampled_outputs_spec_on_equal_spec_off_for_every_seed(default_engine, s
     assert sum(o.spec["accepted_tokens"] for o in on) > 0
 
 
+def test_an_engine_recovered_from_a_failed_step_drafts_from_the_scan_table_its_runner_reads(default_engine, default_model_dir,
+                                                                                           prompts):
+    """recover() forgets the index in place: the runner (and any CUDA graph it captured) reads the
+    same scan table the index writes, so drafting goes on, losslessly."""
+    engine = Engine(model=str(default_model_dir), spec=SpecConfig(method="ngram", adaptive=False), device="cpu")
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    run(engine, prompts[:1], params)
+    scan = engine.spec.index.scan
+    engine.add_request(prompts[1], params)
+    engine.step()
+    assert [r.rid for r in engine.recover()] and engine.pool.used_slots == 0
+    assert engine.spec.index.scan is scan and engine.runner.drafters.index.scan is scan
+    assert (scan == -1).all() and engine.spec.index.history_rows_used == 0
+    on, off = run(engine, prompts, params), run(default_engine, prompts, params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert sum(o.spec["accepted_tokens"] for o in on) > 0
+
+
 def test_a_decode_step_chained_after_a_verify_step_changes_no_output(default_engine, default_model_dir, prompts):
     """The overlap schedule launches a decode step before the verify step it follows is collected:
     its input token, position and KV slot come from the accepted paths found on the device."""

@@ -1,9 +1,15 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 `generate()` is the synchronous front door; the server drives `add_request`/`step`/`abort`
-itself. Each step: the scheduler picks the batch, speculation picks its draft rows (spec/), the
-runner drafts, computes and verifies on the device, and the engine appends what was
-emitted, applying stop conditions token by token so that speculation never changes the output.
+itself. Each step: the scheduler picks the batch, speculation plans its draft rows (spec/), the
+runner drafts, computes and verifies on the device, and what it emitted is appended up to each
+sequence's stop condition, so that speculation never changes the output.
+
+The engine holds its parts and steps them; each role is a module of its own: building the
+parts from the config (build.py), running the model (model_runner.py, with drafters.py),
+scheduling (scheduler.py), appending emitted tokens (emit.py), GPU memory for a colocated
+trainer (memory.py), and the other tensor-parallel ranks (tensor_parallel.py). What stays
+here: intake, the overlap loop, weight swaps, and the statistics.
 """
 
 from __future__ import annotations
@@ -17,51 +23,29 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
-from kernels import pdl
-from kernels.attention import AttentionBackend
-from rollout.config import MAX_TOP_LOGPROBS, MEMORY_TAGS, EngineConfig, SamplingParams, SpecConfig, request_limit
-from rollout.engine.detokenizer import final_text
-from rollout.engine.kv_pool import KVPool
-from rollout.engine.model_runner import ModelRunner
+from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig, request_limit
+from rollout.engine.build import build_parts, resolve_device
+from rollout.engine.emit import Emitter, Output, output
+from rollout.engine.memory import DeviceMemory, MemoryStateError, memory_tags
 from rollout.engine.sampler import prompt_seed, sequence_key
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
 from rollout.engine.step import Batch, Emitted, HeadWork, StepInFlight, StepRecord
 from rollout.engine.tensor_parallel import start_ranks
-from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
-from rollout.models.loader import (
-    build_model,
-    load_checkpoint,
-    randomize,
-    resolve_model_path,
-)
+from rollout.models.loader import resolve_model_path
 from rollout.models.sharding import Shard
-from rollout.models.weights import (
-    check_weights,
-    checkpoint_specs,
-    copy_weights,
-    iter_checkpoint,
-)
-from spec.draft_head import load_head, load_mtp
+from rollout.models.weights import WeightError, check_weights, checkpoint_specs, copy_weights, iter_checkpoint
 from spec.budget import StepPlan
-from spec.eagle import EagleDrafter
-from spec.speculator import Speculator
 
 log = logging.getLogger("rollout")
 
 HEAD_PREFIX = "draft."  # a draft head's tensors in a weight push: its checkpoint names after this
-
-DEFAULT_CPU_KV_TOKENS = 16384
-DEFAULT_PREFILL_TOKENS = 4096
-DEFAULT_CPU_PREFILL_TOKENS = 512  # a step's prompt tokens on the CPU: 4,096 of the default model's take ~20 s
-DEFAULT_MAX_MODEL_LEN = 8192
 STEP_LOG = 1 << 16  # steps Engine.step_log keeps (a server runs for days: it must not grow)
 
 
@@ -85,22 +69,6 @@ def thaw_heap() -> None:
         torch.cuda.empty_cache()
 
 
-@dataclass
-class Output:
-    """One sample of one prompt."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None
-    text: str
-    finish_reason: str  # stop | length | abort
-    matched_stop: int | str | None
-    weight_versions: list[int]
-    spec: dict
-    prompt_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV this sample took from its request's prefill (its forks')
-    top_logprobs: list[tuple[list[int], list[float]]] | None = field(default=None, repr=False)  # per token, if asked
-
-
 class Engine:
     def __init__(
         self,
@@ -121,86 +89,22 @@ class Engine:
             spec = replace(spec, **spec_overrides) if isinstance(spec, SpecConfig) else SpecConfig(method=spec, **spec_overrides)
         self.config = config or EngineConfig(model=model, spec=spec, device=device, **overrides)
         cfg = self.config
-        rank = tp_follower[0] if tp_follower is not None else 0
-        self.device = _resolve_device(cfg.device, cfg.base_gpu_id + rank)
+        self.device = resolve_device(cfg.device, cfg.base_gpu_id + (tp_follower[0] if tp_follower is not None else 0))
         if self.device.type == "cuda":  # Triton launches and graph captures go to the current GPU: make it ours
             torch.cuda.set_device(self.device)
-        self.dtype = _resolve_dtype(cfg.dtype, self.device)
-        self.model_path = resolve_model_path(cfg.model)
-        self.model_config = ModelConfig.from_dir(self.model_path)
-        Shard.check(self.model_config, cfg.tp_size)
+        Shard.check(ModelConfig.from_dir(resolve_model_path(cfg.model)), cfg.tp_size)  # before any rank starts
         self.tp = start_ranks(cfg, self.device, tp_follower, tp_hooks)  # None with one rank
         if self.tp is not None and self.device.type == "cpu":  # ranks that share the cores: no oversubscription
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp_size))
-        self.shard = Shard(rank, cfg.tp_size, self.tp.group if self.tp is not None else None)
+        p = build_parts(cfg, self.device, self.tp)
+        self.dtype, self.model_path, self.model_config, self.shard = p.dtype, p.model_path, p.model_config, p.shard
+        self.tokenizer, self.eos_token_ids = p.tokenizer, p.eos_token_ids
+        self.max_model_len, self.max_prefill_tokens = p.max_model_len, p.max_prefill_tokens
+        self.model, self.pool, self.table, self.spec, self.runner = p.model, p.pool, p.table, p.spec, p.runner
         self.staged_weights = None  # a rank > 0's own copy of a pushed update, by version (set by its server)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.max_model_len = cfg.max_model_len or min(self.model_config.max_context, DEFAULT_MAX_MODEL_LEN)
-        if self.max_model_len > self.model_config.max_context:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {self.model_config.max_context}")
-
-        pdl.set_enabled(cfg.pdl and pdl.supported(self.device))  # before any kernel is timed or captured
-        self.model = build_model(self.model_config, self.device, self.dtype, self.shard)
-        if cfg.load_format == "dummy":
-            randomize(self.model, cfg.seed + rank)
-        else:
-            load_checkpoint(self.model, self.model_path)
-        head = None
-        if "mtp" in cfg.spec.drafters:
-            head = load_mtp(self.model_path, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
-            head.to(self.device)
-        elif "eagle" in cfg.spec.drafters:
-            head = load_head(cfg.spec.draft_model, self.model_config, layer=self.model_config.num_layers, dtype=self.dtype)
-            head.to(self.device)
-        self.pool = KVPool(
-            num_layers=self.model_config.num_layers + (head is not None),  # the head's KV: one more layer
-            num_slots=self._kv_cache_tokens(),
-            num_kv_heads=self.shard.kv_heads(self.model_config),
-            head_dim=self.model_config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            max_rows=cfg.max_running_seqs,
-            # a verify step may overhang a sequence's end, and one more may be launched before it is
-            # collected; a draft head's rows stand past the end (spec/eagle.py)
-            max_context=self.max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1
-            + cfg.spec.head_rows,
-            reserved=0 if head is None else (cfg.max_running_seqs + 1) * EagleDrafter.scratch_per_row(
-                cfg.spec.head_depth, cfg.spec.head_topk),
-        )
-        backend_name = cfg.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
-        self.backend = attention_backend(backend_name, self.device)
-        history = cfg.spec.history_rows if cfg.spec.enabled else 0
-        self.table = TokenTable(cfg.max_running_seqs, history, self.pool.max_context, self.device)
-        self._build_speculation()
-        self.runner = ModelRunner(self.model, self.pool, self.table, self.backend, self.device, self.spec.draft)
-        if head is not None:
-            self.runner.eagle = EagleDrafter(head, self.model, self.pool, cfg.spec.head_depth, cfg.spec.head_topk,
-                                             cfg.spec.head_nodes, cfg.max_running_seqs)
-        self.max_prefill_tokens = cfg.max_prefill_tokens or (DEFAULT_PREFILL_TOKENS if self.device.type == "cuda"
-                                                             else DEFAULT_CPU_PREFILL_TOKENS)
         self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, self.max_prefill_tokens, self._released)
-        if cfg.cuda_graphs and self.device.type == "cuda" and backend_name == "triton":
-            from rollout.engine.cuda_graphs import CudaGraphs
-
-            max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
-            capacities = self.spec.budget.capacities if cfg.spec.enabled else (lambda b: [0])
-            mc = self.model_config
-            attn_out = torch.zeros(max_tokens, self.shard.heads(mc), mc.head_dim, dtype=self.dtype, device=self.device)
-            self.runner.graphs = CudaGraphs(self.runner.run_decode, attn_out, self.table.padding_row,
-                                            cfg.max_running_seqs, capacities, self.spec.step_kinds)
-            t0 = time.perf_counter()
-            count = self.runner.graphs.capture_all()
-            log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
-            if self.runner.eagle is not None:  # what the head's work costs a step, against what it drafts (HeadCycle)
-                self.spec.cycle.costs = self.runner.graphs.head_costs()
-                log.info("draft head's pass and tree, ms by batch bucket: %s", {
-                    b: (round(p * 1e3, 3), round(t * 1e3, 3)) for b, (p, t) in self.spec.cycle.costs.items()})
-
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.emitter = Emitter(self.tokenizer, self._finish)
+        self.memory = DeviceMemory(self.device, self.model, self.pool, self.runner)
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
         self._updated: dict[int, Request] = {}  # reported by the next step(): aborted, or completed by a drain
@@ -212,13 +116,12 @@ class Engine:
         self._rids = itertools.count()
         self._weight_sync_s = 0.0
         self._editing_logits = 0  # live requests whose logits are edited: their steps need the host's tokens
-        self.released: set[str] = set()  # memory let go by release_memory: nothing runs until it is back
         self.reset_stats()
 
-    def _build_speculation(self) -> None:
-        self.spec = Speculator(self.config.spec, self.table, coupled=self.config.coupled_sampling)
-        if hasattr(self, "runner"):
-            self.runner.draft = self.spec.draft
+    @property
+    def released(self) -> set[str]:
+        """Memory let go by release_memory: nothing runs until it is back."""
+        return self.memory.released
 
     def recover(self) -> list[Request]:
         """After a step raised: drop every request and start over with an empty KV pool (the model
@@ -235,7 +138,7 @@ class Engine:
         self.pool.reset()
         self.table.lengths.zero_()
         self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.max_prefill_tokens, self._released)
-        self._build_speculation()  # (its history too: it may hold what broke the step)
+        self.spec.reset()
         return dropped
 
     # ---------------- requests ----------------
@@ -527,93 +430,16 @@ class Engine:
         self.spec.leave(seq, keep=seq.finish_reason is not None)
 
     def _append(self, e: Emitted, updated: dict) -> tuple[int, int]:
-        """Append what a step emitted, up to each sequence's stop condition; a sequence that stopped
-        while the step ran takes none. Returns the tokens appended, and the draft head's accepted
-        drafts among them. (Runs for every sequence of every step: it is kept lean, and a
-        sequence that cannot stop in this step takes its tokens in three list extends.)"""
-        version, top = self.weight_version, e.top
-        totals = self._spec_totals
-        # the step's totals, recorded once after the loop (a call per sequence costs ~1 us at 512 of them)
-        appended_all = plain = plain_appended = 0
-        by_source: dict[str, list[int]] = {}  # drafter -> drafts, accepted, appended, sequences, first drafts accepted
-        for i, (seq, tokens, logprobs, drafted, counted) in enumerate(
-                zip(e.seqs, e.tokens, e.logprobs, e.drafted, e.counted)):
-            if seq.finish_reason is not None:  # (Sequence.finished, without the call)
-                continue
-            req = seq.request
-            updated[id(req)] = req
-            k = len(tokens)
-            if req.plain and len(seq.tokens) + k < req.max_len and req.stop_ids.isdisjoint(tokens):
-                seq.tokens += tokens
-                seq.logprobs += logprobs
-                seq.weight_versions += [version] * k
-                reason = None
-            else:
-                k, reason = self._append_checked(seq, tokens, logprobs, version)
-            if top is not None:
-                seq.top_logprobs.extend(top[i][:k])
-            appended_all += k
-            if drafted:
-                source = e.sources[i]
-                seq.spec.record(source, drafted, len(tokens) - 1, k)
-                t = by_source.get(source) or by_source.setdefault(source, [0, 0, 0, 0, 0])
-                t[0] += drafted
-                t[1] += len(tokens) - 1
-                t[2] += k
-                t[3] += 1
-                t[4] += len(tokens) > 1
-            elif counted:  # a step without drafts: what SpecCounters.record does for it, inline
-                spec = seq.spec
-                spec.verify_steps += 1
-                spec.emitted_tokens += k
-                plain += 1
-                plain_appended += k
-            if reason is not None:
-                self._finish(seq, reason)
-        self._output_tokens += appended_all
-        totals.verify_steps += plain
-        totals.emitted_tokens += plain_appended
-        for source, (drafts, accepted, appended, seqs, _) in by_source.items():
-            totals.record(source, drafts, accepted, appended, steps=seqs)
-        head = by_source.get(self.runner.eagle.source) if self.runner.eagle is not None else None
-        if head is not None:
-            self.spec.observe_head(head[3], head[4])
-        return appended_all, head[1] if head is not None else 0
-
-    def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:
-        """Append token by token while no stop condition holds: (tokens appended, why it stopped or None)."""
-        req = seq.request
-        reason, appended = None, 0
-        for token, logprob in zip(tokens, logprobs):
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            seq.weight_versions.append(version)
-            appended += 1
-            reason = self._stop_reason(seq, token, req)
-            if reason is not None:
-                break
-        if req.edits_logits:
-            counts = seq.output_counts
-            for token in tokens[:appended]:
-                counts[token] = counts.get(token, 0) + 1
-        return appended, reason
-
-    def _stop_reason(self, seq: Sequence, token: int, req: Request) -> str | None:
-        if seq.num_output >= req.params.min_new_tokens:
-            if token in req.stop_ids:
-                seq.matched_stop = token
-                return "stop"
-            stop = req.params.stop
-            if stop:
-                window = max(len(s) for s in stop) + 2
-                tail = self.tokenizer.decode(seq.output_ids[-window:])
-                hit = next((s for s in stop if s in tail), None)
-                if hit is not None:
-                    seq.matched_stop = hit
-                    return "stop"
-        if len(seq.tokens) >= req.max_len:
-            return "length"
-        return None
+        """Append what a step emitted (rollout/engine/emit.py); returns the tokens appended, and the
+        draft head's accepted drafts among them."""
+        appended, by_source = self.emitter.append(e, updated, self.weight_version, self._spec_totals)
+        self._output_tokens += appended
+        eagle = self.runner.drafters.head
+        head = by_source.get(eagle.source) if eagle is not None else None
+        if head is None:
+            return appended, 0
+        self.spec.observe_head(head[3], head[4])
+        return appended, head[1]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -641,19 +467,7 @@ class Engine:
         return [[self.output(s) for s in r.sequences] for r in reqs]
 
     def output(self, seq: Sequence) -> Output:
-        text = final_text(self.tokenizer, seq.output_ids, seq.matched_stop, seq.request.params)
-        return Output(
-            token_ids=list(seq.output_ids),
-            logprobs=list(seq.logprobs) if seq.request.return_logprob else None,
-            text=text,
-            finish_reason=seq.finish_reason or "abort",
-            matched_stop=seq.matched_stop,
-            weight_versions=list(seq.weight_versions),
-            spec=seq.spec.as_dict(),
-            prompt_tokens=seq.num_prompt,
-            cached_tokens=seq.cached_tokens,
-            top_logprobs=list(seq.top_logprobs) if seq.request.top_logprobs_num else None,
-        )
+        return output(seq, self.tokenizer)
 
     # ---------------- weights ----------------
     def update_weights(
@@ -739,8 +553,9 @@ class Engine:
         """The target's weights by HF name, and a draft head's under HEAD_PREFIX (a trainer that
         trains the head with the policy pushes both, by any method)."""
         targets = self.model.weight_targets()
-        if self.runner.eagle is not None:
-            targets.update({HEAD_PREFIX + n: t for n, t in self.runner.eagle.head.weight_targets().items()})
+        eagle = self.runner.drafters.head
+        if eagle is not None:
+            targets.update({HEAD_PREFIX + n: t for n, t in eagle.head.weight_targets().items()})
         return targets
 
     def _set_version(self, version: int | None) -> None:
@@ -751,45 +566,21 @@ class Engine:
 
     # ---------------- memory (a colocated trainer's turn on the GPU) ----------------
     def release_memory(self, tags: Iterable[str] | None = None) -> dict:
-        """Let go of GPU memory while no sequence holds KV: `kv_cache` (the KV pool), `weights` (moved
-        to pinned host memory), `cuda_graph` (the captured graphs and their pool; releasing either of
-        the others drops them too, as they hold those addresses). None: all. Nothing runs until all
-        is back; requests that arrive meanwhile wait."""
-        tags = _memory_tags(tags)
+        """Let go of GPU memory while no sequence holds KV (rollout/engine/memory.py; None: all tags).
+        Nothing runs until all is back; requests that arrive meanwhile wait."""
+        tags = memory_tags(tags)
         if self.pool.used_slots:
             raise MemoryStateError(f"{len(self.scheduler.running)} sequence(s) hold KV cache: abort them or wait "
                                    "(pause_generation) before releasing memory")
         self._replay("release_memory", sorted(tags))
-        if self.runner.graphs is None:
-            tags.discard("cuda_graph")
-        before = _device_bytes(self.device)
-        new = tags - self.released
-        if new:
-            self.runner.drop_graphs()
-        if "kv_cache" in new:
-            self.pool.free_memory()
-        if "weights" in new:
-            self.model.to_host()
-        self.released |= tags
-        _empty_device_cache(self.device)
-        return {"released": sorted(self.released), "freed_bytes": before - _device_bytes(self.device)}
+        return self.memory.release(tags)
 
     def resume_memory(self, tags: Iterable[str] | None = None) -> dict:
-        """Take back what `release_memory` let go (None: all); graphs are captured again once nothing
-        is released any more."""
-        tags = _memory_tags(tags) & self.released
+        """Take back what `release_memory` let go (None: all)."""
+        tags = memory_tags(tags) & self.released
         self._replay("resume_memory", sorted(tags))
         self._flush_replay()  # (graphs are captured again: collectives)
-        before = _device_bytes(self.device)
-        if "weights" in tags:
-            self.model.to(self.device)
-        if "kv_cache" in tags:
-            self.pool.allocate()
-        self.released -= tags
-        graphs = self.runner.graphs
-        if not self.released and graphs is not None and not graphs.captured:
-            graphs.capture_all()
-        return {"released": sorted(self.released), "allocated_bytes": _device_bytes(self.device) - before}
+        return self.memory.resume(tags)
 
     def invalidate_kv(self) -> None:
         """Drop every cached KV entry; running and half-prefilled sequences are recomputed."""
@@ -839,41 +630,6 @@ class Engine:
             )
         return out
 
-    def _kv_cache_tokens(self) -> int:
-        if self.config.kv_cache_tokens:
-            return self.config.kv_cache_tokens + 1
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_TOKENS + 1
-        c = self.model_config
-        per_token = 2 * c.num_layers * self.shard.kv_heads(c) * c.head_dim * self.dtype.itemsize
-        free, _ = torch.cuda.mem_get_info(self.device)
-        slots = int(free * self.config.kv_cache_memory_fraction) // per_token
-        return slots if self.tp is None else self.tp.group.minimum(slots)  # every rank schedules alike
-
-
-class MemoryStateError(RuntimeError):
-    """Memory cannot be released now (requests in flight); the HTTP answer is 409."""
-
-    status = 409
-
-
-def _memory_tags(tags: Iterable[str] | None) -> set[str]:
-    tags = set(MEMORY_TAGS if tags is None else tags)
-    unknown = tags - set(MEMORY_TAGS)
-    if unknown:
-        raise ValueError(f"unknown memory tag(s) {sorted(unknown)}: choose from {', '.join(MEMORY_TAGS)}")
-    return tags
-
-
-def _device_bytes(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
-def _empty_device_cache(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
 
 def _without_finished(batch: Batch | None) -> Batch | None:
     """A batch scheduled before the step in flight completed, less the sequences that stopped in it."""
@@ -886,36 +642,3 @@ def _without_finished(batch: Batch | None) -> Batch | None:
         return batch
     seqs = [seq for seq in batch.seqs if not seq.finished]
     return Batch(seqs) if seqs else None
-
-
-def _resolve_device(name: str, gpu: int = 0) -> torch.device:
-    """`auto` and `cuda` mean GPU `gpu` (EngineConfig.base_gpu_id) when there is one; `cuda:N` is GPU N."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError("device cuda was asked for but no CUDA GPU is available; use device='cpu' or 'auto'")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:  # always an explicit GPU, for set_device and friends
-        device = torch.device("cuda", gpu)
-    return device
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)  # one of EngineConfig.dtype's choices
-
-
-def attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`torch` (the reference, any device) or `triton` (CUDA); Triton is imported only when chosen."""
-    if name == "torch":
-        from kernels.torch_attention import TorchAttention
-
-        return TorchAttention()
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("the triton attention backend needs a CUDA device; use --attention-backend torch on CPU")
-        from kernels.triton_attention import TritonAttention
-
-        return TritonAttention()
-    raise ValueError(f"attention backend {name!r}: choose torch or triton")

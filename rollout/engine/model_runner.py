@@ -10,7 +10,7 @@ A decode or verify step is one device function (`run_decode`), captured as a CUD
 it only the sequences' rows, KV slots from the scheduler (one per row: a root per sequence, and the step's
 draft rows) and sampling parameters; everything else comes from the device: each sequence's
 last token and length from the token table, its draft tree from the drafter
-(kernels/ngram_draft.py, when drafting), which of the batch's drafts get the step's draft rows
+(rollout/engine/drafters.py, when drafting), which of the batch's drafts get the step's draft rows
 (kernels/draft_rows.py), and after the forward pass and the draws, the accept walk
 (kernels/tree_accept.py) writes the emitted tokens back and moves the accepted KV slots. So a
 step can be launched before the one before it has been collected (the overlap schedule),
@@ -29,10 +29,9 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.coupled_draft import coupled_chains
 from kernels.draft_rows import lay_out_drafts
-from kernels.ngram_draft import KEY_SCALE, draft_trees
 from kernels.tree_accept import accept_trees
+from rollout.engine.drafters import Drafters
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.logits_processing import LogitEdits, logit_edits
 from rollout.engine.sampler import SamplingTensors, processed_logprobs, sample
@@ -43,12 +42,10 @@ from rollout.engine.step import (
     DecodeInputs,
     DecodeOutputs,
     DeviceClock,
-    DraftSettings,
     Emitted,
     HeadWork,
     HostCopy,
     SamplingRows,
-    Source,
     StepInFlight,
     to_device,
 )
@@ -73,37 +70,26 @@ def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> t
     return emb.cos().to(device), emb.sin().to(device)
 
 
-def index_first(keys: torch.Tensor, from_head: torch.Tensor) -> torch.Tensor:
-    """A hybrid's keys [S, N] (-1: root and padding) so that the batch's draft rows go to the
-    index's drafts before any of the head's (kernels/draft_rows.py takes the best keys): the index's
-    in the upper half of the key range, the head's in the lower, each in its own order. The head
-    fills what the index leaves, and the two drafters' keys, which estimate acceptance each its
-    own way, are never compared."""
-    half = KEY_SCALE // 2
-    shifted = torch.where(from_head[:, None], keys // 2, half + keys // 2)
-    return torch.where(keys >= 0, shifted, keys)
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, table: TokenTable, backend: AttentionBackend,
-                 device: torch.device, draft: DraftSettings | None = None):
+                 device: torch.device, drafters: Drafters):
         self.model = model
         self.pool = pool
         self.table = table
         self.backend = backend
         self.device = device
-        self.draft = draft
+        self.drafters = drafters
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
-        self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, set by the engine on CUDA
-        self.eagle = None  # spec.eagle.EagleDrafter, set by the engine with --spec eagle
+        self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, once captured (capture_graphs)
         self._rows: BatchRows | None = None  # the last decode batch's
         self._head_runs = True  # the draft head ran in the last step launched (it starts awake)
 
-    @property
-    def width(self) -> int:
-        """Draft nodes per sequence per step: the n-gram trees' (a hybrid's head trees are padded
-        to them), or a head's tree (the likeliest of its levels' nodes)."""
-        return self.draft.depth if self.draft else self.eagle.nodes if self.eagle else 0
+    def capture_graphs(self, attn_out: torch.Tensor, max_batch: int, capacities, step_kinds) -> int:
+        """Capture a CUDA graph of every decode-step shape (rollout/engine/cuda_graphs.py); returns how many."""
+        from rollout.engine.cuda_graphs import CudaGraphs
+
+        self.graphs = CudaGraphs(self.run_decode, attn_out, self.table.padding_row, max_batch, capacities, step_kinds)
+        return self.graphs.capture_all()
 
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
@@ -128,7 +114,7 @@ class ModelRunner:
             inputs = DecodeInputs(*(to_device(a, self.device) for a in DecodeInputs.host_arrays(slots, b)), s, len(slots))
             edit = (lambda layout: self._edits(seqs, layout)) if b.editing else None
             # the host's tokens trail the device by the step in flight, if any: at most the widest step
-            widest = self.width + 1
+            widest = self.drafters.width + 1
             max_kv = min(max(len(q.tokens) for q in seqs) + 2 * widest, self.pool.max_context)
             out = self.run_decode(inputs, draft_rows, drafting, head, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
         tensors = [out.ints, out.logprobs]
@@ -142,8 +128,8 @@ class ModelRunner:
     def _set_head_running(self, runs: bool) -> None:
         """Whether the draft head runs in the step being launched: as it stops, every row stops
         drafting chains (EagleDrafter.sleep), once, rather than in every step it sleeps through."""
-        if self.eagle is not None and self._head_runs and not runs:
-            self.eagle.sleep()
+        if self.drafters.head is not None and self._head_runs and not runs:
+            self.drafters.head.sleep()
         self._head_runs = runs
 
     def _batch_rows(self, batch: Batch) -> BatchRows:
@@ -164,32 +150,11 @@ class ModelRunner:
         length = table.lengths[rows].long()
         kv = (length - 1).clamp(min=0)
         out_pos = length - table.prompt_lens[rows].long()  # the root's draw: its output position
-        trees, eagle = None, self.eagle
-        alone = eagle is not None and self.draft is None  # a head drafts alone
-        source = torch.full((s,), int(Source.HEAD if alone else Source.NGRAM), dtype=torch.long, device=self.device)
-        if drafting and self.draft is not None:
-            d = self.draft
-            scan = d.scan[x.groups.long()]
-            tok, par, dep, anc, key = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
-                                                  x.rows, scan, d.window, d.min_match, d.cands, d.depth, d.depth)
-            if d.coupled:  # a sample's earlier rollout with its key, ahead of the n-gram tree
-                followed, chains = coupled_chains(table.tokens, table.lengths, table.keys, table.history_start,
-                                                  x.rows, scan, d.window, d.depth)
-                tok, par, dep, anc, key = (torch.where(followed[:, None], c, t)
-                                           for t, c in zip((tok, par, dep, anc, key), chains))
-                source = torch.where(followed, int(Source.COUPLED), source)
-            # hybrid: the index's tree where it found one, else the head's; a sleeping head left none
-            # (its merge cost ShareGPT b1's steps 0.95 ms against the index's 0.88 on the H100)
-            if eagle is not None and head != HeadWork.NONE:
-                chains = eagle.trees(rows, table.tokens[rows, kv].long(), d.depth)
-                from_head = (key[:, 1:] < 0).all(dim=1)
-                tok, par, dep, anc, key = (torch.where(from_head[:, None], c.to(t.dtype), t)
-                                           for t, c in zip((tok, par, dep, anc, key), chains))
-                key = index_first(key, from_head)
-                source = torch.where(from_head, int(Source.HEAD), source)
-            trees = (tok, dep, anc, key)
-        elif eagle is not None and drafting:  # the trees the step before left (a step that does not draft reads none)
-            tok, par, dep, anc, key = eagle.trees(rows, table.tokens[rows, kv].long(), eagle.nodes)
+        eagle = self.drafters.head
+        drafted, source = self.drafters.trees(table, x.rows, x.groups, kv, head, drafting)
+        trees = None
+        if drafted is not None:
+            tok, par, dep, anc, key = drafted
             trees = (tok, dep, anc, key)
         if draft_rows:
             layout = lay_out_drafts(tok, par, dep, anc, key, kv, out_pos, x.slots, draft_rows)
@@ -292,7 +257,7 @@ class ModelRunner:
         )
         draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
         self._set_head_running(head)
-        eagle = self.eagle if head else None
+        eagle = self.drafters.head if head else None
         aux = None if eagle is None else torch.empty(num_tokens, eagle.aux_width, dtype=self.pool.dtype, device=self.device)
         positions_d = to_device(positions, self.device)
         all_logits = self.forward(to_device(input_ids, self.device), positions_d, meta, None if eagle else
@@ -346,16 +311,16 @@ class ModelRunner:
         last = to_device(np.array(logits_rows, dtype=np.int64), self.device)
         ids[last] = drawn[to_device(np.array(first_draw, dtype=np.int64), self.device)]
         if starting:
-            self.eagle.track(to_device(np.array(starting, dtype=np.int64), self.device))
-        logits, hidden = self.eagle.extend(ids, aux, self._context(meta, positions))
+            self.drafters.head.track(to_device(np.array(starting, dtype=np.int64), self.device))
+        logits, hidden = self.drafters.head.extend(ids, aux, self._context(meta, positions))
         if sampled:
             rows = to_device(np.array(sampled, dtype=np.int64), self.device)
-            self.eagle.draft(rows, logits[last], hidden[last], self.table.lengths[rows].long(), self.backend, self.cos,
+            self.drafters.head.draft(rows, logits[last], hidden[last], self.table.lengths[rows].long(), self.backend, self.cos,
                              self.sin, max_kv_len=meta.max_kv_len + 1)  # (+ the first draw)
         if forks:
             fork_rows = to_device(np.array(forks, dtype=np.int64), self.device)
-            self.eagle.track(fork_rows, like=to_device(np.array(fork_of, dtype=np.int64), self.device))
-            self.eagle.forget(fork_rows)
+            self.drafters.head.track(fork_rows, like=to_device(np.array(fork_of, dtype=np.int64), self.device))
+            self.drafters.head.forget(fork_rows)
 
     # ---------------- collecting ----------------
     def collect(self, step: StepInFlight) -> Emitted:
@@ -400,13 +365,10 @@ class ModelRunner:
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
             top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
-        names = ("ngram", self.eagle.source if self.eagle is not None else "head", "coupled")  # by Source
         codes = ints[:, n + 3]
+        names = self.drafters.source_names
         sources = [names[c] for c in codes.tolist()]
-        misses = None
-        if self.eagle is not None and self.draft is not None and step.drafting:  # a hybrid: trees the index left to the head
-            misses = int((codes == Source.HEAD).sum())
-        coupled = int((codes == Source.COUPLED).sum()) if step.drafting and self.draft is not None and self.draft.coupled else None
+        misses, coupled = self.drafters.counts(codes, step.drafting)
         return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses,
                        coupled=coupled)
 
@@ -419,7 +381,7 @@ class ModelRunner:
         self.backend.plan(meta)
         ctx = self._context(meta, positions, attn_out)
         if aux is not None:
-            ctx.aux_layers, ctx.aux_hidden = self.eagle.aux_layers, aux
+            ctx.aux_layers, ctx.aux_hidden = self.drafters.head.aux_layers, aux
         return self.model(input_ids, ctx, logits_rows)
 
     def _context(self, meta: AttentionMetadata, positions: torch.Tensor, attn_out: torch.Tensor | None = None) -> ForwardContext:

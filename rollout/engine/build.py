@@ -1,0 +1,177 @@
+"""An engine's parts, built from its config on one rank: the model (this rank's shard, loaded or
+random), a draft head, the KV pool, the attention backend, the token table, speculation, and the
+runner with its CUDA graphs. `Engine` (rollout/engine/engine.py) holds them and steps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from kernels import pdl
+from kernels.attention import AttentionBackend
+from rollout.config import EngineConfig
+from rollout.engine.kv_pool import KVPool
+from rollout.engine.drafters import Drafters
+from rollout.engine.model_runner import ModelRunner
+from rollout.engine.tensor_parallel import Follower, Leader
+from rollout.engine.token_table import TokenTable
+from rollout.models.config import ModelConfig
+from rollout.models.llama import CausalLM
+from rollout.models.loader import build_model, load_checkpoint, randomize, resolve_model_path
+from rollout.models.sharding import Shard
+from spec.draft_head import load_head, load_mtp
+from spec.eagle import EagleDrafter
+from spec.speculator import Speculator
+
+log = logging.getLogger("rollout")
+
+DEFAULT_CPU_KV_TOKENS = 16384
+DEFAULT_PREFILL_TOKENS = 4096
+DEFAULT_CPU_PREFILL_TOKENS = 512  # a step's prompt tokens on the CPU: 4,096 of the default model's take ~20 s
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class Parts:
+    dtype: torch.dtype
+    model_path: Path
+    model_config: ModelConfig
+    shard: Shard
+    tokenizer: object
+    max_model_len: int
+    max_prefill_tokens: int
+    eos_token_ids: set[int]
+    model: CausalLM
+    pool: KVPool
+    table: TokenTable
+    spec: Speculator
+    runner: ModelRunner
+
+
+def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower | None) -> Parts:
+    """Everything a rank steps with (`tp`: its group under tensor parallelism, else None)."""
+    rank = tp.rank if tp is not None else 0
+    dtype = resolve_dtype(cfg.dtype, device)
+    model_path = resolve_model_path(cfg.model)
+    model_config = ModelConfig.from_dir(model_path)
+    shard = Shard(rank, cfg.tp_size, tp.group if tp is not None else None)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    max_model_len = cfg.max_model_len or min(model_config.max_context, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > model_config.max_context:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_config.max_context}")
+
+    pdl.set_enabled(cfg.pdl and pdl.supported(device))  # before any kernel is timed or captured
+    model = build_model(model_config, device, dtype, shard)
+    if cfg.load_format == "dummy":
+        randomize(model, cfg.seed + rank)
+    else:
+        load_checkpoint(model, model_path)
+    head = None
+    if "mtp" in cfg.spec.drafters:
+        head = load_mtp(model_path, model_config, layer=model_config.num_layers, dtype=dtype)
+    elif "eagle" in cfg.spec.drafters:
+        head = load_head(cfg.spec.draft_model, model_config, layer=model_config.num_layers, dtype=dtype)
+    if head is not None:
+        head.to(device)
+    pool = KVPool(
+        num_layers=model_config.num_layers + (head is not None),  # the head's KV: one more layer
+        num_slots=kv_cache_tokens(cfg, model_config, shard, dtype, device, tp),
+        num_kv_heads=shard.kv_heads(model_config),
+        head_dim=model_config.head_dim,
+        dtype=dtype,
+        device=device,
+        max_rows=cfg.max_running_seqs,
+        # a verify step may overhang a sequence's end, and one more may be launched before it is
+        # collected; a draft head's rows stand past the end (spec/eagle.py)
+        max_context=max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1 + cfg.spec.head_rows,
+        reserved=0 if head is None else (cfg.max_running_seqs + 1) * EagleDrafter.scratch_per_row(
+            cfg.spec.head_depth, cfg.spec.head_topk),
+    )
+    backend_name = cfg.attention_backend
+    if backend_name == "auto":
+        backend_name = "triton" if device.type == "cuda" else "torch"
+    backend = attention_backend(backend_name, device)
+    history = cfg.spec.history_rows if cfg.spec.enabled else 0
+    table = TokenTable(cfg.max_running_seqs, history, pool.max_context, device)
+    spec = Speculator(cfg.spec, table, coupled=cfg.coupled_sampling)
+    eagle = None if head is None else EagleDrafter(head, model, pool, cfg.spec.head_depth, cfg.spec.head_topk,
+                                                   cfg.spec.head_nodes, cfg.max_running_seqs)
+    runner = ModelRunner(model, pool, table, backend, device, Drafters(spec.draft, eagle))
+    if cfg.cuda_graphs and device.type == "cuda" and backend_name == "triton":
+        capture_graphs(cfg, runner, spec, shard.heads(model_config), dtype)
+
+    eos_token_ids = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos_token_ids.add(tokenizer.eos_token_id)
+    max_prefill_tokens = cfg.max_prefill_tokens or (DEFAULT_PREFILL_TOKENS if device.type == "cuda"
+                                                    else DEFAULT_CPU_PREFILL_TOKENS)
+    return Parts(dtype, model_path, model_config, shard, tokenizer, max_model_len, max_prefill_tokens,
+                 eos_token_ids, model, pool, table, spec, runner)
+
+
+def capture_graphs(cfg: EngineConfig, runner: ModelRunner, spec: Speculator, heads: int, dtype: torch.dtype) -> None:
+    """A CUDA graph of every decode-step shape the engine can ask for (rollout/engine/cuda_graphs.py);
+    with a draft head, what its work costs a step against what it drafts (spec/head_watch.py HeadCycle)."""
+    max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
+    capacities = spec.budget.capacities if cfg.spec.enabled else (lambda b: [0])
+    attn_out = torch.zeros(max_tokens, heads, runner.model.config.head_dim, dtype=dtype, device=runner.device)
+    t0 = time.perf_counter()
+    count = runner.capture_graphs(attn_out, cfg.max_running_seqs, capacities, spec.step_kinds)
+    log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
+    if runner.drafters.head is not None:
+        spec.cycle.costs = runner.graphs.head_costs()
+        log.info("draft head's pass and tree, ms by batch bucket: %s", {
+            b: (round(p * 1e3, 3), round(t * 1e3, 3)) for b, (p, t) in spec.cycle.costs.items()})
+
+
+def kv_cache_tokens(cfg: EngineConfig, mc: ModelConfig, shard: Shard, dtype: torch.dtype, device: torch.device,
+                    tp: Leader | Follower | None) -> int:
+    """The KV pool's slots (one more than its tokens: slot 0 is padding's): as configured, or the
+    share of free GPU memory the config gives it, the smallest any rank can hold."""
+    if cfg.kv_cache_tokens:
+        return cfg.kv_cache_tokens + 1
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_TOKENS + 1
+    per_token = 2 * mc.num_layers * shard.kv_heads(mc) * mc.head_dim * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    slots = int(free * cfg.kv_cache_memory_fraction) // per_token
+    return slots if tp is None else tp.group.minimum(slots)  # every rank schedules alike
+
+
+def resolve_device(name: str, gpu: int = 0) -> torch.device:
+    """`auto` and `cuda` mean GPU `gpu` (EngineConfig.base_gpu_id) when there is one; `cuda:N` is GPU N."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("device cuda was asked for but no CUDA GPU is available; use device='cpu' or 'auto'")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # always an explicit GPU, for set_device and friends
+        device = torch.device("cuda", gpu)
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)  # one of EngineConfig.dtype's choices
+
+
+def attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`torch` (the reference, any device) or `triton` (CUDA); Triton is imported only when chosen."""
+    if name == "torch":
+        from kernels.torch_attention import TorchAttention
+
+        return TorchAttention()
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("the triton attention backend needs a CUDA device; use --attention-backend torch on CPU")
+        from kernels.triton_attention import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"attention backend {name!r}: choose torch or triton")
