@@ -127,7 +127,12 @@ def test_a_server_that_refuses_a_push_is_named_keeps_its_weights_and_the_other_i
             assert generate(good.url, PROMPTS[:1])[0]["meta_info"]["weight_version"] == "7"
 
 
-def test_killing_one_engine_process_fails_its_requests_fast_and_the_other_keeps_serving(dp2):
+def test_killing_one_engine_process_fails_its_requests_fast_and_the_other_keeps_serving(dp2, tiny):
+    """... and, restarted with older weights than the latest push (in memory: it cannot reload
+    them), the replica is routed around until the next push reaches it."""
+    version = str(int(requests.get(dp2.url + "/get_weight_version", timeout=10).json()["weight_version"]) + 1)
+    with WeightPusher(dp2.url, method="distributed") as pusher:
+        pusher.push(perturbed(tiny, seed=4).named_parameters(), version=version)
     long = {"max_new_tokens": 1000, "temperature": 1.0, "ignore_eos": True, "n": 4}  # (the context is 1,024)
     result: dict = {}
 
@@ -158,7 +163,18 @@ def test_killing_one_engine_process_fails_its_requests_fast_and_the_other_keeps_
         time.sleep(0.5)
     back = replicas(dp2.url)[busy[0]]
     assert back["restarts"] == 1 and back["engine_pid"] != victim["engine_pid"]
-    assert len(generate(dp2.url, PROMPTS)) == len(PROMPTS)
+    assert back["stale"] and back["weight_version"] != version
+    before = requests_by_replica(dp2.url)
+    assert {s["meta_info"]["weight_version"] for s in generate(dp2.url, PROMPTS)} == {version}
+    assert requests_by_replica(dp2.url)[str(busy[0])] == before[str(busy[0])]  # none went to the stale one
+    newer = str(int(version) + 1)
+    with WeightPusher(dp2.url, method="distributed") as pusher:
+        pusher.push(perturbed(tiny, seed=5).named_parameters(), version=newer)
+    assert [(r["stale"], r["weight_version"]) for r in replicas(dp2.url)] == [(False, newer)] * 2
+    before = requests_by_replica(dp2.url)
+    fresh = [[t + 40 for t in p] for p in PROMPTS]  # (the prompts above stay where they moved)
+    assert {s["meta_info"]["weight_version"] for s in generate(dp2.url, fresh)} == {newer}
+    assert requests_by_replica(dp2.url)[str(busy[0])] > before[str(busy[0])]  # it serves again
 
 
 def test_rollout_bench_drives_servers_and_a_router_over_http(dp2, dp1, tiny, tmp_path):

@@ -20,6 +20,7 @@ from rollout import Engine, SamplingParams, SpecConfig
 from rollout.config import EngineConfig
 from rollout.models.config import ModelConfig
 from rollout.models.sharding import Shard
+from rollout.models.weights import WeightError
 from weight_sync import WeightPusher, WeightSyncError
 
 PROMPTS = [[5 + k, 9, 13 + 2 * k, 7, 11 + k] for k in range(6)]
@@ -97,6 +98,11 @@ def test_update_weights_under_tp_equals_tp1_and_a_wrong_shape_changes_no_rank(ti
         assert_same(before, outputs(many, PROMPTS, GREEDY))
         with pytest.raises(ValueError, match="shape"):
             many.update_weights([("model.layers.0.mlp.down_proj.weight", torch.randn(3, 3)), *pushed.items()])
+        assert_same(before, outputs(many, PROMPTS, GREEDY))
+        assert many.weight_version == 0
+        specs = [(n, tuple(t.shape), t.dtype) for n, t in pushed.items()]
+        with pytest.raises(WeightError, match="another tensor-parallel rank"):  # rank 1 staged no copy of its own
+            many.update_weights_staged(specs, list(pushed.items()), version=3)
         assert_same(before, outputs(many, PROMPTS, GREEDY))
         assert many.weight_version == 0
         for engine in (one, many):

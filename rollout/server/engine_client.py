@@ -109,6 +109,9 @@ class EngineClient:
         self.restarts = 0
         self.last_heard = 0.0  # time.monotonic() of the engine's latest message
         self._restore: dict | None = None  # the weights a restarted engine loads: {"model_path", "weight_version"}
+        self._in_memory = False  # its latest weights were pushed in memory: a restart cannot load them
+        # restarted with older weights than its latest push: replicas route around it until the next push
+        self.stale = False
         self._stopping = False
         self._ready: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves, once started
@@ -205,8 +208,9 @@ class EngineClient:
                     log.error("restarted engine process %d failed: %s", self.dp_rank, e)
                     delay = RESTART_BACKOFF_S[-1]
                     continue
-                log.info("engine process %d is back (pid %d), weight version %s", self.dp_rank, self.info["engine_pid"],
-                         self.weight_version)
+                self.stale = self._in_memory
+                log.info("engine process %d is back (pid %d), weight version %s%s", self.dp_rank, self.info["engine_pid"],
+                         self.weight_version, ": older than its latest push, so stale until the next" if self.stale else "")
                 break
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -348,12 +352,13 @@ class EngineClient:
         return reply["result"]
 
     def _note_weights(self, op: str, args: dict, result: Any) -> None:
-        """Remember what a restarted engine should load (see the module docstring)."""
-        if op == "update_weights_from_disk":
+        """Remember what a restarted engine should load (see the module docstring), and whether it could."""
+        if not op.startswith("update_weights_from_"):
+            return
+        self.stale = False
+        self._in_memory = op != "update_weights_from_disk"
+        if not self._in_memory:
             self._restore = {"model_path": args["model_path"], "weight_version": result["weight_version"]}
-        elif op.startswith("update_weights_from_") and self._restore is not None:
-            log.info("weights %s were pushed in memory: a restarted engine would serve %s from disk",
-                     result.get("weight_version"), self._restore["weight_version"])
 
     def _queue_batch(self, add: dict | None = None, abort: str | None = None) -> None:
         last = self._outbox[-1] if self._outbox else None

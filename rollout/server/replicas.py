@@ -14,7 +14,9 @@ Control calls go to every replica at once: weight updates arrive at all of them 
 joins a trainer's group at `rank_offset + i * tp_size`, its tensor-parallel ranks after it, so
 one broadcast reaches all), and a call that fails on a replica fails with its dp rank named,
 as soon as that replica answers. A replica that dies fails its own requests and is restarted by
-its client; the others keep serving.
+its client; the others keep serving. A restarted replica loads the latest weights pushed from
+disk, or the initial ones; if a later push came in memory (a broadcast, CUDA IPC), it is stale:
+prompts go to the others until the trainer's next push reaches it (`/server_info` says so).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class Replicas:
 
     @property
     def weight_version(self) -> str:
-        return next((c.weight_version for c in self.clients if c.alive), self.clients[0].weight_version)
+        live = [c for c in self.clients if c.alive]
+        return next((c.weight_version for c in live if not c.stale), live[0].weight_version if live else self.clients[0].weight_version)
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -96,7 +99,8 @@ class Replicas:
     def describe(self) -> list[dict]:
         """Each replica as /server_info lists it."""
         return [{"dp_rank": c.dp_rank, "alive": c.alive, "device": c.info.get("device"), "engine_pid": c.info.get("engine_pid"),
-                 "weight_version": c.weight_version, "restarts": c.restarts, "error": None if c.alive else c.dead}
+                 "weight_version": c.weight_version, "stale": c.stale, "restarts": c.restarts,
+                 "error": None if c.alive else c.dead}
                 for c in self.clients]
 
     # ---------------- requests ----------------
@@ -128,6 +132,7 @@ class Replicas:
         alive = [i for i, c in enumerate(self.clients) if c.alive]
         if not alive:
             raise EngineDead(self.dead or "no engine replica is running")
+        alive = [i for i in alive if not self.clients[i].stale] or alive  # (all stale: serve as they are)
         key = hashlib.blake2b(repr(input_ids).encode(), digest_size=16).digest()
         home = self._homes.get(key)
         if home is None:
