@@ -9,7 +9,8 @@ slower than `F.linear` beyond timing noise. That first call must happen outside 
 capture (the runner's warm-up does it). The RMSNorm before a product stays its own kernel:
 fused into this one, every program normalised the rows again before streaming its tile, and
 on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us
-apart; bench/gemm_choice.py).
+apart: bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the
+fused path was removed).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from rollout.engine.tensor_parallel import Follower, Leader
 from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM
-from rollout.models.loader import build_model, load_checkpoint, randomize, resolve_model_path
+from rollout.models.loader import build_model, load_checkpoint, randomize
 from rollout.models.sharding import Shard
 from spec.draft_head import load_head, load_mtp
 from spec.eagle import EagleDrafter
@@ -40,8 +40,6 @@ DEFAULT_MAX_MODEL_LEN = 8192
 @dataclass
 class Parts:
     dtype: torch.dtype
-    model_path: Path
-    model_config: ModelConfig
     shard: Shard
     tokenizer: object
     max_model_len: int
@@ -54,12 +52,11 @@ class Parts:
     runner: ModelRunner
 
 
-def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower | None) -> Parts:
+def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower | None, model_path: Path,
+                model_config: ModelConfig) -> Parts:
     """Everything a rank steps with (`tp`: its group under tensor parallelism, else None)."""
     rank = tp.rank if tp is not None else 0
     dtype = resolve_dtype(cfg.dtype, device)
-    model_path = resolve_model_path(cfg.model)
-    model_config = ModelConfig.from_dir(model_path)
     shard = Shard(rank, cfg.tp_size, tp.group if tp is not None else None)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     max_model_len = cfg.max_model_len or min(model_config.max_context, DEFAULT_MAX_MODEL_LEN)
@@ -111,7 +108,7 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
         eos_token_ids.add(tokenizer.eos_token_id)
     max_prefill_tokens = cfg.max_prefill_tokens or (DEFAULT_PREFILL_TOKENS if device.type == "cuda"
                                                     else DEFAULT_CPU_PREFILL_TOKENS)
-    return Parts(dtype, model_path, model_config, shard, tokenizer, max_model_len, max_prefill_tokens,
+    return Parts(dtype, shard, tokenizer, max_model_len, max_prefill_tokens,
                  eos_token_ids, model, pool, table, spec, runner)
 
 

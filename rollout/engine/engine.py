@@ -92,12 +92,14 @@ class Engine:
         self.device = resolve_device(cfg.device, cfg.base_gpu_id + (tp_follower[0] if tp_follower is not None else 0))
         if self.device.type == "cuda":  # Triton launches and graph captures go to the current GPU: make it ours
             torch.cuda.set_device(self.device)
-        Shard.check(ModelConfig.from_dir(resolve_model_path(cfg.model)), cfg.tp_size)  # before any rank starts
+        self.model_path = resolve_model_path(cfg.model)
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        Shard.check(self.model_config, cfg.tp_size)  # before any rank starts
         self.tp = start_ranks(cfg, self.device, tp_follower, tp_hooks)  # None with one rank
         if self.tp is not None and self.device.type == "cpu":  # ranks that share the cores: no oversubscription
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp_size))
-        p = build_parts(cfg, self.device, self.tp)
-        self.dtype, self.model_path, self.model_config, self.shard = p.dtype, p.model_path, p.model_config, p.shard
+        p = build_parts(cfg, self.device, self.tp, self.model_path, self.model_config)
+        self.dtype, self.shard = p.dtype, p.shard
         self.tokenizer, self.eos_token_ids = p.tokenizer, p.eos_token_ids
         self.max_model_len, self.max_prefill_tokens = p.max_model_len, p.max_prefill_tokens
         self.model, self.pool, self.table, self.spec, self.runner = p.model, p.pool, p.table, p.spec, p.runner
