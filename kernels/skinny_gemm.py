@@ -32,38 +32,55 @@ MAX_ROWS = 16
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 CPU_BLOCK_ROWS = 8
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_use_triton: dict[tuple, bool] = {}  # (N, K, dtype, has_bias, PDL) -> Triton beat cuBLAS
+_use_triton: dict[tuple, bool] = {}  # (N, K, dtype, out dtype, has_bias, PDL) -> Triton beat cuBLAS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), accumulated in float32 and rounded to `out_dtype` (default: x's)."""
     if x.device.type == "cpu" and not INTERPRET:
-        return _cpu_linear(x, weight, bias)
-    return skinny_linear(x, weight, bias) if takes_triton(x, weight, bias) else F.linear(x, weight, bias)
+        return _cpu_linear(x, weight, bias).to(out_dtype or x.dtype)
+    if takes_triton(x, weight, bias, out_dtype):
+        return skinny_linear(x, weight, bias, out_dtype)
+    return _cublas_linear(x, weight, bias, out_dtype)
+
+
+def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_dtype: torch.dtype | None) -> torch.Tensor:
+    if out_dtype in (None, x.dtype):
+        return F.linear(x, weight, bias)
+    if not x.is_cuda:  # (Triton's interpreter: aten's mm to another dtype is CUDA's)
+        return F.linear(x.to(out_dtype), weight.to(out_dtype), None if bias is None else bias.to(out_dtype))
+    y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=out_dtype)  # (rounded once, from the accumulator)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual): the residual add fused into the norm."""
     if residual is None:
-        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
+        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, out_dtype), x
     h, summed = fused.rms_norm(x, norm_weight, eps, residual)
-    return linear(h, weight, bias), summed
+    return linear(h, weight, bias, out_dtype), summed
 
 
-def takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear(x, weight, bias)` runs the Triton kernel (timed against cuBLAS once per shape)."""
+def takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype | None = None) -> bool:
+    """Whether `linear(x, weight, bias, out_dtype)` runs the Triton kernel (timed against cuBLAS once per shape)."""
     usable = (
         triton is not None and (x.is_cuda or INTERPRET) and x.dim() == 2 and x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
     )  # float32 stays with cuBLAS: tl.dot would round its inputs to tf32
     if not usable:
         return False
-    key = (weight.shape[0], weight.shape[1], x.dtype, bias is not None, pdl.enabled())
+    key = (weight.shape[0], weight.shape[1], x.dtype, out_dtype, bias is not None, pdl.enabled())
     choice = _use_triton.get(key)
     if choice is None:
-        choice = _use_triton[key] = INTERPRET or _triton_is_faster(x, weight, bias)
+        choice = _use_triton[key] = INTERPRET or _triton_is_faster(x, weight, bias, out_dtype)
     return choice
 
 
@@ -81,10 +98,11 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.cat([F.linear(block, weight, bias) for block in x.split(CPU_BLOCK_ROWS)])[:rows]
 
 
-def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype | None) -> bool:
     probe = torch.randn(MAX_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
-    ours = graph_ms(lambda: skinny_linear(probe, weight, bias))
-    theirs = graph_ms(lambda: F.linear(probe, weight, bias))
+    ours = graph_ms(lambda: skinny_linear(probe, weight, bias, out_dtype))
+    theirs = graph_ms(lambda: _cublas_linear(probe, weight, bias, out_dtype))
     return ours < theirs
 
 
@@ -101,11 +119,12 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median") / GRAPH_CALLS
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The Triton product."""
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731

@@ -78,6 +78,27 @@ def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("rows", [1, 9, 16, 40])
+def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
+    """The LM head's logits (out_dtype=float32), by the Triton kernel and by cuBLAS: within float32
+    accumulation error of the exact product, far inside one bf16 step."""
+    from kernels.skinny_gemm import _cublas_linear, linear, skinny_linear
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(4099, 576, generator=g, device=DEVICE) / 24).to(dtype)
+    ref = x.double() @ w.double().T
+    outs = [linear(x, w, None, torch.float32)]
+    if rows <= 16:
+        outs.append(skinny_linear(x, w, None, torch.float32))
+    if ON_GPU:
+        outs.append(_cublas_linear(x, w, None, torch.float32))
+    for y in outs:
+        assert y.dtype == torch.float32
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 @pytest.mark.parametrize("rows,n,k,residual,bias", [(1, 960, 576, True, False), (7, 3072, 576, False, True),
                                                      (16, 576, 1536, True, False), (3, 100, 70, True, True)])
 def test_norm_linear_matches_norm_then_linear(dtype, rows, n, k, residual, bias):

@@ -219,12 +219,17 @@ class CausalLM(nn.Module):
             ctx.aux_hidden[:, k * hidden : (k + 1) * hidden].copy_(self.model.norm(x + residual))
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
-        logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps, self.lm_head_weight)
+        # float32 out of the accumulator: rounded to bf16, a logit near 10 moves in steps of 0.06, so
+        # a verify row and a decode row (or two weight versions a bf16 place apart) whose sums
+        # differ in the last bits often differ by a whole step, enough to flip a sampled token
+        # whose noisy score ties within it (bench/RESULTS.md, coupled rollouts).
+        logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps,
+                                            self.lm_head_weight, out_dtype=torch.float32)
         if not self.shard.alone:  # each rank's slice of the vocabulary, side by side, less the padding
             vocab = self.config.vocab_size
             logits = self.shard.all_gather(logits)
             logits = logits[:, :vocab].contiguous() if logits.shape[1] != vocab else logits
-        return logits.float()
+        return logits
 
     def to_host(self) -> None:
         """Move the weights to pinned host memory (`.to(device)` brings them back): the GPU is freed
