@@ -21,7 +21,7 @@ wheels=$(ls .whl/*.whl .whl_server/*.whl 2>/dev/null)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
-bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "$OUT" "$@" 2>&1 | grep -v -e Warning -e warn; }
+bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-$OUT}" "$@" 2>&1 | grep -v -e Warning -e warn; }
 RL="--workload rl --spec-modes off,ngram --batch-sizes 512 --n 8 --max-running-seqs 512 --repeats 3"
 
 case "$stage" in
@@ -60,11 +60,21 @@ rl-epoch)  # the second epoch: the warm-up rollout of the same prompts is the fi
   bench $RL --temperature 0.7 --keep-history | tee "$OUT/rl-epoch.log"
   ;;
 coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after one real trainer step (lr
-  # $LR, default 1e-6, pushed in bf16) and with no update between the epochs; spec off with the same seeds against n-gram
-  LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history --coupled-sampling --epoch-update ${LR:-1e-6} \
-    --repeats ${REPEATS:-3} | tee "$OUT/coupled-update.log" | grep -E "^\| rollout|coupled"
-  [ -n "${SKIP_SAME:-}" ] || LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history --coupled-sampling \
-    --repeats ${REPEATS:-3} | tee "$OUT/coupled-same.log" | grep -E "^\| rollout|coupled"
+  # $LR, default 1e-6, pushed in bf16) and with no update between the epochs; spec off with the same seeds against n-gram.
+  # BASE_TAR=.devcache/base.tar (`git archive -o .devcache/base.tar COMMIT`, carried): that commit's runs too, in the same call
+  trees=$PWD; export BENCH_OUT=/tmp/bench-files
+  if [ -n "${BASE_TAR:-}" ]; then
+    rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$BASE_TAR" -C /tmp/base && trees="/tmp/base $PWD"
+  fi
+  for tree in $trees; do
+    name=$([ "$tree" = "$PWD" ] && echo head || echo base)
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history \
+      --coupled-sampling --epoch-update ${LR:-1e-6} --repeats ${REPEATS:-3} | tee "$OUT/coupled-update-$name.log" \
+      | grep -E "^\| rollout|coupled" | sed "s|^|$name update |")
+    [ -n "${SKIP_SAME:-}" ] || (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL \
+      --temperature 1.0 --keep-history --coupled-sampling --repeats ${REPEATS:-3} | tee "$OUT/coupled-same-$name.log" \
+      | grep -E "^\| rollout|coupled" | sed "s|^|$name same |")
+  done
   ;;
 sampling)  # the sampling kernels' cost by rows and vocabulary (151,936: Qwen3-8B), against a decode step of each shape at 512
   timeout 120 python3 bench/step_profile.py sampling 2>&1 | grep -v -i warn | tee "$OUT/sampling.log"
