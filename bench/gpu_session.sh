@@ -61,10 +61,12 @@ rl-epoch)  # the second epoch: the warm-up rollout of the same prompts is the fi
   ;;
 coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after one real trainer step (lr
   # $LR, default 1e-6, pushed in bf16) and with no update between the epochs; spec off with the same seeds against n-gram.
-  # BASE_TAR=.devcache/base.tar (`git archive -o .devcache/base.tar COMMIT`, carried): that commit's runs too, in the same call
+  # BASE_TAR=.devcache/base.tar, carried: that commit's runs too, in the same call (`git archive -o .devcache/base.tar
+  # COMMIT -- . ':!rollout/models/default_head/model.safetensors'`: the head's weights, 10 MB, are taken from this tree)
   trees=$PWD; export BENCH_OUT=/tmp/bench-files
   if [ -n "${BASE_TAR:-}" ]; then
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$BASE_TAR" -C /tmp/base && trees="/tmp/base $PWD"
+    cp -n rollout/models/default_head/model.safetensors /tmp/base/rollout/models/default_head/
   fi
   for tree in $trees; do
     name=$([ "$tree" = "$PWD" ] && echo head || echo base)

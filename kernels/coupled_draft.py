@@ -13,8 +13,11 @@ aligned; bench/RESULTS.md says how soon they part and how often they meet again)
 For sequence s (own row r): the newest history row t of its scan list (its prompt's group) with the
 same sampling key (scan lists hold history newest first) gives the chain t[i + 1 : i + 1 + width]
 for i the position of t's (c+1)-th x among its draws' predecessors (the prompt's last token on),
-its drafts keyed above any n-gram draft (KEY_SCALE - 1 - depth: kernels/draft_rows.py verifies
-the batch's best keys first). Where t has no such draw, s drafts from n-gram matches.
+provided the `window` tokens up to i equal s's last ones, its drafts keyed above any n-gram
+draft (KEY_SCALE - 1 - depth: kernels/draft_rows.py verifies the batch's best keys first).
+Where t has no such draw, s drafts from n-gram matches. (The shared noise alone is a poor
+guess once the samples have parted: their contexts differ, and so do their draws. Without the
+window, on the H100, such chains were accepted 0.12-0.22 of the time: bench/RESULTS.md.)
 
 Outputs are the n-gram drafter's five [S, width + 1] arrays (kernels/ngram_draft.py) and [S]
 which sequences have a chain. Torch ops only: they run inside the step's CUDA graph as they are.
@@ -29,11 +32,12 @@ from kernels.ngram_draft import KEY_SCALE, PADDING
 
 def coupled_chains(
     tokens: torch.Tensor, lengths: torch.Tensor, prompt_lens: torch.Tensor, keys: torch.Tensor, history_start: int,
-    rows: torch.Tensor, scan: torch.Tensor, width: int,
+    rows: torch.Tensor, scan: torch.Tensor, window: int, width: int,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """tokens [R, C] int32, lengths and prompt_lens [R] int32, keys [R] int64 (each row's sampling
-    key); rows [S] int32; scan [S, M] int32 (-1: none). Returns found [S] bool and (tokens,
-    parents, depths, ancestors, keys) [S, width + 1] int64."""
+    key); rows [S] int32; scan [S, M] int32 (-1: none); `window`: how many tokens up to the
+    meeting point (its own included) must agree. Returns found [S] bool and (tokens, parents, depths, ancestors,
+    keys) [S, width + 1] int64."""
     dev = tokens.device
     rows = rows.long()
     s = rows.shape[0]
@@ -51,8 +55,12 @@ def coupled_chains(
     their_from = prompt_lens[row].long()[:, None] - 1
     same = (theirs == last) & (cols >= their_from) & (cols < their_len - 1)
     hit = same & (same.cumsum(dim=1) - same.long() == followed[:, None])  # t's (c+1)-th x, at most one
-    found = candidate.any(dim=1) & hit.any(dim=1)
     at = hit.long().argmax(dim=1)  # [S]
+    back = torch.arange(1, window, device=dev)  # the tokens before the last, on both sides
+    mine = own.gather(1, (own_len[:, None] - 1 - back).clamp(min=0))
+    their = theirs.gather(1, (at[:, None] - back).clamp(min=0))
+    agree = ((mine == their) | (own_len[:, None] - 1 - back < 0)).all(dim=1)
+    found = candidate.any(dim=1) & hit.any(dim=1) & agree
     depth = torch.arange(1, width + 1, device=dev)  # [N]
     pos = at[:, None] + depth  # [S, N]
     real = found[:, None] & (pos < their_len)

@@ -9,6 +9,7 @@
     spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
     spec.observe_index(misses)                   a hybrid's drafting step: sequences the index had nothing for
     spec.observe_coupled(k)                      a drafting step: sequences that follow their earlier rollout
+    spec.observe_coupled_drafts(drafted, accepted)   a step's verified coupled drafts (their running acceptance)
     spec.observe_head_step(...)                  a step the draft head ran in: its time, its tokens (HeadCycle)
     spec.stats()
 
@@ -37,7 +38,8 @@ from spec.index import NgramIndex
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
 CANDIDATES = 8  # continuations a tree is built from (the most recent of the longest matches)
 SCORED = 128  # trees scored per evaluation at most, spread over the batch (each costs the host a list slice)
-COUPLED_ACCEPT = 0.9  # the share of coupled drafts the budget counts on being accepted
+COUPLED_ACCEPT = 0.9  # the share of coupled drafts the budget counts on being accepted, until measured
+COUPLED_MEMORY = 256  # coupled drafts verified over which their measured acceptance averages
 
 
 @dataclass(eq=False)
@@ -79,6 +81,7 @@ class Speculator:
         self.cycle = HeadCycle(costs=self.cycle.costs if self.cycle else None) if self.drafts_ahead else None
         self._index_misses = 1  # a hybrid: sequences the index had nothing for in its last drafting step (none seen yet)
         self._coupled = 0  # sequences that followed their earlier rollout in the last drafting step
+        self._coupled_accept = COUPLED_ACCEPT  # their drafts' acceptance, a running mean
         self._waiting: deque[_Trees] = deque()
         self._steps = self._rows = 0  # decode steps planned, and the draft rows they verified
 
@@ -110,6 +113,12 @@ class Speculator:
 
     def observe_coupled(self, followed: int) -> None:
         self._coupled = followed
+
+    def observe_coupled_drafts(self, drafted: int, accepted: int) -> None:
+        """A step's verified coupled drafts and how many were accepted."""
+        if drafted:
+            share = min(1.0, drafted / COUPLED_MEMORY)
+            self._coupled_accept += share * (accepted / drafted - self._coupled_accept)
 
     @property
     def step_kinds(self) -> list[tuple[bool, HeadWork]]:
@@ -148,12 +157,14 @@ class Speculator:
         if not self.enabled:
             return StepPlan(0, False, False)
         # Sequences that follow their earlier rollout under coupled sampling (as of the last drafting
-        # step) draft its next tokens, accepted 0.87-0.99 of the time on the GPU (bench/RESULTS.md);
-        # their chains' keys rank above every n-gram draft, so a step's rows go to them first. The
-        # budget weighs them at COUPLED_ACCEPT, against its measured costs, rather than wait for its
-        # estimates, which learn too slowly for them (per-sequence rates move a tenth of the way
-        # every 8 steps, and the drain caps them at the slowest tenth's).
-        plan = self.budget.plan(num_seqs, free_slots, draining, sure=self._coupled * self.depth * COUPLED_ACCEPT)
+        # step) draft its next tokens, accepted 0.87-0.99 of the time on the GPU while aligned
+        # (bench/RESULTS.md); their chains' keys rank above every n-gram draft, so a step's rows go
+        # to them first. The budget weighs them at their measured acceptance (a running mean over
+        # the last few hundred), against its measured costs, rather than wait for its estimates,
+        # which learn too slowly for them (per-sequence rates move a tenth of the way every 8
+        # steps, and the drain caps them at the slowest tenth's).
+        plan = self.budget.plan(num_seqs, free_slots, draining,
+                                sure=self._coupled * self.depth * self._coupled_accept)
         self._steps += 1
         self._rows += plan.draft_rows
         if self.drafts_ahead:

@@ -100,10 +100,12 @@ def test_a_sample_that_parted_from_its_earlier_rollout_drafts_from_it_again_wher
     keys = torch.tensor([7, 7, 8, 0])
     scan = torch.tensor([[2, 1, -1]], dtype=torch.int32)  # the other key's row first: passed over
     found, (tok, par, dep, anc, key) = coupled_chains(tokens, lengths, prompt_lens, keys, 1, torch.tensor([0]),
-                                                      scan, width=4)
+                                                      scan, window=3, width=4)
     assert found.tolist() == [True]
     assert tok[0].tolist() == [5, 8, 9, 10, 11] and par[0].tolist() == [-1, 0, 1, 2, 3]  # after the earlier's second 5
+    found, _ = coupled_chains(tokens, lengths, prompt_lens, keys, 1, torch.tensor([0]), scan, window=4, width=4)
+    assert found.tolist() == [False]  # 4, 6, 7, 5 against 5, 6, 7, 5: met, but not agreed for 4 tokens
     running[-1] = 6  # follows 6 once before: the earlier rollout's second 6 does not exist
     tokens[0, len(running) - 1] = 6
-    found, _ = coupled_chains(tokens, lengths, prompt_lens, keys, 1, torch.tensor([0]), scan, width=4)
+    found, _ = coupled_chains(tokens, lengths, prompt_lens, keys, 1, torch.tensor([0]), scan, window=1, width=4)
     assert found.tolist() == [False]

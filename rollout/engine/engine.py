@@ -436,6 +436,9 @@ class Engine:
         draft head's accepted drafts among them."""
         appended, by_source = self.emitter.append(e, updated, self.weight_version, self._spec_totals)
         self._output_tokens += appended
+        coupled = by_source.get("coupled")
+        if coupled is not None:
+            self.spec.observe_coupled_drafts(coupled[0], coupled[1])
         eagle = self.runner.drafters.head
         head = by_source.get(eagle.source) if eagle is not None else None
         if head is None:
