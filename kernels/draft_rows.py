@@ -46,7 +46,7 @@ class DraftRows:
     row_of_node: torch.Tensor  # [S, N] (R for a node without a row)
     tokens: torch.Tensor  # [R] each row's token (0 for a row left over, as below)
     positions: torch.Tensor  # [R] its position in its sequence
-    counters: torch.Tensor  # [R] its draw's noise counter
+    draw_positions: torch.Tensor  # [R] the output position its draw is for
     tree: torch.Tensor  # [R] its node's ancestor bits (attention's tree mask)
     seq: torch.Tensor  # [R] its sequence (S - 1 for a row left over)
     slots: torch.Tensor  # [S, N] the KV slot of each node's row (0 for a node without a row)
@@ -57,21 +57,20 @@ class DraftRows:
 
 
 def lay_out_drafts(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
-                   keys: torch.Tensor, kv: torch.Tensor, counters: torch.Tensor, slots: torch.Tensor,
+                   keys: torch.Tensor, kv: torch.Tensor, out_pos: torch.Tensor, slots: torch.Tensor,
                    capacity: int) -> DraftRows:
     """Keep the `capacity` drafts with the highest keys and lay the step's rows out.
 
     tokens, parents, depths, ancestors, keys [S, N] int64: the drafter's trees (keys of the root
-    and of padding: -1; of a draft: below KEY_SCALE). kv [S] int64: each root's position; counters
-    [S, N] int64: each node's draw's noise counter (rollout/engine/sampler.py); slots [S + capacity]
-    int64: the step's KV slots, a row each."""
+    and of padding: -1; of a draft: below KEY_SCALE). kv, out_pos [S] int64: each root's position
+    and the output position of its draw; slots [S + capacity] int64: the step's KV slots, a row each."""
     if use_triton(keys) and keys.numel():
-        return _lay_out_triton(tokens, parents, depths, ancestors, keys, kv, counters, slots, capacity)
-    return lay_out_drafts_ref(tokens, parents, depths, ancestors, keys, kv, counters, slots, capacity)
+        return _lay_out_triton(tokens, parents, depths, ancestors, keys, kv, out_pos, slots, capacity)
+    return lay_out_drafts_ref(tokens, parents, depths, ancestors, keys, kv, out_pos, slots, capacity)
 
 
 # ---------------- the reference ----------------
-def lay_out_drafts_ref(tokens, parents, depths, ancestors, keys, kv, counters, slots, capacity) -> DraftRows:
+def lay_out_drafts_ref(tokens, parents, depths, ancestors, keys, kv, out_pos, slots, capacity) -> DraftRows:
     """`lay_out_drafts` in torch (the CPU path and the kernel's definition)."""
     s, n = parents.shape
     dev = parents.device
@@ -99,7 +98,7 @@ def lay_out_drafts_ref(tokens, parents, depths, ancestors, keys, kv, counters, s
         parents=torch.cat([parents[:, :1], torch.where(kept, parents[:, 1:], PADDING)], dim=1),
         counts=counts, qo_indptr=torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
         node_of_row=node_of_row, row_of_node=row_of_node, tokens=rows(tokens), positions=rows(kv[:, None] + depths),
-        counters=rows(counters), tree=rows(ancestors), seq=(node_of_row // n).clamp(max=s - 1),
+        draw_positions=rows(out_pos[:, None] + depths), tree=rows(ancestors), seq=(node_of_row // n).clamp(max=s - 1),
         slots=torch.cat([slots, slots.new_zeros(1)])[row_of_node],
     )
 
@@ -109,25 +108,24 @@ BLOCK_S = 64  # sequences per program
 BINS = 2 * KEY_SCALE  # histogram bins: bin key + 1 for a draft (keys are below KEY_SCALE), bin 0 for any other node
 
 
-def _lay_out_triton(tokens, parents, depths, ancestors, keys, kv, counters, slots, capacity) -> DraftRows:
+def _lay_out_triton(tokens, parents, depths, ancestors, keys, kv, out_pos, slots, capacity) -> DraftRows:
     s, n = parents.shape
     r = s + capacity
     dev = parents.device
-    tokens, parents, depths, ancestors, keys, counters = (
-        t.contiguous() for t in (tokens, parents, depths, ancestors, keys, counters))
+    tokens, parents, depths, ancestors, keys = (t.contiguous() for t in (tokens, parents, depths, ancestors, keys))
     i64 = lambda *shape: torch.empty(*shape, dtype=torch.int64, device=dev)  # noqa: E731
     out = DraftRows(parents=i64(s, n), counts=i64(s), qo_indptr=torch.empty(s + 1, dtype=torch.int32, device=dev),
                     node_of_row=i64(r), row_of_node=i64(s, n), tokens=i64(r), positions=i64(r),
-                    counters=i64(r), tree=i64(r), seq=i64(r), slots=i64(s, n))
+                    draw_positions=i64(r), tree=i64(r), seq=i64(r), slots=i64(s, n))
     grid = (triton.cdiv(s, BLOCK_S),)
     block_n = triton.next_power_of_2(n)
     hist = torch.zeros(BINS, dtype=torch.int32, device=dev)
     _key_histogram_kernel[grid](parents, keys, hist, s, n, BLOCK_S=BLOCK_S, BLOCK_N=block_n, PADDING=PADDING,
                                 num_warps=4, **pdl.launch_args())
     _lay_out_kernel[grid](
-        tokens, parents, depths, ancestors, keys, kv, counters, slots, hist,
+        tokens, parents, depths, ancestors, keys, kv, out_pos, slots, hist,
         out.parents, out.counts, out.qo_indptr, out.node_of_row, out.row_of_node, out.tokens, out.positions,
-        out.counters, out.tree, out.seq, out.slots, s, n, capacity,
+        out.draw_positions, out.tree, out.seq, out.slots, s, n, capacity,
         BLOCK_S=BLOCK_S, BLOCK_N=block_n, BLOCK_R=BLOCK_S * block_n, BINS=BINS,
         PADDING=PADDING, num_warps=4, **pdl.launch_args(),
     )
@@ -161,9 +159,9 @@ if triton is not None:
 
     @triton.jit
     def _lay_out_kernel(
-        tokens_ptr, parents_ptr, depths_ptr, ancestors_ptr, keys_ptr, kv_ptr, counters_ptr, slots_ptr, hist_ptr,
+        tokens_ptr, parents_ptr, depths_ptr, ancestors_ptr, keys_ptr, kv_ptr, out_pos_ptr, slots_ptr, hist_ptr,
         out_par_ptr, counts_ptr, qo_ptr, node_of_row_ptr, row_of_node_ptr, row_tok_ptr, row_pos_ptr,
-        row_counter_ptr, row_tree_ptr, row_seq_ptr, node_slots_ptr, S, N, C,
+        row_draw_ptr, row_tree_ptr, row_seq_ptr, node_slots_ptr, S, N, C,
         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BINS: tl.constexpr,
         PADDING: tl.constexpr, PDL: tl.constexpr,
     ):
@@ -212,7 +210,7 @@ if triton is not None:
         tl.store(node_of_row_ptr + row, node.to(tl.int64), mask=has_row)
         tl.store(row_tok_ptr + row, tl.load(tokens_ptr + node, mask=has_row, other=0), mask=has_row)
         tl.store(row_pos_ptr + row, tl.load(kv_ptr + seq, mask=seq < S, other=0) + depth, mask=has_row)
-        tl.store(row_counter_ptr + row, tl.load(counters_ptr + node, mask=has_row, other=0), mask=has_row)
+        tl.store(row_draw_ptr + row, tl.load(out_pos_ptr + seq, mask=seq < S, other=0) + depth, mask=has_row)
         tl.store(row_tree_ptr + row, tl.load(ancestors_ptr + node, mask=has_row, other=0), mask=has_row)
         tl.store(row_seq_ptr + row, tl.broadcast_to(seq.to(tl.int64), [BLOCK_S, BLOCK_N]), mask=has_row)
         tl.store(node_slots_ptr + node, tl.load(slots_ptr + row, mask=has_row, other=0), mask=ok)
@@ -225,6 +223,6 @@ if triton is not None:
                 tl.store(node_of_row_ptr + rest, zero + S * N, mask=left)
                 tl.store(row_tok_ptr + rest, zero, mask=left)
                 tl.store(row_pos_ptr + rest, zero, mask=left)
-                tl.store(row_counter_ptr + rest, zero, mask=left)
+                tl.store(row_draw_ptr + rest, zero, mask=left)
                 tl.store(row_tree_ptr + rest, zero, mask=left)
                 tl.store(row_seq_ptr + rest, zero + S - 1, mask=left)

@@ -1,7 +1,7 @@
 """Drawing one token per logits row on the GPU in two Triton kernels, for the plain modes.
 
 `rollout.engine.sampler.sample` is the reference: temperature, log-softmax, then for a sampled row
-the argmax of z + Gumbel noise hashed from (key, counter, token id), for a greedy row the argmax
+the argmax of z + Gumbel noise hashed from (key, position, token id), for a greedy row the argmax
 of z. In torch that is some ten passes over the [rows, vocab] float32 logits. Here:
 
 1. `_chunk_kernel`, one program per (row, chunk of `CHUNK` columns): the chunk's maximum of
@@ -32,10 +32,10 @@ if triton is not None:
 CHUNK = 2048
 
 
-def draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor,
+def draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
          greedy_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [L] int64 and their logprobs [L] float32 for logits [L, V] float32 (columns contiguous):
-    temperature [L] float32 (0: greedy), keys and counters [L] int64 (hashed as
+    temperature [L] float32 (0: greedy), keys and positions [L] int64 (the RNG counter of
     `rollout.engine.sampler.row_hashes`). `greedy_only`: every row is greedy, skip the hashing."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -45,7 +45,7 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, co
     chunks = triton.cdiv(vocab, CHUNK)
     partial = torch.empty(5, rows, chunks, dtype=torch.float32, device=logits.device)
     _chunk_kernel[(rows, chunks)](
-        logits, temperature, keys, counters, partial, logits.stride(0), vocab, rows * chunks,
+        logits, temperature, keys, positions, partial, logits.stride(0), vocab, rows * chunks,
         SAMPLE=not greedy_only, CHUNK=CHUNK, num_warps=4, **pdl.launch_args(),
     )
     _pick_kernel[(rows,)](
@@ -100,7 +100,7 @@ if triton is not None:
         return tl.where(low | (v >= 0.00390625), e, series)
 
     @triton.jit
-    def _chunk_kernel(logits_ptr, temp_ptr, key_ptr, counter_ptr, partial_ptr, stride, vocab, plane,
+    def _chunk_kernel(logits_ptr, temp_ptr, key_ptr, pos_ptr, partial_ptr, stride, vocab, plane,
                       SAMPLE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -117,8 +117,8 @@ if triton is not None:
         tl.store(out + 2 * plane, mass)
         if SAMPLE:
             if temp > 0:
-                counter = tl.load(counter_ptr + row).to(tl.uint32)  # the low 32 bits, as `& MASK32`
-                h = _mix32(_mix32(tl.load(key_ptr + row).to(tl.uint32) ^ _mix32(counter)) ^ tl.full([], 0x9E3779B9, tl.uint32))
+                position = tl.load(pos_ptr + row).to(tl.uint32)  # the low 32 bits, as `& MASK32`
+                h = _mix32(_mix32(tl.load(key_ptr + row).to(tl.uint32) ^ _mix32(position)) ^ tl.full([], 0x9E3779B9, tl.uint32))
                 noise = _exponential(_mix32(h ^ (cols.to(tl.uint32) * tl.full([], 0x9E3779B1, tl.uint32))))
                 score = tl.where(cols < vocab, z * 1.4426950408889634 - _log2(noise), float("-inf"))
                 best = tl.max(score, 0)

@@ -81,31 +81,3 @@ def test_the_server_reports_coupled_drafts_by_source_in_meta_info_and_metrics(mo
     by_source = second[0]["meta_info"]["spec_by_source"]
     assert by_source["coupled"]["accepted_tokens"] == by_source["coupled"]["draft_tokens"] > 0
     assert 'rollout_spec_draft_tokens_by_source{source="coupled"}' in metrics
-
-
-def test_a_sample_that_parted_from_its_earlier_rollout_drafts_from_it_again_where_their_noise_meets():
-    """kernels/coupled_draft.py: the chain starts after the earlier rollout's draw with the counter
-    the next draw uses (same last token, followed as often), wherever the two samples stand."""
-    from kernels.coupled_draft import coupled_chains
-
-    prompt = [1, 2]
-    earlier = prompt + [5, 6, 7, 5, 8, 9, 10, 11, 12]
-    running = prompt + [5, 3, 3, 4, 6, 7, 5]  # parted after the first 5; the 5 it follows now is its second
-    other = prompt + [5, 6, 7]  # another key's history row
-    tokens = torch.zeros(4, 16, dtype=torch.int32)
-    for row, seq in enumerate([running, earlier, other]):
-        tokens[row, : len(seq)] = torch.tensor(seq)
-    lengths = torch.tensor([len(running), len(earlier), len(other), 0], dtype=torch.int32)
-    prompt_lens = torch.full((4,), len(prompt), dtype=torch.int32)
-    keys = torch.tensor([7, 7, 8, 0])
-    scan = torch.tensor([[2, 1, -1]], dtype=torch.int32)  # the other key's row first: passed over
-    found, (tok, par, dep, anc, key) = coupled_chains(tokens, lengths, prompt_lens, keys, 1, torch.tensor([0]),
-                                                      scan, window=3, width=4)
-    assert found.tolist() == [True]
-    assert tok[0].tolist() == [5, 8, 9, 10, 11] and par[0].tolist() == [-1, 0, 1, 2, 3]  # after the earlier's second 5
-    found, _ = coupled_chains(tokens, lengths, prompt_lens, keys, 1, torch.tensor([0]), scan, window=4, width=4)
-    assert found.tolist() == [False]  # 4, 6, 7, 5 against 5, 6, 7, 5: met, but not agreed for 4 tokens
-    running[-1] = 6  # follows 6 once before: the earlier rollout's second 6 does not exist
-    tokens[0, len(running) - 1] = 6
-    found, _ = coupled_chains(tokens, lengths, prompt_lens, keys, 1, torch.tensor([0]), scan, window=1, width=4)
-    assert found.tolist() == [False]

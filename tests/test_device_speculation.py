@@ -264,7 +264,7 @@ def test_the_device_keeps_the_best_drafts_of_the_batch_as_the_host_replays_it(se
     every kept node out once, sequence by sequence, root first."""
     s, n = 6, 9
     trees = random_trees(torch.Generator().manual_seed(seed), s, n)
-    tokens, parents, depths, ancestors, keys, kv, counters = trees
+    tokens, parents, depths, ancestors, keys, kv, out_pos = trees
     node = torch.arange(n)
     drafts = (parents[:, 1:] >= 0).sum(dim=1)
     for capacity in (0, 1, 3, 7, s * (n - 1)):
@@ -281,7 +281,6 @@ def test_the_device_keeps_the_best_drafts_of_the_batch_as_the_host_replays_it(se
         assert torch.equal(got.node_of_row[got.row_of_node[has_row]], flat[has_row])
         assert torch.equal(got.tokens[got.row_of_node[has_row]], tokens[has_row])
         assert torch.equal(got.positions[got.row_of_node[has_row]], (kv[:, None] + depths)[has_row])
-        assert torch.equal(got.counters[got.row_of_node[has_row]], counters[has_row])
         assert torch.equal(got.seq[got.row_of_node[has_row]], (flat // n)[has_row])
         assert torch.equal(got.slots[has_row], slots[got.row_of_node[has_row]])
         assert got.qo_indptr.tolist() == [0] + torch.cumsum(counts, 0).tolist()
@@ -289,8 +288,8 @@ def test_the_device_keeps_the_best_drafts_of_the_batch_as_the_host_replays_it(se
 
 def random_trees(gen: torch.Generator, s: int, n: int) -> tuple[torch.Tensor, ...]:
     """Trees as the drafter returns them (tokens, parents, depths, ancestors, keys [S, N]; each
-    tree's drafts are nodes 1..d, keys never growing with rank), each root's kv [S] and each
-    node's noise counter [S, N]."""
+    tree's drafts are nodes 1..d, keys never growing with rank), and each root's kv and output
+    positions [S]."""
     drafts = torch.randint(0, n, (s,), generator=gen)
     node = torch.arange(n)
     parents = torch.where(node < drafts[:, None] + 1, (node - 1 - torch.randint(0, 2, (s, n), generator=gen)).clamp(min=0), PADDING)
@@ -307,4 +306,4 @@ def random_trees(gen: torch.Generator, s: int, n: int) -> tuple[torch.Tensor, ..
     keys = torch.where(parents >= 0, keys, -1)
     tokens = torch.randint(0, 1000, (s, n), generator=gen)
     kv = torch.randint(0, 500, (s,), generator=gen)
-    return tokens, parents, depths, ancestors, keys, kv, torch.randint(0, 2**32, (s, n), generator=gen)
+    return tokens, parents, depths, ancestors, keys, kv, kv + torch.randint(-50, 0, (s,), generator=gen)

@@ -7,10 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from kernels.draw_counters import draw_counters, pack_counter
 from rollout.engine.sampler import (
     SamplingTensors,
-    counter_of,
     exponentials,
     processed_logprobs,
     sample,
@@ -18,7 +16,7 @@ from rollout.engine.sampler import (
 )
 
 
-def tensors(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, keys=None, counters=None) -> SamplingTensors:
+def tensors(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, keys=None, positions=None) -> SamplingTensors:
     full = lambda v, dt: torch.full((rows,), v, dtype=dt)
     return SamplingTensors(
         temperature=full(temperature, torch.float32),
@@ -26,7 +24,7 @@ def tensors(rows: int, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, keys=Non
         top_p=full(top_p, torch.float32),
         min_p=full(min_p, torch.float32),
         keys=keys if keys is not None else torch.arange(rows, dtype=torch.int64),
-        counters=counters if counters is not None else torch.zeros(rows, dtype=torch.int64),
+        positions=positions if positions is not None else torch.zeros(rows, dtype=torch.int64),
         all_greedy=temperature == 0,
         any_truncation=top_k > 0 or top_p < 1 or min_p > 0,
     )
@@ -80,12 +78,12 @@ def test_greedy_takes_argmax_with_raw_logprob():
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(-1, 1.0, 0.0), (8, 1.0, 0.0), (10, 0.9, 0.02)])
 def test_gumbel_max_draws_the_processed_distribution_over_a_million_draws(top_k, top_p, min_p):
-    """Chi-square of 10^6 draws, each its own (key, counter), against softmax of the processed logits."""
+    """Chi-square of 10^6 draws, each its own (key, position), against softmax of the processed logits."""
     vocab, draws = 16, 1_000_000
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)).expand(draws, vocab)
     keys = torch.randint(0, 2**32, (draws,), generator=torch.Generator().manual_seed(4))
     st = tensors(draws, temperature=0.9, top_k=top_k, top_p=top_p, min_p=min_p, keys=keys,
-                 counters=torch.arange(draws) % 4096)
+                 positions=torch.arange(draws) % 4096)
     tokens, logprobs = sample(logits, st)
     probs = processed_logprobs(logits[:1], st).exp()[0].double().numpy()
     counts = np.bincount(tokens.numpy(), minlength=vocab)
@@ -95,14 +93,14 @@ def test_gumbel_max_draws_the_processed_distribution_over_a_million_draws(top_k,
     assert torch.allclose(logprobs, torch.log(torch.from_numpy(probs).float())[tokens], atol=1e-5)
 
 
-def test_draws_are_reproducible_and_each_key_and_counter_draws_afresh():
+def test_draws_are_reproducible_and_each_key_and_position_draws_afresh():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(5)).expand(4000, 50)
     keys = torch.tensor([sequence_key(s, i) for s in range(40) for i in range(100)], dtype=torch.int64)
-    st = tensors(4000, keys=keys, counters=torch.full_like(keys, 3))
+    st = tensors(4000, keys=keys, positions=torch.full_like(keys, 3))
     tokens = sample(logits, st)[0]
     assert torch.equal(tokens, sample(logits, st)[0])
-    moved = sample(logits, tensors(4000, keys=keys, counters=torch.full_like(keys, 4)))[0]
-    assert 0.5 < (tokens != moved).float().mean() < 1  # another counter, other noise
+    moved = sample(logits, tensors(4000, keys=keys, positions=torch.full_like(keys, 4)))[0]
+    assert 0.5 < (tokens != moved).float().mean() < 1  # another position, other noise
     assert sequence_key(1, 0) != sequence_key(1, 1) != sequence_key(2, 1)
 
 
@@ -118,70 +116,27 @@ def test_exponentials_keep_their_precision_near_zero_and_have_mean_one():
     assert abs(exponentials(sample_h).double().mean().item() / np.log2(np.e) - 1) < 0.005
 
 
-def sequences_drawn(counter, keys: torch.Tensor, prompt: list[int], steps: int, vocab: int) -> np.ndarray:
-    """Whole samples of a toy policy whose logits depend on the last two tokens (so a token's
-    distribution after a repeated context repeats), each key a sample, drawn step by step with
-    `counter(tokens so far, prompt length)` as each draw's counter. Returns [keys, steps]."""
-    table = torch.randn(vocab, vocab, vocab, generator=torch.Generator().manual_seed(11)) * 1.2
-    seqs = np.tile(np.array(prompt), (len(keys), 1))
-    for _ in range(steps):
-        logits = table[torch.from_numpy(seqs[:, -2]), torch.from_numpy(seqs[:, -1])]
-        counters = torch.tensor([counter(list(row), len(prompt)) for row in seqs], dtype=torch.int64)
-        tokens = sample(logits, tensors(len(keys), keys=keys, counters=counters))[0].numpy()
-        seqs = np.concatenate([seqs, tokens[:, None]], axis=1)
-    return seqs[:, len(prompt):], table
-
-
-def test_content_counters_draw_whole_samples_exactly_from_the_policy():
-    """The joint law of 5-token samples over a 3-token vocabulary (contexts repeat within a sample)
-    against the policy's, by chi-square over 200k keys: a draw's counter (last token, how often
-    this sample followed it before) never repeats within a sample, so every draw has fresh noise.
-    The control, a counter of the last token alone, reuses noise when a token recurs, and fails."""
+def test_whole_samples_follow_the_policy_exactly_when_each_draw_has_its_own_position():
+    """The joint law of 5-token samples over a 3-token vocabulary, whose logits depend on the last
+    two tokens (contexts recur within a sample), against the policy's, by chi-square over 200k
+    keys: a sample's draws never share noise, so every draw is fresh. The control, noise that
+    depends on the last token rather than the position, repeats after a recurring token, and fails."""
     vocab, steps, prompt = 3, 5, [0, 1]
     keys = torch.tensor([sequence_key(5, i) for i in range(200_000)], dtype=torch.int64)
-    exact_counter = lambda tokens, p: counter_of(tokens, p, vocab)  # noqa: E731
-    last_only = lambda tokens, p: pack_counter(tokens[-1], 0, vocab)  # noqa: E731
+    table = torch.randn(vocab, vocab, vocab, generator=torch.Generator().manual_seed(11)) * 1.2
+    probs = torch.softmax(table, -1).double().numpy()
+    expected = np.ones([vocab] * steps)
+    for seq in np.ndindex(*expected.shape):
+        ctx = prompt + list(seq)
+        expected[seq] = np.prod([probs[ctx[i - 2], ctx[i - 1], ctx[i]] for i in range(2, len(ctx))])
+    expected = expected.ravel() * len(keys) / expected.sum()
     pvalues = []
-    for counter in (exact_counter, last_only):
-        samples, table = sequences_drawn(counter, keys, prompt, steps, vocab)
-        probs = torch.softmax(table, -1).double().numpy()
-        expected = np.ones([vocab] * steps)
-        for seq in np.ndindex(*expected.shape):
-            ctx = prompt + list(seq)
-            expected[seq] = np.prod([probs[ctx[i - 2], ctx[i - 1], ctx[i]] for i in range(2, len(ctx))])
-        observed = np.bincount(np.ravel_multi_index(samples.T, expected.shape), minlength=expected.size)
-        expected = expected.ravel() * len(keys) / expected.sum()
+    for counter in (lambda seqs, step: torch.full((len(keys),), step), lambda seqs, step: torch.from_numpy(seqs[:, -1])):
+        seqs = np.tile(np.array(prompt), (len(keys), 1))
+        for step in range(steps):
+            logits = table[torch.from_numpy(seqs[:, -2]), torch.from_numpy(seqs[:, -1])]
+            tokens = sample(logits, tensors(len(keys), keys=keys, positions=counter(seqs, step)))[0].numpy()
+            seqs = np.concatenate([seqs, tokens[:, None]], axis=1)
+        observed = np.bincount(np.ravel_multi_index(seqs[:, len(prompt):].T, [vocab] * steps), minlength=vocab**steps)
         pvalues.append(chisquare(observed, expected).pvalue)
     assert pvalues[0] > 0.001 and pvalues[1] < 1e-6, pvalues
-
-
-def random_step(gen: torch.Generator, vocab: int, s: int, n: int, capacity: int):
-    """draw_counters' inputs: a token table of random committed tokens (a small vocabulary, so
-    tokens repeat), `s` sequences in shuffled rows, and a random tree each, rooted at its last token."""
-    prompt_lens = torch.randint(1, 6, (s,), generator=gen)
-    lengths = prompt_lens + torch.randint(1, capacity - 6, (s,), generator=gen)
-    table = torch.randint(0, vocab, (s + 2, capacity), generator=gen, dtype=torch.int32)
-    rows = torch.randperm(s + 2, generator=gen)[:s].int()
-    all_lengths = torch.zeros(s + 2, dtype=torch.int32).index_put((rows.long(),), lengths.int())
-    all_prompts = torch.zeros(s + 2, dtype=torch.int32).index_put((rows.long(),), prompt_lens.int())
-    ancestors = torch.ones(s, n, dtype=torch.long)
-    for j in range(1, n):
-        parent = torch.randint(0, j, (s,), generator=gen)
-        ancestors[:, j] = ancestors[torch.arange(s), parent] | (1 << j)
-    tree = torch.randint(0, vocab, (s, n), generator=gen)
-    tree[:, 0] = table[rows.long(), lengths - 1].long()
-    return table, all_lengths, all_prompts, rows, tree, ancestors
-
-
-def test_a_tree_nodes_counter_is_the_one_decoding_its_path_would_use():
-    """draw_counters over random committed tokens and random trees equals counter_of on the host
-    for the committed tokens plus each node's path."""
-    vocab, s, n = 5, 6, 7
-    table, lengths, prompt_lens, rows, tree, ancestors = random_step(torch.Generator().manual_seed(12), vocab, s, n, 40)
-    got = draw_counters(table, lengths, prompt_lens, rows, tree, ancestors, vocab)
-    for i in range(s):
-        row = rows[i].long()
-        committed = table[row, : lengths[row]].tolist()
-        for j in range(n):
-            path = [int(tree[i, m]) for m in range(1, n) if (int(ancestors[i, j]) >> m) & 1]
-            assert got[i, j] == counter_of(committed + path, int(prompt_lens[row]), vocab), (i, j)

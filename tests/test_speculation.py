@@ -134,7 +134,7 @@ def test_tree_verification_emits_exactly_the_target_distribution():
     second = np.where(length.numpy() > 1, out[:, 1].numpy(), -1)
     stopped = second < 0  # the walk emitted only the bonus: the next plain step draws at position 1
     cont = torch.stack([node_logits((int(x),), vocab) for x in first[stopped]])
-    second[stopped] = draw_at(cont, keys[stopped], counter=1)  # (a depth-1 node's counter here)
+    second[stopped] = draw_at(cont, keys[stopped], position=1)
 
     p1 = torch.softmax(node_logits((), vocab) / 0.8, -1).double()
     expected = np.array([[p1[x] * torch.softmax(node_logits((x,), vocab) / 0.8, -1).double()[y] for y in range(vocab)]
@@ -145,11 +145,11 @@ def test_tree_verification_emits_exactly_the_target_distribution():
     assert 0 < (length > 1).float().mean() < 1  # drafts were accepted, and rejected
 
 
-def draw_at(logits_rows: torch.Tensor, keys: torch.Tensor, counter: int) -> np.ndarray:
+def draw_at(logits_rows: torch.Tensor, keys: torch.Tensor, position: int) -> np.ndarray:
     n = len(logits_rows)
     st = SamplingTensors(
         temperature=torch.full((n,), 0.8), top_k=torch.full((n,), -1, dtype=torch.int64), top_p=torch.ones(n),
-        min_p=torch.zeros(n), keys=keys, counters=torch.full((n,), counter), all_greedy=False, any_truncation=False,
+        min_p=torch.zeros(n), keys=keys, positions=torch.full((n,), position), all_greedy=False, any_truncation=False,
     )
     return sample(logits_rows, st)[0].numpy()
 

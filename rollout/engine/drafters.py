@@ -54,8 +54,8 @@ class Drafters:
         trees = draft_trees(table.tokens, table.lengths, table.prompt_lens, table.history_start,
                             rows, scan, d.window, d.min_match, d.cands, d.depth, d.depth)
         if d.coupled:  # a sample's earlier rollout with its key, ahead of the n-gram tree
-            followed, chains = coupled_chains(table.tokens, table.lengths, table.prompt_lens, table.keys,
-                                              table.history_start, rows, scan, d.window, d.depth)
+            followed, chains = coupled_chains(table.tokens, table.lengths, table.keys, table.history_start,
+                                              rows, scan, d.window, d.depth)
             trees = tuple(torch.where(followed[:, None], c, t) for t, c in zip(trees, chains))
             source = torch.where(followed, int(Source.COUPLED), source)
         # hybrid: the index's tree where it found one, else the head's; a sleeping head left none

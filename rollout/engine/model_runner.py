@@ -30,12 +30,11 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.draft_rows import lay_out_drafts
-from kernels.draw_counters import draw_counters
 from kernels.tree_accept import accept_trees
 from rollout.engine.drafters import Drafters
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.logits_processing import LogitEdits, logit_edits
-from rollout.engine.sampler import SamplingTensors, counter_of, processed_logprobs, sample
+from rollout.engine.sampler import SamplingTensors, processed_logprobs, sample
 from rollout.engine.sequence import Sequence
 from rollout.engine.step import (
     Batch,
@@ -55,10 +54,10 @@ from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
 
 
-def sampling_tensors(i64: torch.Tensor, f32: torch.Tensor, counters: torch.Tensor, mode: str) -> SamplingTensors:
-    """SamplingTensors of one draw per row: i64 [2, R] (key, top_k), f32 [3, R], counters [R]."""
+def sampling_tensors(i64: torch.Tensor, f32: torch.Tensor, positions: torch.Tensor, mode: str) -> SamplingTensors:
+    """SamplingTensors of one draw per row: i64 [2, R] (key, top_k), f32 [3, R], positions [R]."""
     return SamplingTensors(
-        temperature=f32[0], top_p=f32[1], min_p=f32[2], keys=i64[0], counters=counters, top_k=i64[1],
+        temperature=f32[0], top_p=f32[1], min_p=f32[2], keys=i64[0], positions=positions, top_k=i64[1],
         all_greedy=mode == "greedy", any_truncation=mode == "truncate",
     )
 
@@ -150,19 +149,18 @@ class ModelRunner:
         rows = x.rows.long()
         length = table.lengths[rows].long()
         kv = (length - 1).clamp(min=0)
+        out_pos = length - table.prompt_lens[rows].long()  # the root's draw: its output position
         eagle = self.drafters.head
         drafted, source = self.drafters.trees(table, x.rows, x.groups, kv, head, drafting)
         trees = None
         if drafted is not None:
             tok, par, dep, anc, key = drafted
             trees = (tok, dep, anc, key)
-        vocab = self.model.config.vocab_size
         if draft_rows:
-            counters = draw_counters(table.tokens, table.lengths, table.prompt_lens, x.rows, tok, anc, vocab)
-            layout = lay_out_drafts(tok, par, dep, anc, key, kv, counters, x.slots, draft_rows)
+            layout = lay_out_drafts(tok, par, dep, anc, key, kv, out_pos, x.slots, draft_rows)
             par, counts, slots = layout.parents, layout.counts, layout.slots
             ids, positions, tree = layout.tokens, layout.positions, layout.tree
-            st = sampling_tensors(x.sampling[:, layout.seq], x.params[:, layout.seq], layout.counters, mode)
+            st = sampling_tensors(x.sampling[:, layout.seq], x.params[:, layout.seq], layout.draw_positions, mode)
             qo_indptr, q_len = layout.qo_indptr, tok.shape[1]
         else:  # the roots alone, a row each
             layout, counts = None, torch.ones(s, dtype=torch.long, device=self.device)
@@ -171,8 +169,7 @@ class ModelRunner:
             par = torch.full((s, 1), -1, dtype=torch.long, device=self.device)
             dep = torch.zeros(s, 1, dtype=torch.long, device=self.device)
             anc = torch.ones(s, 1, dtype=torch.long, device=self.device)
-            counters = draw_counters(table.tokens, table.lengths, table.prompt_lens, x.rows, tok, anc, vocab)
-            st = sampling_tensors(x.sampling, x.params, counters[:, 0], mode)
+            st = sampling_tensors(x.sampling, x.params, out_pos, mode)
             qo_indptr, q_len = torch.arange(s + 1, dtype=torch.int32, device=self.device), 1
         node = torch.arange(tok.shape[1], device=self.device)
         self.pool.slot_table[rows[:, None], kv[:, None] + node] = slots.to(torch.int32)  # nodes in a row, for now
@@ -267,10 +264,9 @@ class ModelRunner:
                                   to_device(np.array(logits_rows, dtype=np.int64), self.device), aux=aux)
         logits = all_logits if eagle is None else all_logits[to_device(np.array(logits_rows, dtype=np.int64), self.device)]
         sampling = SamplingRows.of(draw_seqs)
-        vocab = self.model.config.vocab_size
-        counters = np.array([counter_of(q.tokens, q.num_prompt, vocab) for q in draw_seqs], dtype=np.int64)
+        out_pos = np.array([q.num_output for q in draw_seqs], dtype=np.int64)
         st = sampling_tensors(to_device(sampling.i64, self.device), to_device(sampling.f32, self.device),
-                              to_device(counters, self.device), sampling.mode)
+                              to_device(out_pos, self.device), sampling.mode)
         logits = logits[to_device(draw_rows, self.device)]
         edits = logit_edits(draw_seqs, [[]] * len(draw_seqs))
         if edits is not None:

@@ -2,23 +2,15 @@
 
 Sampling is Gumbel-max over counter-based noise: a row's token is the argmax over the vocabulary
 of z_v + G_v, with z the processed logits / T (truncated tokens at -inf) and G_v a Gumbel draw
-that is a hash of (sequence key, the draw's counter, token id). That draws exactly from
-softmax(z), and a token depends only on its own logits, key and counter, not on batch
-composition, preemption or speculation: with the same seed, spec on and spec off draw the same
-tokens, and a draft-tree node uses the counter its draw would have once the path above it is
-accepted.
-
-The counter is indexed by content, not position: it packs the sample's last token and how many
-earlier draws of this sample followed that same token (`kernels/draw_counters.py`). Within a sample no two
-draws share a counter, so every draw has fresh noise and the sample is exactly a draw from the
-policy (tests/test_sampler.py checks the joint distribution of whole sequences). Across two
-rollouts of a prompt drawn with the same key, a draw that follows the same token, as often as
-in the other rollout, uses the same noise: under slightly different weights the two pick the
-same token wherever no token's z moved past another's noisy score, and after they part (a near
-tie flips) they draw with the same noise again as soon as they follow the same token at the
-same count, where a position index would have kept them apart for good once one had a token
-more. A later rollout's earlier sample is then a draft it can accept (`EngineConfig.
-coupled_sampling`; how long two samples stay aligned on the GPU: bench/RESULTS.md).
+that is a hash of (sequence key, output position, token id). That draws exactly from softmax(z),
+and a token depends only on its own logits and key, not on batch composition, preemption or
+speculation: with the same seed, spec on and spec off draw the same tokens, and a draft-tree
+node at depth d uses the key of output position p + d. Because every token has its own noise,
+two rollouts of a prompt drawn with the same key under slightly different weights pick the same
+token wherever the weights moved no token's z past another's noisy score, whereas one shared
+uniform through the inverse CDF shifts every token's boundary when any probability moves: a
+later rollout's earlier sample is a draft it can accept (`EngineConfig.coupled_sampling`; how
+long two samples stay aligned on the GPU: bench/RESULTS.md).
 On CUDA, rows without truncation are drawn by the fused kernels of `kernels/sampling.py`; the
 torch code here is their reference and serves everything else.
 """
@@ -32,7 +24,6 @@ import numpy as np
 import torch
 
 from kernels import sampling as sampling_kernels
-from kernels.draw_counters import pack_counter
 
 MASK32 = 0xFFFFFFFF
 
@@ -61,16 +52,9 @@ def sequence_key(seed: int, sample_index: int) -> int:
     return mix32(h ^ mix32(sample_index & MASK32))
 
 
-def counter_of(tokens: list[int], num_prompt: int, vocab: int) -> int:
-    """The counter of the draw after `tokens` (prompt and output so far), on the host."""
-    last = tokens[-1]
-    return pack_counter(last, tokens[num_prompt - 1 : -1].count(last), vocab)
-
-
-def row_hashes(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """One 32-bit hash per row (in int64) of (key, counter): keys [L] uint32 values, counters [L]
-    (their low 32 bits). One-to-one in the counter for a given key, so a sample's draws never share noise."""
-    return mix32(mix32(keys ^ mix32(counters & MASK32)) ^ 0x9E3779B9)
+def row_hashes(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit hash per row (in int64) of (key, output position): keys [L] uint32 values, positions [L]."""
+    return mix32(mix32(keys ^ mix32(positions & MASK32)) ^ 0x9E3779B9)
 
 
 def token_hashes(rows: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -96,11 +80,11 @@ def exponentials(h: torch.Tensor) -> torch.Tensor:
     return torch.where(low | (v >= SMALL), e, series)
 
 
-def gumbel_scores(z: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+def gumbel_scores(z: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """(z + Gumbel noise) * log2(e), up to a constant, [L, V] float32 for z [L, V] float32 (processed
     logits / T, -inf where truncated): z log2(e) - log2(E) for E the exponential draws, in base 2
     throughout (one fast hardware log2 each in the kernel)."""
-    return z * LOG2E - torch.log2(exponentials(token_hashes(row_hashes(keys, counters), z.shape[-1])))
+    return z * LOG2E - torch.log2(exponentials(token_hashes(row_hashes(keys, positions), z.shape[-1])))
 
 
 @dataclass
@@ -112,7 +96,7 @@ class SamplingTensors:
     top_p: torch.Tensor  # [L] float32
     min_p: torch.Tensor  # [L] float32
     keys: torch.Tensor  # [L] int64 (uint32 values)
-    counters: torch.Tensor  # [L] int64, each draw's noise counter (kernels/draw_counters.py)
+    positions: torch.Tensor  # [L] int64, output position of the token being drawn
     all_greedy: bool  # host flags so the common cases skip work
     any_truncation: bool
 
@@ -151,7 +135,7 @@ def _truncate(z: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of logits [L, V]; returns (tokens [L] int64, logprobs [L] float32)."""
     if not st.any_truncation and sampling_kernels.available(logits):
-        return sampling_kernels.draw(logits, st.temperature, st.keys, st.counters, greedy_only=st.all_greedy)
+        return sampling_kernels.draw(logits, st.temperature, st.keys, st.positions, greedy_only=st.all_greedy)
     return sample_reference(logits, st)
 
 
@@ -163,6 +147,6 @@ def sample_reference(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.T
     if st.all_greedy:
         tokens = greedy_tokens
     else:
-        drawn = gumbel_scores(z, st.keys, st.counters).argmax(dim=-1)  # (the first of equal scores)
+        drawn = gumbel_scores(z, st.keys, st.positions).argmax(dim=-1)  # (the first of equal scores)
         tokens = torch.where(st.temperature == 0, greedy_tokens, drawn)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
