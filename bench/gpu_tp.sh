@@ -10,10 +10,11 @@
 #   call 3: bash bench/gpu_tp.sh probe   (NCCL against symmetric-memory all-reduce, kernels per step, pushes to TP2)
 #   call 4: bash bench/gpu_tp.sh rows    (32B TP4 decode, rl under TP2 x DP2 against one TP2 replica)
 #   bash bench/gpu_tp.sh gemm        (the decode products at TP widths: bench/gemm_choice.py)
+#   bash bench/gpu_tp.sh b1          (8B b1 decode at TP 1, 2 and 4 in one call: the same-run ratios)
 #   BASE=old.py BASE_AS=kernels/x.py bash bench/gpu_tp.sh versus   (8B b1 decode, TP2 and TP1: this tree
 #                                    against the same tree with x.py's old version)
 set -uo pipefail
-stage=${1:?stage: setup | tp | more | probe | rows | gemm | versus}
+stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | versus}
 source bench/gpu_env.sh .whl .whl_dp
 TPS=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || echo "1 2")
 bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-running-seqs 64 --repeats 3 "$@" 2>&1 | grep -v -i -e warn -e "^Loading"; }
@@ -59,6 +60,13 @@ probe)
 gemm)  # the decode products at TP widths, Triton against cuBLAS, on weights the L2 cache does not hold
   timeout 150 python3 bench/gemm_choice.py --tp-sizes $(echo $TPS | tr ' ' ,) 2>&1 | grep -e "^|" -e Error \
     | tee "$OUT/gemm-choice.log"
+  ;;
+b1)  # the 8B shape's b1 decode at every TP size the machine has, in one call (the same-run ratios of issue 42 and 43)
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1
+  for tp in $TPS; do
+    LIMIT=120 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
+      --output-len 128 --tp-size $tp --out "$OUT/b1-tp$tp" | grep "^| rollout" | tail -1 | sed "s|^|tp$tp |"
+  done 2>&1 | tee "$OUT/b1.log"
   ;;
 versus)  # 8B b1 decode at TP 2 and 1: this tree against the same tree with $BASE (a file's old version) put back
   timeout 120 python3 -m pytest -q -m gpu tests/test_fused_kernels.py 2>&1 | tail -2 | tee "$OUT/fused-tests.log"
