@@ -296,9 +296,6 @@ class EngineConfig:
         if self.device.startswith("cuda:") and (self.dp_size > 1 or self.tp_size > 1 or self.base_gpu_id):
             raise ValueError(f"device {self.device!r} names one GPU: with dp_size, tp_size or base_gpu_id give --device cuda "
                              "(or auto)")
-        if self.tp_size > 1 and {"eagle", "mtp"} & set(self.spec.drafters):
-            raise ValueError("draft heads (eagle, mtp) run with tp_size 1 only; under tensor parallelism use --spec ngram "
-                             "(or auto, which is ngram there)")
         if self.max_running_seqs < 1 or (self.max_prefill_tokens is not None and self.max_prefill_tokens < 1):
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
 

@@ -31,7 +31,8 @@ from safetensors import safe_open
 from torch import nn
 
 from rollout.models.config import ModelConfig
-from rollout.models.llama import MLP, Attention, ForwardContext, Linear, RMSNorm, WeightTarget
+from rollout.models.llama import MLP, Attention, ForwardContext, Linear, RMSNorm, WeightTarget, layer_targets, vocab_logits
+from rollout.models.sharding import ALONE, Shard
 from rollout.models.weights import WeightError, check_weights, checkpoint_files, checkpoint_specs, copy_weights, iter_checkpoint
 
 ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "LlamaForCausalLMEagle": "eagle"}
@@ -196,11 +197,17 @@ class DraftHead(nn.Module):
     """The head's layer. `forward(input_ids, hidden, ctx)`: the tokens' embeddings (the head's
     own, or the target's, `embed`) with the hidden state before each (EAGLE-3: the target's three
     concatenated, or the head's own output when it drafts on; EAGLE-1: the target's last) ->
-    (logits over the draft vocabulary [T, draft_vocab] float32, the head's hidden state [T, H])."""
+    (logits over the draft vocabulary [T, draft_vocab] float32, the head's hidden state [T, H]).
 
-    def __init__(self, cfg: HeadConfig, target: ModelConfig, layer: int):
+    Under tensor parallelism (`shard`) the layer is split as the target's layers are (its
+    attention heads, KV heads and MLP across the ranks, an all-reduce after each), so its KV
+    fits the pool's layer of this rank's heads; the rest is replicated (fc, norms, an EAGLE-3
+    head's own vocabulary), and logits over the target's vocabulary are gathered as the
+    target's are. Every rank then drafts the same tokens from the same inputs."""
+
+    def __init__(self, cfg: HeadConfig, target: ModelConfig, layer: int, shard: Shard = ALONE):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.shard = cfg, shard
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         shape = replace(target, hidden_size=h, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
                         num_kv_heads=cfg.num_kv_heads, rms_norm_eps=eps, attention_bias=False, qk_norm=False,
@@ -208,8 +215,14 @@ class DraftHead(nn.Module):
         eagle3, mtp = cfg.kind == "eagle3", cfg.kind == "mtp"
         if mtp:  # (MiMo's MTP layer is the target's decoder layer: its q/k/v bias included)
             shape = replace(shape, attention_bias=target.attention_bias)
+        if not shard.alone:
+            try:
+                Shard.check(shape, shard.size)
+            except ValueError as e:
+                raise ValueError(f"the draft head: {e}") from None
+        self.shape = shape
         self.fc = nn.Linear((3 * cfg.target_hidden_size) if eagle3 else 2 * h, h, bias=cfg.kind == "eagle")
-        self.self_attn = Attention(shape, layer)  # `layer`: the head's layer of the KV pool
+        self.self_attn = Attention(shape, layer, shard)  # `layer`: the head's layer of the KV pool
         if mtp:  # input_proj over [norm(hidden), norm(embedding)], then a pre-norm layer and a final norm
             self.token_norm, self.hidden_norm = RMSNorm(h, eps), RMSNorm(h, eps)
             self.input_layernorm, self.norm = RMSNorm(h, eps), RMSNorm(h, eps)
@@ -220,7 +233,7 @@ class DraftHead(nn.Module):
             self.norm = RMSNorm(h, eps)
             self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = MLP(shape)
+        self.mlp = MLP(shape, shard)
         self.embed_tokens: nn.Embedding | None = None  # set by load_head when the checkpoint has its own
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext,
@@ -241,24 +254,18 @@ class DraftHead(nn.Module):
             return self.lm_head(self.norm(out)).float(), out
         if self.cfg.kind == "mtp":  # (its normed output is the next step's hidden state, as the target's is its)
             out = self.norm(out)
-        return torch.nn.functional.linear(out, lm_head_weight).float(), out  # the target's lm_head
+        logits = torch.nn.functional.linear(out, lm_head_weight)  # the target's lm_head (this rank's rows)
+        return vocab_logits(self.shard, logits, self.shape.vocab_size).float(), out
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every checkpoint name (without `model.`) mapped to where it is stored."""
         kind = self.cfg.kind
         layer = {"eagle3": "midlayer", "eagle": "layers.0", "mtp": "mtp_layers.0"}[kind]
-        attn, mlp, inter = self.self_attn, self.mlp, self.cfg.intermediate_size
-        q, kv = attn.q_size, attn.kv_size
         out = {
             ("mtp_layers.0.input_proj.weight" if kind == "mtp" else "fc.weight"): WeightTarget(self.fc.weight),
             f"{layer}.post_attention_layernorm.weight": WeightTarget(self.post_attention_layernorm.weight),
-            f"{layer}.self_attn.q_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(0, q)),
-            f"{layer}.self_attn.k_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(q, q + kv)),
-            f"{layer}.self_attn.v_proj.weight": WeightTarget(attn.qkv_proj.weight, slice(q + kv, q + 2 * kv)),
-            f"{layer}.self_attn.o_proj.weight": WeightTarget(attn.o_proj.weight),
-            f"{layer}.mlp.gate_proj.weight": WeightTarget(mlp.gate_up_proj.weight, slice(0, inter)),
-            f"{layer}.mlp.up_proj.weight": WeightTarget(mlp.gate_up_proj.weight, slice(inter, 2 * inter)),
-            f"{layer}.mlp.down_proj.weight": WeightTarget(mlp.down_proj.weight),
+            **layer_targets(f"{layer}.", self.self_attn, self.mlp, self.shape, self.shard,
+                            qkv_in=2 * self.cfg.hidden_size if kind == "eagle3" else None),
         }
         if kind == "eagle3":
             out.update({
@@ -273,18 +280,16 @@ class DraftHead(nn.Module):
                 f"{layer}.input_layernorm.weight": WeightTarget(self.input_layernorm.weight),
                 f"{layer}.final_layernorm.weight": WeightTarget(self.norm.weight),
             })
-            if attn.qkv_proj.bias is not None:
-                for name, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
-                    out[f"{layer}.self_attn.{name}.bias"] = WeightTarget(attn.qkv_proj.bias, rows)
         else:
             out["fc.bias"] = WeightTarget(self.fc.bias)
         return out
 
 
-def load_mtp(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dtype = torch.float32) -> DraftHead:
+def load_mtp(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dtype = torch.float32,
+             shard: Shard = ALONE) -> DraftHead:
     """The first MTP layer of the target checkpoint at `path` (`model.mtp_layers.0.*`), checked
-    like the target's weights, on the CPU in `dtype`."""
-    head = DraftHead(HeadConfig.mtp(target), target, layer).to(dtype)
+    like the target's weights, on the CPU in `dtype` (this rank's part of it under `shard`)."""
+    head = DraftHead(HeadConfig.mtp(target), target, layer, shard).to(dtype)
     targets = head.weight_targets()
     mine = [(n.removeprefix("model."), shape, dt) for n, shape, dt in checkpoint_specs(path)
             if n.startswith("model.mtp_layers.0.")]
@@ -294,11 +299,13 @@ def load_mtp(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dty
     return head
 
 
-def load_head(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dtype = torch.float32) -> DraftHead:
-    """The head at `path`, checked against `target`, on the CPU in `dtype`; `layer`: its KV pool layer."""
+def load_head(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dtype = torch.float32,
+              shard: Shard = ALONE) -> DraftHead:
+    """The head at `path`, checked against `target`, on the CPU in `dtype` (this rank's part of it
+    under `shard`); `layer`: its KV pool layer."""
     cfg = HeadConfig.from_dir(path, target)
     names = set(check_head(path, cfg))
-    head = DraftHead(cfg, target, layer).to(dtype)
+    head = DraftHead(cfg, target, layer, shard).to(dtype)
     targets = head.weight_targets()
     with torch.no_grad():
         for stored, tensor in iter_checkpoint(path):
@@ -309,7 +316,7 @@ def load_head(path: str | Path, target: ModelConfig, layer: int, dtype: torch.dt
                 head.embed_tokens = nn.Embedding(*tensor.shape, dtype=dtype)
                 head.embed_tokens.weight.copy_(tensor)
             else:
-                targets[name].view().copy_(tensor)
+                targets[name].view().copy_(targets[name].take(tensor))
     head.register_buffer("draft_to_target", read_vocab_map(path, cfg))
     return head
 

@@ -443,6 +443,12 @@ def test_spec_mtp_drafts_with_the_checkpoints_own_mtp_layer(tmp_path):
     same(want, outputs(mtp, prompts, params))
     stats = mtp.stats()
     assert stats["rollout/spec_draft_tokens/mtp"] == stats["rollout/spec_draft_tokens"] > 0
+    split = make(mimo, "mtp", spec_adaptive=False, tp_size=2)  # the layer split over 2 ranks, q/k/v biases too
+    try:
+        assert [o.token_ids for o in outputs(split, prompts, params)] == [o.token_ids for o in want]
+        assert split.stats()["rollout/spec_draft_tokens/mtp"] > 0
+    finally:
+        split.close()
     with pytest.raises(ValueError, match="no MTP layers"):
         make(qwen, "mtp")
 

@@ -71,9 +71,9 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
         load_checkpoint(model, model_path)
     head = None
     if "mtp" in cfg.spec.drafters:
-        head = load_mtp(model_path, model_config, layer=model_config.num_layers, dtype=dtype)
+        head = load_mtp(model_path, model_config, layer=model_config.num_layers, dtype=dtype, shard=shard)
     elif "eagle" in cfg.spec.drafters:
-        head = load_head(cfg.spec.draft_model, model_config, layer=model_config.num_layers, dtype=dtype)
+        head = load_head(cfg.spec.draft_model, model_config, layer=model_config.num_layers, dtype=dtype, shard=shard)
     if head is not None:
         head.to(device)
     pool = KVPool(

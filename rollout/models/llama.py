@@ -77,6 +77,42 @@ def _cut(shard: Shard, param: nn.Parameter, rows: slice | None, dim: int, index:
     return WeightTarget(param, rows, (dim, index), full)
 
 
+def layer_targets(prefix: str, attn: "Attention", mlp: "MLP", cfg: ModelConfig, sh: Shard,
+                  qkv_in: int | None = None) -> dict[str, WeightTarget]:
+    """The targets of a decoder layer's attention and MLP products (`prefix`: the names' start):
+    q/k/v and gate/up cut by rows, o and down by columns, each rank's part. `qkv_in`: q/k/v's
+    input width when it is not the hidden size (an EAGLE-3 head reads two hidden states)."""
+    hd, hidden = cfg.head_dim, cfg.hidden_size
+    q, kv, inter = sh.heads(cfg) * hd, sh.kv_heads(cfg) * hd, sh.intermediate(cfg)
+    q_part = slice(sh.rank * q, (sh.rank + 1) * q)
+    kv_part = slice(sh.first_kv_head(cfg) * hd, sh.first_kv_head(cfg) * hd + kv)
+    inter_part = slice(sh.rank * inter, (sh.rank + 1) * inter)
+    targets = {}
+    qkv = {"q_proj": (slice(0, q), q_part, cfg.num_heads * hd), "k_proj": (slice(q, q + kv), kv_part, cfg.num_kv_heads * hd),
+           "v_proj": (slice(q + kv, q + 2 * kv), kv_part, cfg.num_kv_heads * hd)}
+    for name, (at, part, size) in qkv.items():
+        targets[f"{prefix}self_attn.{name}.weight"] = _cut(sh, attn.qkv_proj.weight, at, 0, part, (size, qkv_in or hidden))
+        if attn.qkv_proj.bias is not None:
+            targets[f"{prefix}self_attn.{name}.bias"] = _cut(sh, attn.qkv_proj.bias, at, 0, part, (size,))
+    targets[prefix + "self_attn.o_proj.weight"] = _cut(sh, attn.o_proj.weight, None, 1, q_part, (hidden, cfg.num_heads * hd))
+    if cfg.qk_norm:
+        targets[prefix + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
+        targets[prefix + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
+    gate_up = (cfg.intermediate_size, hidden)
+    targets[prefix + "mlp.gate_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(0, inter), 0, inter_part, gate_up)
+    targets[prefix + "mlp.up_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(inter, 2 * inter), 0, inter_part, gate_up)
+    targets[prefix + "mlp.down_proj.weight"] = _cut(sh, mlp.down_proj.weight, None, 1, inter_part, (hidden, cfg.intermediate_size))
+    return targets
+
+
+def vocab_logits(shard: Shard, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each rank's slice of the vocabulary's logits, side by side on every rank, less the padding."""
+    if shard.alone:
+        return logits
+    logits = shard.all_gather(logits)
+    return logits[:, :vocab].contiguous() if logits.shape[1] != vocab else logits
+
+
 class Linear(nn.Linear):
     """nn.Linear whose few-row products (decode) may take the skinny-GEMM kernel."""
 
@@ -225,11 +261,7 @@ class CausalLM(nn.Module):
         # whose noisy score ties within it (bench/RESULTS.md, coupled rollouts).
         logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps,
                                             self.lm_head_weight, out_dtype=torch.float32)
-        if not self.shard.alone:  # each rank's slice of the vocabulary, side by side, less the padding
-            vocab = self.config.vocab_size
-            logits = self.shard.all_gather(logits)
-            logits = logits[:, :vocab].contiguous() if logits.shape[1] != vocab else logits
-        return logits
+        return vocab_logits(self.shard, logits, self.config.vocab_size)
 
     def to_host(self) -> None:
         """Move the weights to pinned host memory (`.to(device)` brings them back): the GPU is freed
@@ -244,11 +276,7 @@ class CausalLM(nn.Module):
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model accepts, mapped to where (this rank's part of) it is stored."""
         cfg, sh = self.config, self.shard
-        hd, hidden = cfg.head_dim, cfg.hidden_size
-        q, kv, inter = sh.heads(cfg) * hd, sh.kv_heads(cfg) * hd, sh.intermediate(cfg)
-        q_part = slice(sh.rank * q, (sh.rank + 1) * q)
-        kv_part = slice(sh.first_kv_head(cfg) * hd, sh.first_kv_head(cfg) * hd + kv)
-        inter_part = slice(sh.rank * inter, (sh.rank + 1) * inter)
+        hidden = cfg.hidden_size
         vocab = sh.vocab_slice(cfg)
         rows = slice(0, vocab.stop - vocab.start)  # (the last rank's slice may leave padding rows)
         targets = {
@@ -258,21 +286,7 @@ class CausalLM(nn.Module):
         }
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
             targets[p + "input_layernorm.weight"] = WeightTarget(layer.input_layernorm.weight)
             targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
-            qkv = {"q_proj": (slice(0, q), q_part, cfg.num_heads * hd), "k_proj": (slice(q, q + kv), kv_part, cfg.num_kv_heads * hd),
-                   "v_proj": (slice(q + kv, q + 2 * kv), kv_part, cfg.num_kv_heads * hd)}
-            for name, (at, part, size) in qkv.items():
-                targets[f"{p}self_attn.{name}.weight"] = _cut(sh, attn.qkv_proj.weight, at, 0, part, (size, hidden))
-                if cfg.attention_bias:
-                    targets[f"{p}self_attn.{name}.bias"] = _cut(sh, attn.qkv_proj.bias, at, 0, part, (size,))
-            targets[p + "self_attn.o_proj.weight"] = _cut(sh, attn.o_proj.weight, None, 1, q_part, (hidden, cfg.num_heads * hd))
-            if cfg.qk_norm:
-                targets[p + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
-                targets[p + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-            gate_up = (cfg.intermediate_size, hidden)
-            targets[p + "mlp.gate_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(0, inter), 0, inter_part, gate_up)
-            targets[p + "mlp.up_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(inter, 2 * inter), 0, inter_part, gate_up)
-            targets[p + "mlp.down_proj.weight"] = _cut(sh, mlp.down_proj.weight, None, 1, inter_part, (hidden, cfg.intermediate_size))
+            targets.update(layer_targets(p, layer.self_attn, layer.mlp, cfg, sh))
         return targets
