@@ -30,3 +30,21 @@ def test_tp2_with_graphs_gives_eager_tp1_and_spec_off_tokens(tmp_path):
     assert tokens(tmp_path, spec="off", tp_size=2) == one
     assert tokens(tmp_path, spec="off", tp_size=2, cuda_graphs=False) == one
     assert tokens(tmp_path, spec=SpecConfig(method="ngram", adaptive=False), tp_size=2) == one
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="the default model's 9 heads split over 3 GPUs")
+def test_the_default_models_head_over_3_gpus_in_graphs_gives_tp1_spec_off_tokens():
+    """The EAGLE-3 head split over 3 ranks, drafting inside the captured graphs (the hybrid)."""
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return"]
+    params = SamplingParams(temperature=0, max_new_tokens=64)
+
+    def run(**kw) -> list[list[int]]:
+        engine = Engine(model="default", device="cuda", dtype="float32", kv_cache_tokens=20_000, **kw)
+        try:
+            return [o.token_ids for r in engine.generate(prompts, params) for o in r], engine.stats()
+        finally:
+            engine.close()
+
+    want, _ = run(spec="off")
+    got, stats = run(spec=SpecConfig(method="auto", draft_model="default", adaptive=False), tp_size=3)
+    assert got == want and stats["rollout/spec_draft_tokens/eagle"] > 0
