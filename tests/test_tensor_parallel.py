@@ -61,54 +61,45 @@ def test_tp_engine_gives_tp1_tokens_and_logprobs(tmp_path, kind, size):
 
 
 def test_default_model_over_3_ranks_with_and_without_speculation(default_engine):
-    """9 heads and 3 KV heads: a head of each per rank. Spec ngram gives spec off's tokens, and both
-    TP1's; `auto` is the n-gram index alone under TP (no draft head)."""
+    """9 heads and 3 KV heads: a head of each per rank. Spec off and the hybrid (the n-gram index,
+    and the default model's EAGLE-3 head split as the model is) give TP1's tokens and logprobs:
+    every rank drafts the same tokens. The head's tensors pushed whole: each rank keeps its part.
+    `auto` without a head is the n-gram index alone under TP."""
+    from safetensors.torch import load_file
+
+    from rollout.config import DEFAULT_HEAD
+
     prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return"]
-    params = [SamplingParams(temperature=0, max_new_tokens=16)] * 2 + [SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=5)]
+    params = [SamplingParams(temperature=0, max_new_tokens=24)] * 2 + [SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=5)]
     one = outputs(default_engine, prompts, params)
-    for method in ("off", "ngram"):  # (a fixed budget: drafts from the first steps)
-        engine = Engine(model="default", spec=SpecConfig(method=method, adaptive=False), device="cpu", tp_size=3)
-        try:
-            assert_same(one, outputs(engine, prompts, params))
-            assert (engine.stats()["rollout/spec_draft_tokens"] > 0) == (method == "ngram")
-        finally:
-            engine.close()
+    off = Engine(model="default", spec="off", device="cpu", tp_size=3)
+    try:
+        assert_same(one, outputs(off, prompts, params))
+    finally:
+        off.close()
+    hybrid = Engine(model="default", spec=SpecConfig(method="auto", draft_model="default", adaptive=False),
+                    device="cpu", tp_size=3)  # (a fixed budget: drafts from the first steps)
+    try:
+        assert_same(one, outputs(hybrid, prompts, params))
+        stats = hybrid.stats()
+        assert stats["rollout/spec_draft_tokens/ngram"] > 0 and stats["rollout/spec_draft_tokens/eagle"] > 0
+        with pytest.raises(WeightError, match="draft.midlayer.mlp.down_proj.weight"):
+            hybrid.update_weights([("draft.midlayer.mlp.down_proj.weight", torch.zeros(3, 3))], version=1)
+        held = {n: t.clone() for n, t in hybrid.runner.drafters.head.head.state_dict().items()}
+        head = load_file(str(DEFAULT_HEAD / "model.safetensors"))
+        hybrid.update_weights([("draft." + n, t) for n, t in head.items() if t.is_floating_point()], version=1)
+        now = hybrid.runner.drafters.head.head.state_dict()
+        assert all(torch.equal(now[n], t) for n, t in held.items())  # rank 0 kept exactly its part
+        assert hybrid.stats()["rollout/spec_head_on"] == 1.0  # (a push with the head's tensors keeps it on)
+        assert_same(one, outputs(hybrid, prompts, params))
+    finally:
+        hybrid.close()
     assert EngineConfig(model="default", spec="auto", tp_size=3).spec.drafters == ("ngram",)
 
 
 def test_a_model_whose_heads_do_not_split_gets_an_error_naming_the_sizes(default_model_dir):
     with pytest.raises(ValueError, match=r"tp_size 2: 2 does not fit its 9 attention heads; its 3 KV heads"):
         Shard.check(ModelConfig.from_dir(default_model_dir), 2)
-
-
-def test_a_draft_head_split_over_3_ranks_drafts_and_gives_tp1_spec_off_tokens(default_engine):
-    """The default model's EAGLE-3 head (9 heads, 3 KV heads) split as the model is, in the hybrid:
-    every rank drafts the same tokens, and greedy output is TP1 spec off's, its logprobs too; the
-    head's tensors pushed whole, each rank keeps its part."""
-    from safetensors.torch import load_file
-
-    from rollout.config import DEFAULT_HEAD
-
-    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return"]
-    params = [SamplingParams(temperature=0, max_new_tokens=24)] * 3
-    one = outputs(default_engine, prompts, params)
-    engine = Engine(model="default", spec=SpecConfig(method="auto", draft_model="default", adaptive=False),
-                    device="cpu", tp_size=3)
-    try:
-        assert_same(one, outputs(engine, prompts, params))
-        drafted = engine.stats()["rollout/spec_draft_tokens/eagle"]
-        assert drafted > 0 and engine.stats()["rollout/spec_accepted_tokens"] > 0
-        with pytest.raises(WeightError, match="draft.midlayer.mlp.down_proj.weight"):
-            engine.update_weights([("draft.midlayer.mlp.down_proj.weight", torch.zeros(3, 3))], version=1)
-        held = {n: t.clone() for n, t in engine.runner.drafters.head.head.state_dict().items()}
-        head = load_file(str(DEFAULT_HEAD / "model.safetensors"))
-        engine.update_weights([("draft." + n, t) for n, t in head.items() if t.is_floating_point()], version=1)
-        now = engine.runner.drafters.head.head.state_dict()
-        assert all(torch.equal(now[n], t) for n, t in held.items())  # rank 0 kept exactly its part
-        assert engine.stats()["rollout/spec_head_on"] == 1.0  # (a push with the head's tensors keeps it on)
-        assert_same(one, outputs(engine, prompts, params))
-    finally:
-        engine.close()
 
 
 def test_update_weights_under_tp_equals_tp1_and_a_wrong_shape_changes_no_rank(tiny):
