@@ -70,12 +70,12 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
   fi
   for tree in $trees; do
     name=$([ "$tree" = "$PWD" ] && echo head || echo base)
-    (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history \
-      --coupled-sampling --epoch-update ${LR:-1e-6} --repeats ${REPEATS:-3} | tee "$OUT/coupled-update-$name.log" \
-      | grep -E "^\| rollout|coupled" | sed "s|^|$name update |")
-    [ -n "${SKIP_SAME:-}" ] || (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL \
-      --temperature 1.0 --keep-history --coupled-sampling --repeats ${REPEATS:-3} | tee "$OUT/coupled-same-$name.log" \
-      | grep -E "^\| rollout|coupled" | sed "s|^|$name same |")
+    for between in update $([ -n "${SKIP_SAME:-}" ] || echo same); do
+      step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6}")
+      (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history \
+        --coupled-sampling $step --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
+        | grep -E "^\| rollout|coupled" | sed "s|^|$name $between |")
+    done
   done
   ;;
 sampling)  # the sampling kernels' cost by rows and vocabulary (151,936: Qwen3-8B), against a decode step of each shape at 512

@@ -37,7 +37,8 @@ _use_triton: dict[tuple, bool] = {}  # (N, K, dtype, out dtype, has_bias, PDL) -
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), accumulated in float32 and rounded to `out_dtype` (default: x's)."""
+    """x @ weight.T (+ bias), accumulated in float32 and rounded once to `out_dtype` (default: x's);
+    on the CPU computed in x's dtype, then cast (the CPU runs float32)."""
     if x.device.type == "cpu" and not INTERPRET:
         return _cpu_linear(x, weight, bias).to(out_dtype or x.dtype)
     if takes_triton(x, weight, bias, out_dtype):

@@ -215,11 +215,7 @@ class DraftHead(nn.Module):
         eagle3, mtp = cfg.kind == "eagle3", cfg.kind == "mtp"
         if mtp:  # (MiMo's MTP layer is the target's decoder layer: its q/k/v bias included)
             shape = replace(shape, attention_bias=target.attention_bias)
-        if not shard.alone:
-            try:
-                Shard.check(shape, shard.size)
-            except ValueError as e:
-                raise ValueError(f"the draft head: {e}") from None
+        Shard.check(shape, shard.size, "the draft head")
         self.shape = shape
         self.fc = nn.Linear((3 * cfg.target_hidden_size) if eagle3 else 2 * h, h, bias=cfg.kind == "eagle")
         self.self_attn = Attention(shape, layer, shard)  # `layer`: the head's layer of the KV pool

@@ -122,6 +122,28 @@ def test_coupled_chains_the_budget_can_count_on_are_verified_at_once_while_they_
     assert budget.plan(16, 10_000, draining=True, sure=16 * 8 * 0.9).draft_rows == 0
 
 
+def test_the_speculator_counts_on_coupled_chains_at_their_measured_acceptance():
+    """What the budget is told it can count on (`sure`) follows the coupled drafts' acceptance as
+    verified, a running mean over the last few hundred, from 0.9 before any was verified."""
+    from rollout.engine.token_table import TokenTable
+    from spec.budget import StepPlan
+    from spec.speculator import Speculator
+
+    spec = Speculator(SpecConfig(method="ngram"), TokenTable(16, 8, 64, torch.device("cpu")), coupled=True)
+    told = []
+    spec.budget.plan = lambda *args, sure=0.0, **kw: told.append(sure) or StepPlan(0, False, False)
+    spec.observe_coupled(10)
+    spec.plan(16, 10_000, draining=True)
+    spec.observe_coupled_drafts(0, 0)  # (a step without coupled drafts tells nothing)
+    spec.plan(16, 10_000, draining=True)
+    for _ in range(20):  # chains that part from their earlier rollouts: a quarter accepted
+        spec.observe_coupled_drafts(64, 16)
+    spec.plan(16, 10_000, draining=True)
+    full = 10 * spec.depth
+    assert told[:2] == [pytest.approx(0.9 * full)] * 2
+    assert told[2] == pytest.approx(0.25 * full, rel=0.02)
+
+
 def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measured_costs():
     budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=512, max_rows=512)
     assert budget.capacities(16) == [0, 2, 4, 8, 16, 32, 64, 128]

@@ -97,9 +97,15 @@ def test_default_model_over_3_ranks_with_and_without_speculation(default_engine)
     assert EngineConfig(model="default", spec="auto", tp_size=3).spec.drafters == ("ngram",)
 
 
-def test_a_model_whose_heads_do_not_split_gets_an_error_naming_the_sizes(default_model_dir):
-    with pytest.raises(ValueError, match=r"tp_size 2: 2 does not fit its 9 attention heads; its 3 KV heads"):
-        Shard.check(ModelConfig.from_dir(default_model_dir), 2)
+def test_a_model_or_head_whose_heads_do_not_split_gets_an_error_naming_the_sizes(default_model_dir):
+    from rollout.config import DEFAULT_HEAD
+    from spec.draft_head import load_head
+
+    target = ModelConfig.from_dir(default_model_dir)
+    with pytest.raises(ValueError, match=r"the model does not split over tp_size 2: 2 does not fit its 9 attention heads"):
+        Shard.check(target, 2)
+    with pytest.raises(ValueError, match=r"the draft head does not split over tp_size 2: 2 does not fit its 9 attention"):
+        load_head(DEFAULT_HEAD, target, layer=target.num_layers, shard=Shard(0, 2))
 
 
 def test_update_weights_under_tp_equals_tp1_and_a_wrong_shape_changes_no_rank(tiny):

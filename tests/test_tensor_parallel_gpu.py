@@ -38,7 +38,7 @@ def test_the_default_models_head_over_3_gpus_in_graphs_gives_tp1_spec_off_tokens
     prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,", "def add(a, b):\n    return"]
     params = SamplingParams(temperature=0, max_new_tokens=64)
 
-    def run(**kw) -> list[list[int]]:
+    def run(**kw) -> tuple[list[list[int]], dict]:
         engine = Engine(model="default", device="cuda", dtype="float32", kv_cache_tokens=20_000, **kw)
         try:
             return [o.token_ids for r in engine.generate(prompts, params) for o in r], engine.stats()

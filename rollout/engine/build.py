@@ -76,9 +76,10 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
         head = load_head(cfg.spec.draft_model, model_config, layer=model_config.num_layers, dtype=dtype, shard=shard)
     if head is not None:
         head.to(device)
+    layers = model_config.num_layers + (head is not None)  # the head's KV: one more layer
     pool = KVPool(
-        num_layers=model_config.num_layers + (head is not None),  # the head's KV: one more layer
-        num_slots=kv_cache_tokens(cfg, model_config, shard, dtype, device, tp),
+        num_layers=layers,
+        num_slots=kv_cache_tokens(cfg, model_config, layers, shard, dtype, device, tp),
         num_kv_heads=shard.kv_heads(model_config),
         head_dim=model_config.head_dim,
         dtype=dtype,
@@ -127,15 +128,16 @@ def capture_graphs(cfg: EngineConfig, runner: ModelRunner, spec: Speculator, hea
             b: (round(p * 1e3, 3), round(t * 1e3, 3)) for b, (p, t) in spec.cycle.costs.items()})
 
 
-def kv_cache_tokens(cfg: EngineConfig, mc: ModelConfig, shard: Shard, dtype: torch.dtype, device: torch.device,
-                    tp: Leader | Follower | None) -> int:
+def kv_cache_tokens(cfg: EngineConfig, mc: ModelConfig, layers: int, shard: Shard, dtype: torch.dtype,
+                    device: torch.device, tp: Leader | Follower | None) -> int:
     """The KV pool's slots (one more than its tokens: slot 0 is padding's): as configured, or the
-    share of free GPU memory the config gives it, the smallest any rank can hold."""
+    share of free GPU memory the config gives it over `layers` (a draft head's included), the
+    smallest any rank can hold."""
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens + 1
     if device.type != "cuda":
         return DEFAULT_CPU_KV_TOKENS + 1
-    per_token = 2 * mc.num_layers * shard.kv_heads(mc) * mc.head_dim * dtype.itemsize
+    per_token = 2 * layers * shard.kv_heads(mc) * mc.head_dim * dtype.itemsize
     free, _ = torch.cuda.mem_get_info(device)
     slots = int(free * cfg.kv_cache_memory_fraction) // per_token
     return slots if tp is None else tp.group.minimum(slots)  # every rank schedules alike

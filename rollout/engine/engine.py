@@ -35,7 +35,7 @@ from rollout.engine.memory import DeviceMemory, MemoryStateError, memory_tags
 from rollout.engine.sampler import prompt_seed, sequence_key
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
-from rollout.engine.step import Batch, Emitted, HeadWork, StepInFlight, StepRecord
+from rollout.engine.step import Batch, Emitted, HeadWork, Source, StepInFlight, StepRecord
 from rollout.engine.tensor_parallel import start_ranks
 from rollout.models.config import ModelConfig
 from rollout.models.loader import resolve_model_path
@@ -436,7 +436,7 @@ class Engine:
         draft head's accepted drafts among them."""
         appended, by_source = self.emitter.append(e, updated, self.weight_version, self._spec_totals)
         self._output_tokens += appended
-        coupled = by_source.get("coupled")
+        coupled = by_source.get(self.runner.drafters.source_names[Source.COUPLED])
         if coupled is not None:
             self.spec.observe_coupled_drafts(coupled[0], coupled[1])
         eagle = self.runner.drafters.head

@@ -255,10 +255,9 @@ class CausalLM(nn.Module):
             ctx.aux_hidden[:, k * hidden : (k + 1) * hidden].copy_(self.model.norm(x + residual))
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
-        # float32 out of the accumulator: rounded to bf16, a logit near 10 moves in steps of 0.06, so
-        # a verify row and a decode row (or two weight versions a bf16 place apart) whose sums
-        # differ in the last bits often differ by a whole step, enough to flip a sampled token
-        # whose noisy score ties within it (bench/RESULTS.md, coupled rollouts).
+        # float32 out of the accumulator, not rounded to bf16 (steps of 0.06 at a logit near 10):
+        # the logprobs a trainer gets are exact to float32. (It did not keep coupled rollouts
+        # aligned: their draws part over activations upstream; bench/RESULTS.md.)
         logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps,
                                             self.lm_head_weight, out_dtype=torch.float32)
         return vocab_logits(self.shard, logits, self.config.vocab_size)

@@ -32,8 +32,8 @@ class Shard:
     group: Collectives | None = None  # None: one rank
 
     @staticmethod
-    def check(cfg: ModelConfig, size: int) -> None:
-        """Raise ValueError, naming the sizes, unless `cfg` splits over `size` ranks."""
+    def check(cfg: ModelConfig, size: int, what: str = "the model") -> None:
+        """Raise ValueError, naming the sizes, unless `cfg` (`what`: the model, or its draft head) splits over `size` ranks."""
         if size < 1:
             raise ValueError(f"tp_size must be >= 1 (got {size})")
         problems = []
@@ -45,7 +45,7 @@ class Shard:
         if cfg.intermediate_size % size:
             problems.append(f"its intermediate size {cfg.intermediate_size}")
         if problems:
-            raise ValueError(f"the model does not split over tp_size {size}: {size} does not fit " + "; ".join(problems))
+            raise ValueError(f"{what} does not split over tp_size {size}: {size} does not fit " + "; ".join(problems))
 
     @property
     def alone(self) -> bool:
