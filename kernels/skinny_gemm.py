@@ -11,6 +11,13 @@ fused into this one, every program normalised the rows again before streaming it
 on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us
 apart: bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the
 fused path was removed).
+
+Batch-invariant products (`invariant=True`, coupled sampling's engines): a row of the result is
+the same bits whatever else is in the step. cuBLAS picks its kernel, and with it each row's
+summation order, by the row count, and the few-row path above is a different kernel again, so
+a row verified beside a draft tree came out in different last bits than the same row decoded
+alone, and two coupled samples parted there. The invariant path runs one Triton kernel with
+one fixed tile for every row count: each output element sums its products in the same order.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ except ImportError:
     triton = None
 
 MAX_ROWS = 16
+INVARIANT_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 CPU_BLOCK_ROWS = 8
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,11 +44,14 @@ _use_triton: dict[tuple, bool] = {}  # (N, K, dtype, out dtype, has_bias, PDL) -
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, invariant: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias), accumulated in float32 and rounded once to `out_dtype` (default: x's);
-    on the CPU computed in x's dtype, then cast (the CPU runs float32)."""
+    on the CPU computed in x's dtype, then cast (the CPU runs float32). `invariant`: each row's
+    bits independent of the other rows (the CPU's blocks always are)."""
     if x.device.type == "cpu" and not INTERPRET:
         return _cpu_linear(x, weight, bias).to(out_dtype or x.dtype)
+    if invariant and triton is not None:
+        return invariant_linear(x, weight, bias, out_dtype)
     if takes_triton(x, weight, bias, out_dtype):
         return skinny_linear(x, weight, bias, out_dtype)
     return _cublas_linear(x, weight, bias, out_dtype)
@@ -61,12 +72,13 @@ def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(rms_norm(x + residual)), x + residual): the residual add fused into the norm."""
     if residual is None:
-        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, out_dtype), x
+        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, out_dtype, invariant), x
     h, summed = fused.rms_norm(x, norm_weight, eps, residual)
-    return linear(h, weight, bias, out_dtype), summed
+    return linear(h, weight, bias, out_dtype, invariant), summed
 
 
 def takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -138,27 +150,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The batch-invariant product: INVARIANT_TILE for every shape, a row block per program on axis 1
+    (float32 as float32, not rounded to tf32)."""
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m:
+        tile = INVARIANT_TILE
+        grid = (triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(m, tile["BLOCK_M"]))
+        _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
+                                  weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **tile,
+                                  IEEE=x.dtype == torch.float32, **({"PDL": False} if INTERPRET else pdl.launch_args()))
+    return y.view(*lead, n)
+
+
 if triton is not None:
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, IEEE: tl.constexpr = False):
         pdl.wait_for_previous(PDL)
-        rows = tl.arange(0, BLOCK_M)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (one row block unless batch-invariant)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < m
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             kk = k0 + ks
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < k), other=0.0)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < k), other=0.0)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < n) & (kk[None, :] < k),
                         other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if IEEE else "tf32")
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (cols[None, :] < n))
 
     _skinny_gemm_tuned = triton.autotune(

@@ -41,6 +41,9 @@ DECODE_MAX_Q_LEN = MAX_TREE_TOKENS
 PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# Batch-invariant steps (coupled sampling): splits of this many keys from the first, whatever the
+# step, so a query's partial sums, and their merge, depend on its position alone
+INVARIANT_KEYS_PER_SPLIT = 512
 
 
 @triton.jit
@@ -145,7 +148,7 @@ def _attention_kernel(
     part_out_ptr,  # [T, num_heads, num_splits, head_dim] fp32, written when SPLIT
     part_lse_ptr,  # [T, num_heads, num_splits] fp32 (base 2), written when SPLIT
     seq_rows_ptr, kv_lens_ptr, qo_indptr_ptr, slot_table_ptr, tree_mask_ptr,
-    qk_scale, num_splits, num_heads,
+    qk_scale, num_splits, keys_per_split, num_heads,
     stride_q_tok, stride_q_head,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_o_tok, stride_o_head,
@@ -190,12 +193,26 @@ def _attention_kernel(
         kv_end = num_cached + last_tok + 1
         tree = tok  # unused
     # This split's keys [lo, hi): whole BLOCK_N tiles, sized from the real kv_len read here, so a
-    # graph captured for an upper-bound max_kv_len still spreads the real keys over all splits.
-    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    # graph captured for an upper-bound max_kv_len still spreads the real keys over all splits;
+    # or, batch-invariant, a fixed number of keys, so a query's splits depend on its position alone.
+    if keys_per_split > 0:
+        chunk = keys_per_split
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
-    # whole tiles before `mid` lie in the cached prefix: no mask needed there
+    if SPLIT:
+        if lo >= kv_end:  # past this block's keys (fixed splits, a graph's bound): the merge skips it
+            part = (q_rows * num_heads + head) * num_splits + split
+            tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            return
+    # whole tiles before `mid` lie in the cached prefix: no mask needed there. Batch-invariant:
+    # every tile masked, since the compiler rounds the two kinds of tile differently (it fuses
+    # the scale into exp2 only where no mask comes between) and where the cached prefix ends
+    # depends on the step: a decode step caches all but its token, a verify step only the root.
     mid = lo + tl.maximum(tl.minimum(hi, num_cached) - lo, 0) // BLOCK_N * BLOCK_N
+    if keys_per_split > 0:
+        mid = lo
 
     k_head_ptr = k_cache_ptr + kv_head * stride_k_head
     v_head_ptr = v_cache_ptr + kv_head * stride_v_head
@@ -237,15 +254,22 @@ def _merge_splits_kernel(
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
-    part = (tok * num_heads + head) * num_splits + splits  # [BLOCK_S]
-    lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # [BLOCK_S], 0 for empty splits
-    o = _load_tile(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], split_ok, dims, True, HEAD_DIM, BLOCK_D)
-    total = tl.sum(weight, 0)
-    merged = tl.sum(o * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
+    first = (tok * num_heads + head) * num_splits
+    lse_max = tl.max(tl.load(part_lse_ptr + first + splits, mask=splits < num_splits, other=float("-inf")), 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    # one split after another, skipping the empty ones: the sum's order does not depend on how
+    # many splits the step has, so a batch-invariant step merges a query's splits alike in any step
+    total = 0.0
+    merged = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(num_splits):
+        lse = tl.load(part_lse_ptr + first + split)
+        if lse > float("-inf"):
+            weight = tl.exp2(lse - lse_max)
+            o = tl.load(part_out_ptr + (first + split) * HEAD_DIM + dims, mask=dims < HEAD_DIM, other=0.0)
+            merged += o * weight
+            total += weight
+    merged = merged / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
     out = out_ptr + tok * stride_o_tok + head * stride_o_head + dims
     if BLOCK_D == HEAD_DIM:
         tl.store(out, merged.to(out_ptr.dtype.element_ty))
@@ -297,12 +321,20 @@ class TritonAttention:
 
     `num_splits` pins the KV split count (tests use it); by default plan() picks it so that
     num_seqs * num_kv_heads * row_blocks * splits gives about PROGRAMS_PER_SM programs per SM.
+
+    `batch_invariant`: a query's output is the same bits in any step, whatever else the step holds
+    (a decode step, a draft tree's verify, a prefill chunk): blocks of 16 rows, and keys split
+    every INVARIANT_KEYS_PER_SPLIT from the first, always merged. Coupled sampling needs it: its
+    later rollout verifies as trees the tokens its earlier one decoded a row at a time.
     """
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, batch_invariant: bool = False) -> None:
         if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+        if num_splits is not None and batch_invariant:
+            raise ValueError("a batch-invariant backend splits the keys by position; num_splits cannot be pinned")
         self._forced_splits = num_splits
+        self.batch_invariant = batch_invariant
         self._meta_bounds: tuple[int, int, int, bool] | None = None  # num_seqs, max_q_len, max_kv_len, has_tree
         self._configs: dict[tuple, LaunchConfig] = {}
         self._sm_count: dict[torch.device, int] = {}
@@ -333,7 +365,7 @@ class TritonAttention:
         group = num_heads // num_kv_heads
         rows = max(max_q_len, 1) * group  # query rows of one (sequence, kv head)
         block_d = triton.next_power_of_2(head_dim)
-        if max_q_len <= DECODE_MAX_Q_LEN:
+        if max_q_len <= DECODE_MAX_Q_LEN or self.batch_invariant:
             # decode / verify: blocks of 16 rows (tl.dot's least). Most sequences of a verify step
             # have their root alone (GROUP rows), and a block sized for the widest tree made each
             # of them pay for its rows: 27% more attention for 12% more rows at 512 sequences
@@ -352,7 +384,9 @@ class TritonAttention:
         # a thread and spill (seen in sm_90 compiles), so use 8
         num_warps = 8 if block_m * block_d >= 64 * 128 else 4
         num_m_blocks = triton.cdiv(rows, block_m)
-        if self._forced_splits is not None:
+        if self.batch_invariant:
+            num_splits = triton.cdiv(max(max_kv_len, 1), INVARIANT_KEYS_PER_SPLIT)
+        elif self._forced_splits is not None:
             num_splits = self._forced_splits
         else:
             programs = num_seqs * num_kv_heads * num_m_blocks
@@ -429,7 +463,7 @@ class TritonAttention:
             return out
         block_d = triton.next_power_of_2(head_dim)
 
-        split = config.num_splits > 1
+        split = config.num_splits > 1 or self.batch_invariant
         if split:
             part_out, part_lse = self._alloc_partials(num_tokens, num_heads, config.num_splits, head_dim, q.device)
         else:
@@ -439,7 +473,7 @@ class TritonAttention:
         _attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse,
             meta.seq_rows, meta.kv_lens, meta.qo_indptr, meta.slot_table, tree_mask,
-            scale * LOG2E, config.num_splits, num_heads,
+            scale * LOG2E, config.num_splits, INVARIANT_KEYS_PER_SPLIT if self.batch_invariant else 0, num_heads,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1),

@@ -275,7 +275,8 @@ class EngineConfig:
     seed: int = option(0, "seeds the samples of requests that give no seed")
     coupled_sampling: bool = option(False, "a request that gives no seed gets one from its prompt's token ids and --seed, "
                                     "so every rollout of a prompt draws sample i with the same noise, and a later "
-                                    "rollout drafts from the earlier one (drafter source `coupled`)")
+                                    "rollout drafts from the earlier one (drafter source `coupled`); the kernels are "
+                                    "batch-invariant and drafts are chains, so a token is computed alike in any step")
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -298,6 +299,10 @@ class EngineConfig:
                              "(or auto)")
         if self.max_running_seqs < 1 or (self.max_prefill_tokens is not None and self.max_prefill_tokens < 1):
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
+        if self.coupled_sampling and self.spec.head_topk > 1 and {"eagle", "mtp"} & set(self.spec.drafters):
+            # a tree's node sits beside its siblings, not at its position, and attention would sum
+            # its keys in another order than decoding that token does (kernels/triton_attention.py)
+            raise ValueError("coupled sampling verifies chains: --spec-head-topk must be 1")
 
     def replica(self, dp_rank: int) -> "EngineConfig":
         """The settings of replica `dp_rank`: one replica, on the GPU `dp_rank` past this server's first

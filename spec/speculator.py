@@ -67,7 +67,10 @@ class Speculator:
         self.cycle: HeadCycle | None = None
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
-        self.draft = (DraftSettings(cfg.max_match, cfg.min_match, CANDIDATES, self.depth, self.index.scan, coupled)
+        # coupled: chains, one continuation each, as a tree's nodes would be computed in other bits
+        # than decoding computes them (batch-invariant attention sums a token's keys by position)
+        candidates = 1 if coupled else CANDIDATES
+        self.draft = (DraftSettings(cfg.max_match, cfg.min_match, candidates, self.depth, self.index.scan, coupled)
                       if ngram else None)
         self.reset()
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import requests
 import torch
 
 from rollout import Engine, SamplingParams
+from rollout.config import EngineConfig, SpecConfig
 
 SAMPLED = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, ignore_eos=True)
 
@@ -81,3 +83,11 @@ def test_the_server_reports_coupled_drafts_by_source_in_meta_info_and_metrics(mo
     by_source = second[0]["meta_info"]["spec_by_source"]
     assert by_source["coupled"]["accepted_tokens"] == by_source["coupled"]["draft_tokens"] > 0
     assert 'rollout_spec_draft_tokens_by_source{source="coupled"}' in metrics
+
+
+def test_coupled_sampling_verifies_chains():
+    """A head's tree would put a node beside its siblings, not at its position (the n-gram index
+    drafts one continuation under coupled sampling for the same reason)."""
+    with pytest.raises(ValueError, match="chains"):
+        EngineConfig(coupled_sampling=True, spec=SpecConfig(method="mtp", head_topk=2))
+    EngineConfig(coupled_sampling=True, spec=SpecConfig(method="ngram", head_topk=2))

@@ -145,6 +145,32 @@ def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
+def test_coupled_bf16_rollouts_compute_a_token_alike_in_any_step(default_model_dir, prompts):
+    """Coupled sampling makes the engine batch-invariant (products of one tile, keys split by
+    position): in bf16 a second rollout with the same weights equals the first and accepts every
+    coupled draft, and after a push speculation on equals off, tokens and logprobs bitwise."""
+    make = lambda spec: Engine(model=str(default_model_dir), device="cuda", kv_cache_tokens=100_000, spec=spec,
+                               coupled_sampling=True, spec_adaptive=False)
+    on, off = make("ngram"), make("off")
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=256, ignore_eos=True)
+    rollout = lambda engine: [(o.token_ids, o.logprobs) for g in engine.generate(prompts, params, return_logprob=True)
+                              for o in g]
+    first = rollout(on)
+    on.reset_stats()
+    assert rollout(on) == first
+    stats = on.stats()
+    assert stats["rollout/spec_accept_rate/coupled"] == 1.0
+    assert stats["rollout/spec_draft_tokens/coupled"] > 0.5 * len(first) * params.max_new_tokens
+    assert rollout(off) == first
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    pushed = [(name, w + 0.02 * w.abs().mean() * torch.randn(w.shape, generator=gen, device="cuda").to(w.dtype))
+              for name, w in ((name, t.view()) for name, t in on.model.weight_targets().items())
+              if name.endswith("mlp.down_proj.weight")]
+    for engine in (on, off):
+        engine.update_weights(pushed, version=1)
+    assert rollout(on) == rollout(off) != first
+
+
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_decode_steps_chained_after_verify_steps_match_spec_off(default_model_dir, engines, prompts, cuda_graphs):
     """A decode step launched before the verify step it follows is collected reads its input token,

@@ -77,6 +77,24 @@ def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
     close(skinny_linear(x, w, b), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias,out_dtype", [(960, 576, True, None), (4099, 576, False, torch.float32), (70, 130, True, None)])
+def test_invariant_linear_rows_are_alike_in_any_batch(dtype, n, k, bias, out_dtype):
+    """Batch-invariant products: each row the same bits alone, in a few rows (the few-row kernel's
+    range) or among hundreds (cuBLAS's), and near the exact product."""
+    from kernels.skinny_gemm import linear
+
+    g = torch.Generator(device=DEVICE).manual_seed(n + k)
+    x = torch.randn(300, k, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g, device=DEVICE).to(dtype) if bias else None
+    full = linear(x, w, b, out_dtype, invariant=True)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    close(full, ref, dtype if out_dtype is None else out_dtype)
+    for lo, hi in [(7, 8), (3, 13), (100, 117), (40, 240)]:
+        assert torch.equal(linear(x[lo:hi], w, b, out_dtype, invariant=True), full[lo:hi]), (lo, hi)
+
+
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 @pytest.mark.parametrize("rows", [1, 9, 16, 40])
 def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):

@@ -16,7 +16,7 @@ pytestmark = GPU_ONLY
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("window,cands,depth,width", [(1, 4, 4, 4), (3, 8, 8, 8), (6, 8, 5, 12), (2, 2, 3, 2)])
+@pytest.mark.parametrize("window,cands,depth,width", [(1, 4, 4, 4), (3, 8, 8, 8), (6, 8, 5, 12), (2, 2, 3, 2), (4, 1, 8, 8)])
 def test_kernel_matches_the_reference(seed, window, cands, depth, width):
     rng = random.Random(seed * 1000 + window * 100 + width)
     vocab = rng.choice([3, 6, 50])

@@ -174,6 +174,71 @@ def check(case: Case, num_splits: int | None = None) -> TritonAttention:
     return backend
 
 
+def invariant_rows_alike(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, lengths: list[int], chain: int) -> None:
+    """Batch-invariant backend: the last `chain` queries of sequence 0 come out the same bits decoded
+    one at a time alone, decoded beside other sequences under a graph's upper-bound max_kv_len,
+    verified together as a chain (a coupled sample's draft), or prefilled as a causal chunk, and
+    near the reference. Sequence 0 is long enough for several fixed key splits."""
+    gen = torch.Generator(device="cpu").manual_seed(sum(lengths) + heads)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=DEVICE)
+
+    num_slots = sum(lengths) + 1
+    k_cache, v_cache = randn(num_slots, kv_heads, dim), randn(num_slots, kv_heads, dim)
+    slots = (torch.randperm(num_slots - 1, generator=gen) + 1).to(torch.int32)
+    slot_table = torch.zeros(len(lengths), max(lengths), dtype=torch.int32)
+    used = 0
+    for seq, n in enumerate(lengths):
+        slot_table[seq, :n] = slots[used : used + n]
+        used += n
+    slot_table = slot_table.to(DEVICE)
+    queries = [randn(n, heads, dim, scale=2.0) for n in lengths]  # a query for every position
+    backend = TritonAttention(batch_invariant=True)
+
+    def step(rows: list[tuple[int, int, int]], tree: bool, max_kv_len: int | None = None) -> torch.Tensor:
+        """(sequence, first position, count) per sequence; returns sequence 0's output rows."""
+        kv_lens = [first + count for _, first, count in rows]
+        masks = [tree_masks(list(range(-1, count - 1))) for _, _, count in rows]
+        meta = AttentionMetadata(
+            seq_rows=torch.tensor([seq for seq, _, _ in rows], dtype=torch.int32, device=DEVICE),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
+            qo_indptr=torch.tensor(np.concatenate([[0], np.cumsum([c for _, _, c in rows])]), dtype=torch.int32,
+                                   device=DEVICE),
+            slot_table=slot_table,
+            out_slots=torch.cat([slot_table[seq, first : first + count].long() for seq, first, count in rows]),
+            tree_mask=torch.from_numpy(np.concatenate(masks)).to(DEVICE) if tree else None,
+            max_q_len=max(c for _, _, c in rows),
+            max_kv_len=max_kv_len or max(kv_lens),
+        )
+        backend.plan(meta)
+        q = torch.cat([queries[seq][first : first + count] for seq, first, count in rows])
+        out = backend.attend(q, k_cache, v_cache, meta, dim**-0.5)
+        at = [r[0] for r in rows].index(0)
+        start = sum(c for _, _, c in rows[:at])
+        return out[start : start + rows[at][2]]
+
+    first = lengths[0] - chain
+    verified = step([(1, lengths[1] - 3, 3), (0, first, chain), (2, lengths[2] - 1, 1)], tree=True)
+    prefilled = step([(0, first, chain)], tree=False)
+    for j in range(chain):
+        alone = step([(0, first + j, 1)], tree=False)
+        beside = step([(2, lengths[2] - 1, 1), (0, first + j, 1), (1, lengths[1] - 1, 1)], tree=False,
+                      max_kv_len=max(lengths) + 700)
+        assert torch.equal(alone[0], beside[0]), j
+        assert torch.equal(alone[0], verified[j]), j
+        assert torch.equal(alone[0], prefilled[j]), j
+    ref = TorchAttention()
+    meta = AttentionMetadata(
+        seq_rows=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        kv_lens=torch.tensor([lengths[0]], dtype=torch.int32, device=DEVICE),
+        qo_indptr=torch.tensor([0, chain], dtype=torch.int32, device=DEVICE), slot_table=slot_table,
+        out_slots=slot_table[0, first:].long(), tree_mask=None, max_q_len=chain, max_kv_len=lengths[0])
+    ref.plan(meta)
+    expected = ref.attend(queries[0][first:].float(), k_cache.float(), v_cache.float(), meta, dim**-0.5)
+    assert float((verified.float() - expected).norm() / expected.norm()) < TOLERANCE[dtype]
+
+
 # ---------------------------------------------------------------------------------------------
 # Small shapes: Triton's interpreter on the CPU (or the GPU when there is one).
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +294,11 @@ def test_long_context_batch_one_is_split_across_programs():
     case = make_case([1], [4095], heads=8, kv_heads=2, dim=32, dtype=torch.float32, seed=6)
     backend.plan(case.meta)
     assert backend.launch_config(8, 2, 32, torch.float32, DEVICE).num_splits > 1
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_small_batch_invariant_rows_alike_in_any_step(dtype):
+    invariant_rows_alike(6, 2, 32, dtype, lengths=[1040, 40, 530], chain=24)  # across keys 1024: a tile, a split
 
 
 def test_plan_rejects_tree_longer_than_64_tokens():
@@ -304,6 +374,13 @@ def test_batch_one_long_context_split_kv_matches_reference(kv_len, tree, heads, 
     backend = check(case)
     if kv_len > 1000:
         assert backend.launch_config(heads, kv_heads, dim, torch.bfloat16, DEVICE).num_splits > 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads,kv_heads,dim", GPU_HEADS[:2])
+def test_batch_invariant_rows_alike_in_any_step(heads, kv_heads, dim):
+    invariant_rows_alike(heads, kv_heads, dim, torch.bfloat16, lengths=[1560, 70, 1500], chain=40)  # across 1536
 
 
 @pytest.mark.gpu

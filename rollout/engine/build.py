@@ -94,7 +94,11 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
     backend_name = cfg.attention_backend
     if backend_name == "auto":
         backend_name = "triton" if device.type == "cuda" else "torch"
-    backend = attention_backend(backend_name, device)
+    # coupled sampling's rollouts must compute a token alike in any step (a decode row, a verify tree)
+    batch_invariant = cfg.coupled_sampling
+    if batch_invariant:
+        model.make_batch_invariant()
+    backend = attention_backend(backend_name, device, batch_invariant)
     history = cfg.spec.history_rows if cfg.spec.enabled else 0
     table = TokenTable(cfg.max_running_seqs, history, pool.max_context, device)
     spec = Speculator(cfg.spec, table, coupled=cfg.coupled_sampling)
@@ -161,8 +165,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)  # one of EngineConfig.dtype's choices
 
 
-def attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`torch` (the reference, any device) or `triton` (CUDA); Triton is imported only when chosen."""
+def attention_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+    """`torch` (the reference, any device; batch-invariant as it is) or `triton` (CUDA); Triton is
+    imported only when chosen."""
     if name == "torch":
         from kernels.torch_attention import TorchAttention
 
@@ -172,5 +177,5 @@ def attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("the triton attention backend needs a CUDA device; use --attention-backend torch on CPU")
         from kernels.triton_attention import TritonAttention
 
-        return TritonAttention()
+        return TritonAttention(batch_invariant=batch_invariant)
     raise ValueError(f"attention backend {name!r}: choose torch or triton")

@@ -114,10 +114,13 @@ def vocab_logits(shard: Shard, logits: torch.Tensor, vocab: int) -> torch.Tensor
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose few-row products (decode) may take the skinny-GEMM kernel."""
+    """nn.Linear whose few-row products (decode) may take the skinny-GEMM kernel; batch-invariant
+    products when its model is (`CausalLM.make_batch_invariant`)."""
+
+    batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_gemm.linear(x, self.weight, self.bias)
+        return skinny_gemm.linear(x, self.weight, self.bias, invariant=self.batch_invariant)
 
 
 class RMSNorm(nn.Module):
@@ -131,7 +134,8 @@ class RMSNorm(nn.Module):
 
     def then(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None):
         """(proj(norm(x + residual)), x + residual), the residual optional."""
-        return skinny_gemm.norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+        return skinny_gemm.norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias,
+                                       invariant=getattr(proj, "batch_invariant", False))
 
 
 class Attention(nn.Module):
@@ -230,6 +234,17 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows(cfg), bias=False)
 
+    batch_invariant = False
+
+    def make_batch_invariant(self) -> None:
+        """Every product of a token's row the same bits whatever else its step holds
+        (kernels/skinny_gemm.py): coupled sampling's later rollouts verify as draft trees the
+        tokens its earlier ones decoded, and must draw them alike."""
+        self.batch_invariant = True
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = True
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
@@ -259,7 +274,8 @@ class CausalLM(nn.Module):
         # the logprobs a trainer gets are exact to float32. (It did not keep coupled rollouts
         # aligned: their draws part over activations upstream; bench/RESULTS.md.)
         logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps,
-                                            self.lm_head_weight, out_dtype=torch.float32)
+                                            self.lm_head_weight, out_dtype=torch.float32,
+                                            invariant=self.batch_invariant)
         return vocab_logits(self.shard, logits, self.config.vocab_size)
 
     def to_host(self) -> None:
