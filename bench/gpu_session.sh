@@ -63,7 +63,8 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
   # $LR, default 1e-6, pushed in bf16) and with no update between the epochs; spec off with the same seeds against n-gram.
   # BASE_TAR=.devcache/base.tar, carried: that commit's runs too, in the same call (`git archive -o .devcache/base.tar
   # COMMIT -- . ':!rollout/models/default_head/model.safetensors'`: the head's weights, 10 MB, are taken from this tree)
-  # TREES=base|head|"base head" (default: both when BASE_TAR is given), BETWEEN="update same" (default)
+  # TREES=base|head|"base head" (default: both when BASE_TAR is given), BETWEEN="update same" (default),
+  # SPREAD=1: the trainer's weights off the bf16 rounding ties (--epoch-update-spread)
   trees=$PWD; export BENCH_OUT=/tmp/bench-files
   if [ -n "${BASE_TAR:-}" ]; then
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$BASE_TAR" -C /tmp/base && trees="/tmp/base $PWD"
@@ -73,7 +74,7 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
   for tree in $trees; do
     name=$([ "$tree" = "$PWD" ] && echo head || echo base)
     for between in ${BETWEEN:-update same}; do
-      step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6}")
+      step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6} ${SPREAD:+--epoch-update-spread}")
       (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history \
         --coupled-sampling $step --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
         | grep -E "^\| rollout|coupled" | sed "s|^|$name $between |")

@@ -4,8 +4,9 @@ import gc
 import json
 
 import pytest
+import torch
 
-from rollout.tools.bench import GcTimer
+from rollout.tools.bench import GcTimer, spread_in_rounding
 from rollout.tools.cli import main
 
 
@@ -92,3 +93,17 @@ def test_engines_on_one_gpu_get_equal_pools_and_leave_room_for_their_graphs(monk
     assert pools == pytest.approx([(0.85 - 2 * bench.GRAPH_SHARE) * 80 / 3] * 3)
     assert free[0] > 0.1 * 80
     assert bench._pool_shares(0.85, 1, "auto") is None and bench._pool_shares(0.85, 3, "cpu") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_spread_weights_round_to_the_served_ones_from_anywhere_in_their_interval(dtype):
+    """--epoch-update-spread: the trainer's float32 weights serve exactly the weights the engine
+    holds, yet sit off the rounding ties (powers of two, zero and negatives included)."""
+    t = torch.cat([torch.randn(100_000) * 0.05, torch.tensor([0.5, -0.5, 1.0, -2.0, 0.0, 0.0078125])])
+    served = t.to(dtype).float()
+    spread = spread_in_rounding(t, dtype, torch.Generator().manual_seed(0))
+    assert torch.equal(spread.to(dtype).float(), served)
+    moved = (spread - served).abs() / served.abs().clamp_min(1e-30)
+    eps = torch.finfo(dtype).eps
+    assert moved.max() < eps / 2 and moved.mean() > eps / 16  # within half a place, and spread over it
+    assert torch.equal(spread_in_rounding(t, torch.float32, torch.Generator()), t)

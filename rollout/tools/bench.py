@@ -366,7 +366,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             config.kv_cache_memory_fraction = pool_share()
         engines[spec] = Engine(config=config)
     freeze_heap()  # as the server's engine process does
-    trainer = EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples) if args.epoch_update else None
+    trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples, args.epoch_update_spread)
+               if args.epoch_update else None)
     for r in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
         # Each round draws its own samples (every mode the same seeds in it): on the GPU the modes'
         # samples part ways (a verify step's bf16 logits are not a decode step's), and a
@@ -458,14 +459,20 @@ class EpochUpdate:
     """A trainer between two epochs of `rl --keep-history`: one policy-gradient step (REINFORCE, the
     group-normalised advantage of a reward that prefers shorter samples) with AdamW at `lr` on the
     first epoch's samples, in fp32 on the engine's device; the result goes to the engines in their
-    dtype (bf16 on the GPU, as a trainer pushes it). Each round starts from the model's own weights."""
+    dtype (bf16 on the GPU, as a trainer pushes it). Each round starts from the model's own weights
+    (`spread`: from float32 weights that round to the served ones, `spread_in_rounding`)."""
 
-    def __init__(self, engine, lr: float, samples: int):
+    def __init__(self, engine, lr: float, samples: int, spread: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.lr, self.samples = lr, samples
         self.dtype = engine.dtype
         self.model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).to(engine.device)
+        if spread:
+            gen = torch.Generator(device=engine.device).manual_seed(0)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.copy_(spread_in_rounding(p, self.dtype, gen))
         self.base = {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
     def restore(self, engine) -> None:
@@ -493,6 +500,21 @@ class EpochUpdate:
             (-a * lp / tokens).backward()
         optimizer.step()
         return [(name, p.detach().to(self.dtype)) for name, p in self.model.named_parameters()]
+
+
+def spread_in_rounding(t: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """float32 `t` moved to a uniform point of the interval that rounds to `t.to(dtype)` (its
+    nearest `dtype` value; the interval's edges left out), as a trainer's float32 weights lie
+    after many steps. Unchanged where `dtype` is float32."""
+    if dtype == torch.float32:
+        return t
+    served = t.to(dtype).float()
+    mantissa, exponent = torch.frexp(served)  # |served| = |mantissa| 2^exponent, |mantissa| in [0.5, 1)
+    spacing = torch.ldexp(torch.full_like(served, torch.finfo(dtype).eps), exponent - 1)  # to the next value up
+    below = torch.where(mantissa.abs() == 0.5, spacing / 2, spacing)  # (half as far to the next one down at a power of two)
+    u = torch.rand(t.shape, generator=gen, device=t.device) - 0.5
+    step = torch.where(u > 0, spacing, below) * u * 0.999
+    return torch.where(served == 0, served, served + step * served.sign())
 
 
 def _device_name() -> str:
@@ -524,6 +546,10 @@ def add_bench_parser(sub) -> None:
                         "learning rate on the first epoch's samples, pushed to every mode's engine in its dtype")
     b.add_argument("--epoch-update-samples", type=int, default=64,
                    help="the first epoch's samples that step trains on (the first prompts' groups)")
+    b.add_argument("--epoch-update-spread", action="store_true",
+                   help="the trainer's float32 weights spread over each served weight's rounding interval, as "
+                        "after many steps of training, not the checkpoint's own (the default model's, dequantized "
+                        "from Q4_1, sit on bf16 rounding ties, and any step flips those)")
     b.add_argument("--repeats", type=int, default=1,
                    help="rounds over the spec modes; the table reports medians and the tok/s spread")
     b.add_argument("--url", default=None, metavar="[LABEL=]URL,...",
