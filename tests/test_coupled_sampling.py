@@ -11,6 +11,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.config import EngineConfig, SpecConfig
+from rollout.models.llama import Linear
 
 SAMPLED = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, ignore_eos=True)
 
@@ -27,6 +28,9 @@ def rollout(engine: Engine, batch, params=SAMPLED):
 
 def test_a_second_coupled_rollout_with_the_same_weights_equals_the_first_and_accepts_every_coupled_draft(model_dir):
     engine = Engine(model=str(model_dir), spec="ngram", device="cpu", coupled_sampling=True, spec_adaptive=False)
+    # batch-invariant products, and n-gram drafts as chains (on the GPU these keep the two rollouts alike)
+    assert all(m.batch_invariant for m in engine.model.modules() if isinstance(m, Linear)) and engine.model.batch_invariant
+    assert engine.spec.draft.cands == 1
     batch = prompts()
     first, _ = rollout(engine, batch)
     engine.reset_stats()
