@@ -92,6 +92,12 @@ def test_default_model_over_3_ranks_with_and_without_speculation(default_engine)
         assert all(torch.equal(now[n], t) for n, t in held.items())  # rank 0 kept exactly its part
         assert hybrid.stats()["rollout/spec_head_on"] == 1.0  # (a push with the head's tensors keeps it on)
         assert_same(one, outputs(hybrid, prompts, params))
+        # the head's cycle weighs rank 0's step times: when rank 0 puts the head to sleep, the
+        # other ranks' prefill steps leave it out too (else they wait in its all-reduce alone)
+        hybrid.spec.cycle.wake_next = False  # (the push's wake-up, not yet spent: the head was awake)
+        hybrid.spec.cycle._sleep("rank 0's measurements")
+        assert not hybrid.spec.head_for_prefill(new_prompts=True)
+        assert_same(one, outputs(hybrid, prompts, params))
     finally:
         hybrid.close()
     assert EngineConfig(model="default", spec="auto", tp_size=3).spec.drafters == ("ngram",)

@@ -320,7 +320,7 @@ class Engine:
     def _launch(self, batch: Batch, began: float) -> StepInFlight:
         if batch.is_prefill:
             slots, positions, starts = self.scheduler.place_prefill(batch)
-            head = self.spec.head_for_prefill(new_prompts=bool((starts == 0).any()))
+            head = self._prefill_head(new_prompts=bool((starts == 0).any()))
             self._flush_replay()
             step = self.runner.launch_prefill(batch, slots, positions, starts, head)
         else:
@@ -332,6 +332,18 @@ class Engine:
             step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.head, plan.shadow)
         step.began = began
         return step
+
+    def _prefill_head(self, new_prompts: bool) -> bool:
+        """Whether a prefill step runs the draft head: the head's cycle decides it from measured
+        step times, so under tensor parallelism rank 0's choice, sent as the decode plan is (a
+        rank that ran the head alone would wait in its all-reduce for the others)."""
+        if self.tp is not None and not self.tp.leads:
+            (head,) = self.tp.expect("prefill_head")
+            return bool(head)
+        head = self.spec.head_for_prefill(new_prompts)
+        if self.tp is not None:
+            self.tp.record("prefill_head", int(head))
+        return head
 
     def _plan(self, num_seqs: int) -> StepPlan:
         """The decode step's plan: the budget's, which weighs this process's measured step times,

@@ -6,9 +6,9 @@ leave every rank the same logits, so the same draws, the same accepted drafts an
 host bookkeeping: the engine is deterministic given its calls. Rank 0 (the `Leader`) is the
 engine the caller holds; it sends every call that changes the engine's state (requests added
 and aborted, steps, weight swaps, memory) down a pipe to the other ranks (`Follower`), which
-replay them in order. The one input that is not a call is the plan of each decode step: the
-speculation budget weighs measured step times, which differ by rank, so rank 0's plan travels
-with the step.
+replay them in order. The inputs that are not calls are the plan of each decode step and
+whether a prefill step runs the draft head: the speculation budget and the head's cycle weigh
+measured step times, which differ by rank, so rank 0's choices travel with the step.
 
 Why replay rather than broadcast what the host lays out for each step: a step's host work
 (scheduling, emitting, stop checks) is the same code on every rank and costs no collective;
