@@ -11,6 +11,7 @@ import argparse
 import statistics
 
 from rollout import Engine, SamplingParams
+from rollout.tools.bench import common_prefix
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids
 
 VARIANTS = {
@@ -19,10 +20,6 @@ VARIANTS = {
     "torch-attention": {"attention_backend": "torch", "cuda_graphs": False},
     "no-overlap": {"overlap_schedule": False},
 }
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def main() -> None:
@@ -37,18 +34,18 @@ def main() -> None:
     for name in args.variants.split(","):
         outs = {}
         for spec in ("off", "ngram"):
-            engine = Engine(device=args.device, kv_cache_tokens=200_000 if args.device == "cuda" else None, spec=spec, coupled_sampling=True,
-                            spec_adaptive=False, **VARIANTS[name])
+            engine = Engine(device=args.device, kv_cache_tokens=200_000 if args.device == "cuda" else None, spec=spec,
+                            coupled_sampling=True, spec_adaptive=False, **VARIANTS[name])
             prompts = [chat_prompt_ids(engine.tokenizer, t.question) for t in arithmetic_tasks(args.prompts, seed=3)]
             outs[spec] = [o.token_ids for g in engine.generate(prompts, params) for o in g]
             if spec == "ngram":
                 stats = engine.stats()
                 drafted = {k.split("/")[-1]: v for k, v in stats.items() if k.startswith("rollout/spec_draft_tokens/")}
             del engine
-        diffs = [first_difference(a, b) for a, b in zip(outs["off"], outs["ngram"])]
-        parted = sorted(d for d in diffs if d is not None)
+        pairs = list(zip(outs["off"], outs["ngram"]))
+        parted = sorted(common_prefix(a, b) for a, b in pairs if a != b)
         median = statistics.median(parted) if parted else "-"
-        print(f"{name:16s} equal {len(diffs) - len(parted)}/{len(diffs)}  first difference: median {median}, "
+        print(f"{name:16s} equal {len(pairs) - len(parted)}/{len(pairs)}  first difference: median {median}, "
               f"earliest {parted[:5]}  drafted {drafted}", flush=True)
 
 

@@ -207,12 +207,13 @@ def _attention_kernel(
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
     # whole tiles before `mid` lie in the cached prefix: no mask needed there. Batch-invariant:
-    # every tile masked, since the compiler rounds the two kinds of tile differently (it fuses
-    # the scale into exp2 only where no mask comes between) and where the cached prefix ends
-    # depends on the step: a decode step caches all but its token, a verify step only the root.
-    mid = lo + tl.maximum(tl.minimum(hi, num_cached) - lo, 0) // BLOCK_N * BLOCK_N
+    # every tile masked, since where the cached prefix ends depends on the step (a decode step
+    # caches all but its token, a verify step only the root), and with the unmasked tiles the
+    # two kinds of step came out in other bits (bench/coupled_divergence.py, bench/RESULTS.md)
     if keys_per_split > 0:
         mid = lo
+    else:
+        mid = lo + tl.maximum(tl.minimum(hi, num_cached) - lo, 0) // BLOCK_N * BLOCK_N
 
     k_head_ptr = k_cache_ptr + kv_head * stride_k_head
     v_head_ptr = v_cache_ptr + kv_head * stride_v_head

@@ -334,27 +334,29 @@ class Engine:
         return step
 
     def _prefill_head(self, new_prompts: bool) -> bool:
-        """Whether a prefill step runs the draft head: the head's cycle decides it from measured
-        step times, so under tensor parallelism rank 0's choice, sent as the decode plan is (a
-        rank that ran the head alone would wait in its all-reduce for the others)."""
-        if self.tp is not None and not self.tp.leads:
-            (head,) = self.tp.expect("prefill_head")
-            return bool(head)
-        head = self.spec.head_for_prefill(new_prompts)
-        if self.tp is not None:
-            self.tp.record("prefill_head", int(head))
-        return head
+        """Whether a prefill step runs the draft head (the head's cycle decides)."""
+        (head,) = self._rank0_choice("prefill_head", lambda: (int(self.spec.head_for_prefill(new_prompts)),))
+        return bool(head)
 
     def _plan(self, num_seqs: int) -> StepPlan:
-        """The decode step's plan: the budget's, which weighs this process's measured step times,
-        so under tensor parallelism rank 0's, sent before the step's collectives."""
+        """The decode step's plan (the speculation budget's)."""
+        def decide() -> tuple:
+            plan = self.spec.plan(num_seqs, self.scheduler.free_slots, draining=not self.scheduler.waiting)
+            return plan.draft_rows, plan.drafting, plan.shadow, int(plan.head)
+
+        draft_rows, drafting, shadow, head = self._rank0_choice("plan", decide)
+        return StepPlan(draft_rows, drafting, shadow, HeadWork(head))
+
+    def _rank0_choice(self, name: str, decide) -> tuple:
+        """`decide()`'s values: choices that weigh this process's measured step times, which differ
+        by rank, so under tensor parallelism rank 0's, sent before the step's collectives (a rank
+        that chose otherwise would run other collectives, and wait in them alone)."""
         if self.tp is not None and not self.tp.leads:
-            draft_rows, drafting, shadow, head = self.tp.expect("plan")
-            return StepPlan(draft_rows, drafting, shadow, HeadWork(head))
-        plan = self.spec.plan(num_seqs, self.scheduler.free_slots, draining=not self.scheduler.waiting)
+            return self.tp.expect(name)
+        values = decide()
         if self.tp is not None:
-            self.tp.record("plan", plan.draft_rows, plan.drafting, plan.shadow, int(plan.head))
-        return plan
+            self.tp.record(name, *values)
+        return values
 
     def _complete(self, step: StepInFlight, updated: dict) -> None:
         """Wait for a launched step and apply what it emitted."""

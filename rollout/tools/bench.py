@@ -394,7 +394,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                     row, timeline, samples = run_rollout(engines[spec], args, prompts, n, spec, b, seed=seed,
                                                          keep_history=args.keep_history)
                     if args.keep_history:  # where each sample parted from its sample of the epoch before
-                        shared = [_common_prefix(a, b_) for g, h in zip(samples, first_epoch[spec]) for a, b_ in zip(g, h)]
+                        shared = [common_prefix(a, b_) for g, h in zip(samples, first_epoch[spec]) for a, b_ in zip(g, h)]
                         row.prefix_share = sum(shared) / max(1, row.output_tokens)
                         row.prefix_median = statistics.median(shared)
                     runs.append(row)
@@ -446,7 +446,8 @@ def write_results(args, rows: list[Row], timelines: list[Timeline], batch_sizes:
     print(f"\n{table}\nwrote {out_dir / name}.{{json,md,png}}")
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two samples share from their start."""
     k = 0
     for x, y in zip(a, b):
         if x != y:
