@@ -220,8 +220,12 @@ class Engine:
                 raise RuntimeError(f"tensor-parallel rank {self.tp.rank} cannot replay {name!r}")
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one)."""
-        if self.tp is not None and self.tp.leads:
+        """Rank 0: stop the other tensor-parallel ranks; every rank: close their group (nothing to
+        do with one rank). The CUDA graphs go first: NCCL finalizes a communicator only once the
+        graphs that captured its collectives are gone."""
+        if self.tp is not None:
+            self.runner.drop_graphs()
+            gc.collect()
             self.tp.close()
 
     def _checked(self, params: SamplingParams) -> SamplingParams:

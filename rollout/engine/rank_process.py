@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(flag, type=kind, required=flag != "--hooks")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [tp{args.rank}] %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a stuck rank waits
     _exit_with_parent(args.parent_pid)
     pipe = os.fdopen(args.fd, "rb")
     engine = Engine(config=EngineConfig.from_dict(json.loads(args.config)), tp_follower=(args.rank, args.port, pipe))
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         handlers = getattr(importlib.import_module(module), function)(engine)
     try:
         engine.follow(handlers)
+        engine.close()
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:

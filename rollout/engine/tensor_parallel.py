@@ -47,6 +47,7 @@ class RankGroup:
 
     def __init__(self, rank: int, size: int, device: torch.device, store):
         self.rank, self.size, self.device = rank, size, device
+        self.closed = False
         opts = ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -74,6 +75,13 @@ class RankGroup:
         """Rank 0's `x` into every rank's."""
         self.dev.broadcast([x]).wait()
         return x
+
+    def close(self) -> None:
+        """Every rank's last call, once the engine's CUDA graphs are gone: NCCL's communicator is
+        finalized on every rank. (Left to its destructor, a process hung at exit on the GPU.)"""
+        if self.device.type == "cuda" and not self.closed:
+            self.dev.shutdown()
+        self.closed = True
 
     def minimum(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -140,12 +148,15 @@ class Leader:
         threading.Thread(target=loop, name="rollout-tp-watch", daemon=True).start()
 
     def close(self) -> None:
-        """Stop the other ranks (they exit after the calls already sent)."""
+        """Stop the other ranks (they exit after the calls already sent, closing the group with
+        rank 0 unless one is gone)."""
         try:
             self.record("stop")
             self.flush()
         except OSError:  # a rank already gone
             pass
+        if self.dead_rank() is None:
+            self.group.close()
         for proc in self.procs:
             try:
                 proc.wait(timeout=10)
@@ -178,6 +189,9 @@ class Follower:
                 raise EOFError("rank 0 is gone")
             self._events.extend(json.loads(self._pipe.read(struct.unpack("<Q", head)[0])))
         return tuple(self._events.popleft())
+
+    def close(self) -> None:
+        self.group.close()
 
     def expect(self, name: str) -> tuple:
         """The next call, which must be `name` (the engine asks for what rank 0 decided)."""
