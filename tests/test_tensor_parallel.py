@@ -77,6 +77,7 @@ def test_default_model_over_3_ranks_with_and_without_speculation(default_engine)
         assert_same(one, outputs(off, prompts, params))
     finally:
         off.close()
+    assert [p.returncode for p in off.tp.procs] == [0, 0]  # every rank closed its group and left (none killed)
     hybrid = Engine(model="default", spec=SpecConfig(method="auto", draft_model="default", adaptive=False),
                     device="cpu", tp_size=3)  # (a fixed budget: drafts from the first steps)
     try:
