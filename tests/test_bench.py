@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from rollout.tools.bench import GcTimer, spread_in_rounding
+from rollout.tools.bench import GcTimer, expected_prefix, match_chances, spread_in_rounding
 from rollout.tools.cli import main
 
 
@@ -107,3 +107,23 @@ def test_spread_weights_round_to_the_served_ones_from_anywhere_in_their_interval
     eps = torch.finfo(dtype).eps
     assert moved.max() < eps / 2 and moved.mean() > eps / 16  # within half a place, and spread over it
     assert torch.equal(spread_in_rounding(t, torch.float32, torch.Generator()), t)
+
+
+def test_match_chances_are_those_of_draws_with_shared_gumbel_noise():
+    """bench/coupling_bound.py's closed form: with the same Gumbel noise, old and new argmax agree
+    on the old token x with chance 1 / sum_j max(p_j, q_j p_x / q_x); exact verification accepts
+    x with min(1, q_x / p_x), never less often."""
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(2, 7, generator=g) * 1.5
+    new = old + torch.randn(2, 7, generator=g) * 0.5
+    noise = -torch.log(-torch.log(torch.rand(400_000, 7, generator=g)))
+    for row in range(2):
+        first, second = (old[row] + noise).argmax(-1), (new[row] + noise).argmax(-1)
+        for x in range(7):
+            drawn = first == x
+            if drawn.sum() < 20_000:
+                continue
+            gumbel, exact = match_chances(old[row : row + 1], new[row : row + 1], torch.tensor([x]))
+            assert float(gumbel) == pytest.approx(float((second[drawn] == x).float().mean()), abs=0.01)
+            assert float(exact) >= float(gumbel) - 1e-6
+    assert expected_prefix(torch.tensor([1.0, 0.5, 0.5])) == pytest.approx(1 + 0.5 + 0.25)

@@ -221,8 +221,8 @@ class Engine:
 
     def close(self) -> None:
         """Rank 0: stop the other tensor-parallel ranks; every rank: close their group (nothing to
-        do with one rank). The CUDA graphs go first: NCCL finalizes a communicator only once the
-        graphs that captured its collectives are gone."""
+        do with one rank). The CUDA graphs go first: finalizing NCCL while the graphs that captured
+        its collectives were alive hung on the GPU (docs/tensor-parallel.md)."""
         if self.tp is not None:
             self.runner.drop_graphs()
             gc.collect()

@@ -132,10 +132,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
-    def then(self, proj: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None):
+    def then(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None):
         """(proj(norm(x + residual)), x + residual), the residual optional."""
         return skinny_gemm.norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias,
-                                       invariant=getattr(proj, "batch_invariant", False))
+                                       invariant=proj.batch_invariant)
 
 
 class Attention(nn.Module):

@@ -456,6 +456,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return k
 
 
+def match_chances(old_logits: torch.Tensor, new_logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, V] logits of the old and new policy (at T=1) and the old sample's tokens [L] -> at each
+    position, given the same prefix, the chance that the new draw is the old token: under shared
+    Gumbel noise (the two argmaxes agree), and under exact verification of the old token as a draft
+    (min(1, q/p), speculative sampling's)."""
+    logp, logq = old_logits.float().log_softmax(-1), new_logits.float().log_softmax(-1)
+    lp_x, lq_x = logp.gather(1, tokens[:, None]), logq.gather(1, tokens[:, None])
+    gumbel = 1.0 / torch.maximum(logp, logq + lp_x - lq_x).exp().sum(-1)
+    exact = (lq_x - lp_x).exp().clamp(max=1.0).squeeze(1)
+    return gumbel.clamp(max=1.0), exact
+
+
+def expected_prefix(chances: torch.Tensor) -> float:
+    """Positions' match chances -> the expected number of leading tokens matched."""
+    return float(chances.double().cumprod(0).sum())
+
+
 class EpochUpdate:
     """A trainer between two epochs of `rl --keep-history`: one policy-gradient step (REINFORCE, the
     group-normalised advantage of a reward that prefers shorter samples) with AdamW at `lr` on the
