@@ -11,7 +11,7 @@
 #   call 4: bash bench/gpu_tp.sh rows    (32B TP4 decode, rl under TP2 x DP2 against one TP2 replica)
 #   bash bench/gpu_tp.sh gemm        (the decode products at TP widths: bench/gemm_choice.py)
 #   bash bench/gpu_tp.sh b1          (8B b1 decode at TP 1, 2 and 4 in one call: the same-run ratios)
-#   bash bench/gpu_tp.sh checks      (NCCL against symmetric memory's one-shot all-reduce, the GPU tests; beside
+#   bash bench/gpu_tp.sh checks      (NCCL against the engine's one-shot all-reduce, the GPU tests; beside
 #                                    them, on the last GPU, bench/coupling_bound.py: issue 40's after-a-step ceiling)
 #   BASE=old.py BASE_AS=kernels/x.py bash bench/gpu_tp.sh versus   (8B b1 decode, TP2 and TP1: this tree
 #                                    against the same tree with x.py's old version)
@@ -53,7 +53,7 @@ more)
 probe)
   for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
     timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096 \
-      --methods nccl,symm 2>&1 | grep -i -e "all-reduce (" -e error | head -6
+      2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
   done | tee "$OUT/allreduce-symm.log"
   timeout 240 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 16 2>&1 | grep -e "^|" -e Error | tee "$OUT/tp-kernels.log"
   [ "$GPUS" -ge 3 ] && timeout 240 python3 recipes/bench_weight_sync.py --models 8b,32b --methods distributed --tp-size 2 \
@@ -75,10 +75,10 @@ checks)
   CUDA_VISIBLE_DEVICES=$((GPUS - 1)) timeout 500 python3 bench/coupling_bound.py --lr 0,1e-6,1e-7 > "$OUT/bound.log" 2>&1 &
   for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
     timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096 \
-      --methods nccl,symm 2>&1 | grep -i -e "all-reduce (" -e error | head -6
+      2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
   done | tee "$OUT/allreduce.log"
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 300 python3 -m pytest -q -m gpu \
-    -o faulthandler_timeout=200 tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
+    tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
   wait; grep -v -i -e warn -e "^Loading" "$OUT/bound.log" | tail -6
   ;;
 versus)  # 8B b1 decode at TP 2 and 1: this tree against the same tree with $BASE (a file's old version) put back

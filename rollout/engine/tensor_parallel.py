@@ -37,17 +37,21 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, ReduceOp, TCPStore
 
+from rollout.engine.one_shot_all_reduce import OneShotAllReduce
+
 RENDEZVOUS_TIMEOUT_S = 600.0  # a rank's start: importing torch, building and loading its shard
 WATCH_S = 0.2  # how often a rank looks whether the others are alive
 
 
 class RankGroup:
     """The collectives of one engine's ranks: on the device (NCCL on CUDA, gloo on the CPU), and
-    a gloo group on the host for the ranks' agreements (weights all swapped or none)."""
+    a gloo group on the host for the ranks' agreements (weights all swapped or none). On CUDA the
+    small all-reduces go over symmetric memory (rollout/engine/one_shot_all_reduce.py) unless
+    `custom_all_reduce` is off."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, store):
+    def __init__(self, rank: int, size: int, device: torch.device, store, custom_all_reduce: bool = True):
         self.rank, self.size, self.device = rank, size, device
-        self.closed = False
+        self.one_shot, self.closed = None, False
         opts = ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -58,10 +62,14 @@ class RankGroup:
             self.dev = ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, ProcessGroupNCCL.Options())
             self.all_reduce(torch.zeros(1, device=device))  # the communicator is built now, not in a graph capture
             torch.cuda.synchronize(device)
+            if custom_all_reduce and self.agree(OneShotAllReduce.reachable(device)):
+                self.one_shot = OneShotAllReduce(self.dev, store, rank, size, device)
         else:
             self.dev = self.host
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
         self.dev.allreduce([x]).wait()
         return x
 
@@ -80,6 +88,8 @@ class RankGroup:
         """Every rank's last call, once the engine's CUDA graphs are gone: NCCL's communicator is
         finalized on every rank. (Left to its destructor, a process hung at exit on the GPU.)"""
         if self.device.type == "cuda" and not self.closed:
+            if self.one_shot is not None:
+                self.one_shot.close()
             self.dev.shutdown()
         self.closed = True
 
@@ -115,7 +125,7 @@ class Leader:
             os.close(read)
             self._pipes.append(os.fdopen(write, "wb"))
         self._events: list = []
-        self.group = RankGroup(0, self.size, device, self._store)
+        self.group = RankGroup(0, self.size, device, self._store, not config.disable_custom_all_reduce)
 
     def record(self, name: str, *args) -> None:
         """A call for the other ranks to replay (sent with the next `flush`)."""
@@ -174,12 +184,12 @@ class Follower:
 
     leads = False
 
-    def __init__(self, rank: int, size: int, port: int, pipe, device: torch.device):
+    def __init__(self, rank: int, size: int, port: int, pipe, device: torch.device, custom_all_reduce: bool):
         self.rank, self.size = rank, size
         self._pipe = pipe
         self._events: deque = deque()
         store = TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-        self.group = RankGroup(rank, size, device, store)
+        self.group = RankGroup(rank, size, device, store, custom_all_reduce)
         self._store = store
 
     def next(self) -> tuple:
@@ -209,4 +219,4 @@ def start_ranks(config, device: torch.device, follower: tuple | None, hooks: str
     if follower is None:
         return Leader(config, device, hooks)
     rank, port, pipe = follower
-    return Follower(rank, config.tp_size, port, pipe, device)
+    return Follower(rank, config.tp_size, port, pipe, device, not config.disable_custom_all_reduce)
