@@ -65,9 +65,10 @@ gemm)  # the decode products at TP widths, Triton against cuBLAS, on weights the
   ;;
 b1)  # the 8B shape's b1 decode at every TP size the machine has, in one call (the same-run ratios of issue 42 and 43)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1
-  for tp in $TPS; do
+  for run in $(for tp in $TPS; do echo $tp; [ $tp = 1 ] || echo $tp-nccl; done); do
+    tp=${run%-nccl}; nccl=$([ "$run" != "$tp" ] && echo --disable-custom-all-reduce)
     LIMIT=120 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
-      --output-len 128 --tp-size $tp --out "$OUT/b1-tp$tp" | grep "^| rollout" | tail -1 | sed "s|^|tp$tp |"
+      --output-len 128 --tp-size $tp $nccl --out "$OUT/b1-tp$run" | grep "^| rollout" | tail -1 | sed "s|^|tp$run |"
   done 2>&1 | tee "$OUT/b1.log"
   ;;
 checks)

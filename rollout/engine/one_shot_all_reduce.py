@@ -11,12 +11,51 @@ against 11.2 and 21.3 against 15.0 (bench/allreduce_latency.py). Larger ones (pr
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 log = logging.getLogger("rollout")
 
 MAX_BYTES = 512 * 1024  # the largest all-reduce measured faster than NCCL's: [64, 4096] bf16
+COUNT_KEY = "rollout-symm-rendezvous"  # rank 0's count of rendezvous, in the ranks' store
+
+_rendezvous_made = 0  # symmetric-memory rendezvous this process has made (`catch_up`)
+
+
+def _rendezvous(buffer: torch.Tensor, group_name: str) -> None:
+    global _rendezvous_made
+    import torch.distributed._symmetric_memory as symm_mem
+
+    symm_mem.rendezvous(buffer, group_name)
+    _rendezvous_made += 1
+
+
+def _register(group) -> None:
+    from torch._C._distributed_c10d import _register_process_group
+
+    _register_process_group(group.group_name, group)
+
+
+def catch_up(count: int, device: torch.device) -> None:
+    """Make this process's rendezvous `count`. Torch names the store keys of a rendezvous by how many
+    this process has made, so ranks that meet must have made equally many: rank 0 of an engine
+    built in a process that built one before (bench, one per mode; the tests) has made more than its
+    new ranks, which then waited for ever. They make up the difference with rendezvous of their own,
+    each a group of one."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch._C._distributed_c10d import HashStore, ProcessGroup, ProcessGroupGloo
+
+    while _rendezvous_made < count:
+        store = HashStore()
+        group = ProcessGroup(store, 0, 1)
+        opts = ProcessGroupGloo._Options()
+        opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, ProcessGroupGloo(store, 0, 1, opts))
+        group._set_default_backend(ProcessGroup.BackendType.GLOO)  # (a group's name lives on its backend)
+        group._set_group_name(f"rollout-catch-up-{os.getpid()}-{_rendezvous_made}")
+        _register(group)
+        _rendezvous(symm_mem.empty(16, dtype=torch.uint8, device=device), group.group_name)
 
 
 class OneShotAllReduce:
@@ -25,17 +64,21 @@ class OneShotAllReduce:
         memory finds by name (it exchanges the buffers' handles through the group's store). A failure
         here is an error: `--disable-custom-all-reduce` runs NCCL alone."""
         import torch.distributed._symmetric_memory as symm_mem
-        from torch._C._distributed_c10d import ProcessGroup, _register_process_group
+        from torch._C._distributed_c10d import ProcessGroup
 
         self.name = f"rollout-tp-{store.port}"  # (the same on every rank: rank 0's store)
         group = ProcessGroup(store, rank, size)
         group._register_backend(device, ProcessGroup.BackendType.NCCL, nccl)
         group._set_default_backend(ProcessGroup.BackendType.NCCL)
         group._set_group_name(self.name)
-        _register_process_group(self.name, group)
+        _register(group)
         self._group = group
         self._buffer = symm_mem.empty(MAX_BYTES, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self._buffer, self.name)
+        if rank == 0:
+            store.set(COUNT_KEY, str(_rendezvous_made))
+        else:
+            catch_up(int(store.get(COUNT_KEY)), device)
+        _rendezvous(self._buffer, self.name)
 
     @staticmethod
     def reachable(device: torch.device) -> bool:
