@@ -13,10 +13,12 @@
 #   bash bench/gpu_tp.sh b1          (8B b1 decode at TP 1, 2 and 4 in one call: the same-run ratios)
 #   bash bench/gpu_tp.sh checks      (NCCL against the engine's one-shot all-reduce, the GPU tests; beside
 #                                    them, on the last GPU, bench/coupling_bound.py: issue 40's after-a-step ceiling)
+#   bash bench/gpu_tp.sh oneshot     (the engine's one-shot all-reduce against NCCL's, the GPU tests (three TP2 engines
+#                                    in one process; the head over 3 GPUs), then b1)
 #   BASE=old.py BASE_AS=kernels/x.py bash bench/gpu_tp.sh versus   (8B b1 decode, TP2 and TP1: this tree
 #                                    against the same tree with x.py's old version)
 set -uo pipefail
-stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | versus}
+stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | oneshot | versus}
 source bench/gpu_env.sh .whl .whl_dp
 TPS=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || echo "1 2")
 bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-running-seqs 64 --repeats 3 "$@" 2>&1 | grep -v -i -e warn -e "^Loading"; }
@@ -81,6 +83,15 @@ checks)
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 300 python3 -m pytest -q -m gpu \
     tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
   wait; grep -v -i -e warn -e "^Loading" "$OUT/bound.log" | tail -6
+  ;;
+oneshot)
+  for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
+    timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096 \
+      2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
+  done | tee "$OUT/allreduce.log"
+  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 240 python3 -m pytest -q -m gpu \
+    -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
+  bash "$0" b1
   ;;
 versus)  # 8B b1 decode at TP 2 and 1: this tree against the same tree with $BASE (a file's old version) put back
   timeout 120 python3 -m pytest -q -m gpu tests/test_fused_kernels.py 2>&1 | tail -2 | tee "$OUT/fused-tests.log"
