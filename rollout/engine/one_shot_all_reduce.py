@@ -3,9 +3,9 @@
 Each rank copies its part into a buffer its peers can read over NVLink (CUDA P2P; never NVLink
 multicast), and torch's one-shot kernel sums every rank's buffer in rank order: every rank gets the
 same bits, as the ranks must (they sample from these logits), and a row's sum does not depend on
-how many rows the step has. NCCL's ring costs more at these sizes: a [1, 4096] bf16 all-reduce in a
-CUDA graph took 10.5 us against 7.5 over 2 H200s, 16.5 against 8.6 over 4; [64, 4096] 14.6
-against 11.2 and 21.3 against 15.0 (bench/allreduce_latency.py). Larger ones (prefill) stay NCCL's.
+how many rows the step has. NCCL's ring costs more at these sizes: through the engine's group in a
+CUDA graph on 2 H200s, [1, 4096] bf16 took 18.7 us against 7.5, [64, 4096] 22.9 against 11.4
+(bench/allreduce_latency.py; over 4 H200s 21.6 against 8.7). Larger ones (prefill) stay NCCL's.
 """
 
 from __future__ import annotations
