@@ -9,8 +9,10 @@
 #   call 3: carry .whl_router                         (sglang-router 0.3.2, orjson, setproctitle: 31 MB)
 #           bash bench/gpu_dp.sh dp                   (SKIP_TESTS=1 once the GPU test passed)
 #   call 4: bash bench/gpu_dp.sh push
+#   or, after setup: bash bench/gpu_dp.sh scaling   (rl under DP1 and DP-all-GPUs: random weights of the Llama-3.1-8B
+#                             shape, 256 new tokens, where a step is not launch-bound (H200s); the default model at 256 x 8)
 set -uo pipefail
-stage=${1:?stage: setup | dp | push}
+stage=${1:?stage: setup | dp | scaling | push}
 source bench/gpu_env.sh .whl .whl_dp .whl_router
 DPS=$([ "$GPUS" -ge 4 ] && echo 1,2,4 || echo 1,2)
 
@@ -29,6 +31,14 @@ dp)  # DP inside one server (DP1, DP4) against 4 one-GPU servers behind sglang-r
   timeout ${LIMIT_OFF:-200} python3 bench/dp_runs.py --dp-sizes 1,$((GPUS)) --specs off \
     --batch-sizes ${BATCHES:-512,2048} --repeats ${REPEATS:-2} --out "$OUT/dp" 2>&1 | grep -v -i -e warn -e "^Loading" \
     | tee "$OUT/dp-off.log" | tail -7
+  ;;
+scaling)
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1
+  timeout 280 python3 bench/dp_runs.py --random-model llama3-8b --dp-sizes 1,$GPUS --specs ngram --batch-sizes 512 \
+    --output-len 256 --repeats 3 --kv-cache-tokens 240000 --out "$OUT/dp8b" 2>&1 \
+    | grep -v -i -e warn -e "^Loading" | tee "$OUT/dp8b.log" | tail -4
+  timeout 280 python3 bench/dp_runs.py --dp-sizes 1,$GPUS --specs ngram --batch-sizes 2048 --repeats 2 --out "$OUT/dp" 2>&1 \
+    | grep -v -i -e warn -e "^Loading" | tee "$OUT/dp.log" | tail -4
   ;;
 push)  # one push of the Llama-3.1-8B shape over NCCL, trainer on GPU 0, to a server of 2 (and 3) replicas on the others
   for dp in 2 $([ "$GPUS" -ge 4 ] && echo 3); do

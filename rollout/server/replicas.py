@@ -6,7 +6,8 @@ device (replica i on `cuda:(base_gpu_id + i)`). With M = 1 it is one engine and 
 
 Routing keeps a prompt where its KV prefix, its siblings' n-gram index and its earlier rollouts
 are: all `n` samples of a request are one engine request, and a prompt's later requests go to
-the replica that served it last (first by a hash of its token ids). Only a replica that is down,
+the replica that served it last (first to the one with the fewest samples in flight, so that a
+batch of new prompts splits evenly; a hash of the token ids picks among equals). Only a replica that is down,
 or holds many more samples than the least loaded one (`OVERLOAD_SLACK` of a replica's rows past
 twice its load), sends a prompt elsewhere, and the prompt then stays there.
 
@@ -134,11 +135,12 @@ class Replicas:
             raise EngineDead(self.dead or "no engine replica is running")
         alive = [i for i in alive if not self.clients[i].stale] or alive  # (all stale: serve as they are)
         key = hashlib.blake2b(repr(input_ids).encode(), digest_size=16).digest()
-        home = self._homes.get(key)
-        if home is None:
-            home = int.from_bytes(key[:8], "little") % len(self.clients)
         samples = self._samples
         least = min(alive, key=lambda i: samples[i])
+        home = self._homes.get(key)
+        if home is None:  # a new prompt: the least loaded replica (a hash picks among equals)
+            equals = [i for i in alive if samples[i] == samples[least]]
+            home = equals[int.from_bytes(key[:8], "little") % len(equals)]
         slack = OVERLOAD_SLACK * self.info.get("max_running_seqs", self.config.max_running_seqs)
         if home not in alive or samples[home] > 2 * samples[least] + slack:
             home = least
