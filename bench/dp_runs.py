@@ -1,8 +1,8 @@
 """Data parallelism on one machine, measured over HTTP: `rollout serve --dp-size M` for each M
-against M = 1, speculation on and off, and optionally sglang-router in front of one replica.
+against M = 1, speculation on and off, and optionally sglang-router in front of a DP1 server of its own.
 
     python bench/dp_runs.py --dp-sizes 1,2,4 --specs ngram,off --batch-sizes 512 --repeats 3
-    python bench/dp_runs.py --dp-sizes 1 --specs ngram --router     # routing overhead: direct vs router
+    python bench/dp_runs.py --dp-sizes 1 --specs ngram --router     # routing overhead: a server alone vs its twin behind the router
     python bench/dp_runs.py --dp-sizes 1,4 --separate 4             # DP inside one server against 4 servers + router
 
 Per spec mode, one server per dp size (and --separate one-GPU servers behind a router) is up at once (replica i of each on GPU i, KV pools sized
@@ -47,11 +47,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
             servers = {f"{spec}-dp{dp}": start("--dp-size", str(dp), "--tp-size", str(args.tp_size)) for dp in map(int, args.dp_sizes.split(","))}
             singles = [start("--base-gpu-id", str(i)) for i in range(args.separate)]  # one GPU each
-            for server in [*servers.values(), *singles]:  # (they load and capture side by side)
+            # The router's own server: in front of the dp1 one, its rollouts (the same seeds in a round)
+            # would be in that server's n-gram history, and the later of the two would draft from them.
+            routed_dp1 = start() if args.router else None
+            for server in [*servers.values(), *singles, *([routed_dp1] if routed_dp1 else [])]:  # (they load side by side)
                 server.wait_healthy(900)
             targets = [(label, server.url) for label, server in servers.items()]
-            if args.router:
-                targets.append((f"{spec}-dp1-router", stack.enter_context(launched_router([servers[f"{spec}-dp1"].url])).url))
+            if routed_dp1:
+                targets.append((f"{spec}-dp1-router", stack.enter_context(launched_router([routed_dp1.url])).url))
             if singles:
                 routed = stack.enter_context(launched_router([s.url for s in singles]))
                 targets.append((f"{spec}-{len(singles)}servers-router", routed.url))
@@ -78,7 +81,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=None, help="max new tokens (default: rl's 2,048)")
     ap.add_argument("--max-running-seqs", type=int, default=512)
     ap.add_argument("--kv-cache-tokens", type=int, default=600_000)
-    ap.add_argument("--router", action="store_true", help="also the dp1 server behind sglang-router (its overhead)")
+    ap.add_argument("--router", action="store_true", help="also a twin of the dp1 server behind sglang-router (its overhead)")
     ap.add_argument("--separate", type=int, default=0, metavar="N",
                     help="also N one-GPU servers (GPUs 0..N-1) behind one sglang-router: data parallelism across servers")
     ap.add_argument("--out", default="bench/results/dp")
