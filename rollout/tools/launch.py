@@ -59,7 +59,7 @@ def launched_server(*serve_args: str, host: str = "127.0.0.1", timeout: float = 
     port = free_port()
     cmd = [sys.executable, "-m", "rollout", "serve", "--host", host, "--port", str(port), "--log-level", "warning",
            *serve_args]
-    with _launched(cmd, f"http://{host}:{port}", timeout if wait else None, env) as server:
+    with launched_process(cmd, f"http://{host}:{port}", timeout if wait else None, env) as server:
         yield server
 
 
@@ -71,12 +71,12 @@ def launched_router(worker_urls: list[str], policy: str = "cache_aware", timeout
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, "--worker-urls", *worker_urls, "--log-level", "warn",
            "--prometheus-port", str(free_port())]  # (its default, 29000, is one port for every router on the host)
-    with _launched(cmd, f"http://127.0.0.1:{port}", timeout) as router:
+    with launched_process(cmd, f"http://127.0.0.1:{port}", timeout) as router:
         yield router
 
 
 @contextmanager
-def _launched(cmd: list[str], url: str, timeout: float | None, env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
+def launched_process(cmd: list[str], url: str, timeout: float | None, env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
     log_path = Path(tempfile.mkstemp(prefix="rollout-launched-", suffix=".log")[1])
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:
