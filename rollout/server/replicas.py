@@ -6,10 +6,10 @@ device (replica i on `cuda:(base_gpu_id + i)`). With M = 1 it is one engine and 
 
 Routing keeps a prompt where its KV prefix, its siblings' n-gram index and its earlier rollouts
 are: all `n` samples of a request are one engine request, and a prompt's later requests go to
-the replica that served it last (first to the one with the fewest samples in flight, so that a
-batch of new prompts splits evenly; a hash of the token ids picks among equals). Only a replica that is down,
-or holds many more samples than the least loaded one (`OVERLOAD_SLACK` of a replica's rows past
-twice its load), sends a prompt elsewhere, and the prompt then stays there.
+the replica that served it last. A new prompt goes to the one with the fewest samples in flight
+(a hash of its token ids picks among equals), so a batch of new prompts splits evenly. Only a
+replica that is down, or holds many more samples than the least loaded one (`OVERLOAD_SLACK` of a
+replica's rows past twice its load), sends a prompt elsewhere, and the prompt then stays there.
 
 Control calls go to every replica at once: weight updates arrive at all of them (replica i
 joins a trainer's group at `rank_offset + i * tp_size`, its tensor-parallel ranks after it, so

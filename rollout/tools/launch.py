@@ -77,6 +77,8 @@ def launched_router(worker_urls: list[str], policy: str = "cache_aware", timeout
 
 @contextmanager
 def launched_process(cmd: list[str], url: str, timeout: float | None, env: dict[str, str] | None = None) -> Iterator[LaunchedServer]:
+    """`cmd` started with this repository importable, serving at `url`: once it answers /health
+    (unless `timeout` is None), SIGTERM at the end (then SIGKILL after 60 s); its output in a log."""
     log_path = Path(tempfile.mkstemp(prefix="rollout-launched-", suffix=".log")[1])
     env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "wb") as log:
