@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -272,6 +273,8 @@ class EngineConfig:
                                              "a decode step's go over symmetric memory, P2P: faster at these sizes)")
     dp_size: int = option(1, "engine replicas behind this server, each a process on its own device (data parallelism; "
                           "a prompt's requests stay on one replica)")
+    cpu_threads: int = option(0, "torch threads of each engine process on the CPU (0: the cores split evenly among "
+                              "the server's replicas and ranks: more threads than cores stall them all)")
     base_gpu_id: int = option(0, "the first GPU this server takes (device auto or cuda): replica i's rank r runs on "
                               "cuda:(base_gpu_id + i * tp_size + r)")
     seed: int = option(0, "seeds the samples of requests that give no seed")
@@ -294,8 +297,8 @@ class EngineConfig:
         _check_choices(self)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r}: choose auto, cpu, cuda or cuda:N")
-        if self.dp_size < 1 or self.tp_size < 1 or self.base_gpu_id < 0:
-            raise ValueError("dp_size and tp_size must be >= 1 and base_gpu_id >= 0")
+        if self.dp_size < 1 or self.tp_size < 1 or self.base_gpu_id < 0 or self.cpu_threads < 0:
+            raise ValueError("dp_size and tp_size must be >= 1, base_gpu_id and cpu_threads >= 0")
         if self.device.startswith("cuda:") and (self.dp_size > 1 or self.tp_size > 1 or self.base_gpu_id):
             raise ValueError(f"device {self.device!r} names one GPU: with dp_size, tp_size or base_gpu_id give --device cuda "
                              "(or auto)")
@@ -308,8 +311,11 @@ class EngineConfig:
 
     def replica(self, dp_rank: int) -> "EngineConfig":
         """The settings of replica `dp_rank`: one replica, on the GPU `dp_rank` past this server's first
-        (the engine process resolves the device: the front end never touches CUDA)."""
-        return replace(self, dp_size=1, base_gpu_id=self.base_gpu_id + dp_rank * self.tp_size)
+        (the engine process resolves the device: the front end never touches CUDA), and on the CPU
+        its share of the cores (two replicas of two threads each on two cores took 4x as long)."""
+        shared = max(1, (os.cpu_count() or 1) // (self.dp_size * self.tp_size)) if self.dp_size > 1 else 0
+        threads = self.cpu_threads or shared
+        return replace(self, dp_size=1, base_gpu_id=self.base_gpu_id + dp_rank * self.tp_size, cpu_threads=threads)
 
     @staticmethod
     def from_dict(raw: dict) -> "EngineConfig":

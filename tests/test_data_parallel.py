@@ -17,6 +17,7 @@ from server_process import running_server
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
+from rollout.config import EngineConfig
 from weight_sync import WeightPusher, WeightSyncError
 
 PROMPTS = [[5 + k, 9, 13 + 2 * k, 7, 11 + k] for k in range(16)]
@@ -125,6 +126,14 @@ def test_a_server_that_refuses_a_push_is_named_keeps_its_weights_and_the_other_i
             with WeightPusher(err.value.failed[:1], method=method) as retry:  # the good one, alone, retried
                 retry.push(model.named_parameters(), version="7")
             assert generate(good.url, PROMPTS[:1])[0]["meta_info"]["weight_version"] == "7"
+
+
+def test_replicas_on_the_cpu_split_its_cores_unless_told():
+    shares = [EngineConfig(model="default", dp_size=2, tp_size=tp).replica(i).cpu_threads for tp in (1, 2) for i in (0, 1)]
+    cores = os.cpu_count()
+    assert shares == [max(1, cores // 2)] * 2 + [max(1, cores // 4)] * 2
+    assert EngineConfig(model="default", dp_size=2, cpu_threads=3).replica(1).cpu_threads == 3
+    assert EngineConfig(model="default").replica(0).cpu_threads == 0  # one replica: torch's own default
 
 
 def test_killing_one_engine_process_fails_its_requests_fast_and_the_other_keeps_serving(dp2, tiny):

@@ -96,8 +96,8 @@ class Engine:
         self.model_config = ModelConfig.from_dir(self.model_path)
         Shard.check(self.model_config, cfg.tp_size)  # before any rank starts
         self.tp = start_ranks(cfg, self.device, tp_follower, tp_hooks)  # None with one rank
-        if self.tp is not None and self.device.type == "cpu":  # ranks that share the cores: no oversubscription
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp_size))
+        if self.device.type == "cpu" and (cfg.cpu_threads or cfg.tp_size > 1):  # processes that share the cores
+            torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.tp_size))
         p = build_parts(cfg, self.device, self.tp, self.model_path, self.model_config)
         self.dtype, self.shard = p.dtype, p.shard
         self.tokenizer, self.eos_token_ids = p.tokenizer, p.eos_token_ids
