@@ -52,12 +52,14 @@ def test_tp_engine_gives_tp1_tokens_and_logprobs(tmp_path, kind, size):
     """q/k/v bias (qwen2), q/k norms and tied embeddings (qwen3), KV heads replicated (4 ranks, 2 heads)."""
     make_tiny_model(kind, tmp_path)
     one = Engine(model=str(tmp_path), spec="off", device="cpu")
+    threads = torch.get_num_threads()
     many = Engine(model=str(tmp_path), spec="off", device="cpu", tp_size=size)
     try:
         assert_same(outputs(one, PROMPTS, GREEDY), outputs(many, PROMPTS, GREEDY))
         assert_same(outputs(one, PROMPTS, SAMPLED), outputs(many, PROMPTS, SAMPLED))
     finally:
         many.close()
+    assert torch.get_num_threads() == threads  # rank 0 ran in this process: its share of the cores is returned
 
 
 def test_default_model_over_3_ranks_with_and_without_speculation(default_engine):

@@ -96,6 +96,7 @@ class Engine:
         self.model_config = ModelConfig.from_dir(self.model_path)
         Shard.check(self.model_config, cfg.tp_size)  # before any rank starts
         self.tp = start_ranks(cfg, self.device, tp_follower, tp_hooks)  # None with one rank
+        self._caller_threads = torch.get_num_threads()  # (rank 0 runs in the caller's process: `close` restores it)
         if self.device.type == "cpu" and (cfg.cpu_threads or cfg.tp_size > 1):  # processes that share the cores
             torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.tp_size))
         p = build_parts(cfg, self.device, self.tp, self.model_path, self.model_config)
@@ -222,11 +223,13 @@ class Engine:
     def close(self) -> None:
         """Rank 0: stop the other tensor-parallel ranks; every rank: close their group (nothing to
         do with one rank). The CUDA graphs go first: finalizing NCCL while the graphs that captured
-        its collectives were alive hung on the GPU (docs/tensor-parallel.md)."""
+        its collectives were alive hung on the GPU (docs/tensor-parallel.md). The caller's torch
+        threads are its own again (a TP2 engine on the CPU halved them for what ran after it)."""
         if self.tp is not None:
             self.runner.drop_graphs()
             gc.collect()
             self.tp.close()
+        torch.set_num_threads(self._caller_threads)
 
     def _checked(self, params: SamplingParams) -> SamplingParams:
         """The request's params, checked against what this engine can ever run."""
