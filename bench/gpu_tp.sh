@@ -22,6 +22,16 @@ stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | onesho
 source bench/gpu_env.sh .whl .whl_dp
 TPS=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || echo "1 2")
 bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-running-seqs 64 --repeats 3 "$@" 2>&1 | grep -v -i -e warn -e "^Loading"; }
+allreduce() {  # NCCL against the engine's one-shot all-reduce over 2 (and 4) GPUs; $1: the log, $2: hidden sizes
+  for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
+    timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 \
+      --hidden "${2:-4096}" 2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
+  done | tee "$OUT/$1"
+}
+tp_gpu_tests() {  # on at most 3 GPUs (the head test's)
+  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 240 python3 -m pytest -q -m gpu \
+    -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
+}
 
 case "$stage" in
 setup)
@@ -29,12 +39,7 @@ setup)
   ;;
 tp)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" || exit 1
-  [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu -x tests/test_tensor_parallel_gpu.py 2>&1 \
-    | tee "$OUT/tp-gpu-tests.log" | tail -4
-  [ -n "${SKIP_TESTS:-}" ] || for n in $(echo $TPS | cut -d' ' -f2-); do
-    timeout 60 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096,5120 2>&1 \
-      | grep "all-reduce"
-  done | tee "$OUT/allreduce.log"
+  [ -n "${SKIP_TESTS:-}" ] || { tp_gpu_tests; allreduce allreduce.log 4096,5120; }
   for tp in $TPS; do  # 8B shape b1: TP1 against TP2 (and TP4)
     echo "## tp $tp"; LIMIT=150 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 \
       --prompt-len 128 --output-len 128 --tp-size $tp --out "$OUT/decode-8b-tp$tp" | tail -3
@@ -53,10 +58,7 @@ more)
     --repeats 3 2>&1 | grep -v -i warn | tail -4 | tee "$OUT/push-tp2.log"
   ;;
 probe)
-  for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
-    timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096 \
-      2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
-  done | tee "$OUT/allreduce-symm.log"
+  allreduce allreduce-symm.log
   timeout 240 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 16 2>&1 | grep -e "^|" -e Error | tee "$OUT/tp-kernels.log"
   [ "$GPUS" -ge 3 ] && timeout 240 python3 recipes/bench_weight_sync.py --models 8b,32b --methods distributed --tp-size 2 \
     --repeats 3 2>&1 | grep -v -i warn | tail -6 | tee "$OUT/push-tp2.log"
@@ -76,21 +78,13 @@ b1)  # the 8B shape's b1 decode at every TP size the machine has, in one call (t
 checks)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1
   CUDA_VISIBLE_DEVICES=$((GPUS - 1)) timeout 500 python3 bench/coupling_bound.py --lr 0,1e-6,1e-7 > "$OUT/bound.log" 2>&1 &
-  for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
-    timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096 \
-      2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
-  done | tee "$OUT/allreduce.log"
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 300 python3 -m pytest -q -m gpu \
-    tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
+  allreduce allreduce.log
+  tp_gpu_tests
   wait; grep -v -i -e warn -e "^Loading" "$OUT/bound.log" | tail -6
   ;;
 oneshot)
-  for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
-    timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 --hidden 4096 \
-      2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
-  done | tee "$OUT/allreduce.log"
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 240 python3 -m pytest -q -m gpu \
-    -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
+  allreduce allreduce.log
+  tp_gpu_tests
   bash "$0" b1
   ;;
 versus)  # 8B b1 decode at TP 2 and 1: this tree against the same tree with $BASE (a file's old version) put back

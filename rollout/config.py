@@ -249,6 +249,11 @@ class SpecConfig:
         return self.head_nodes if "ngram" not in self.drafters else self.max_draft_tokens
 
 
+def core_share(processes: int) -> int:
+    """Torch threads for each of `processes` engine processes that share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 @dataclass
 class EngineConfig:
     """The engine's settings. Flags: `--<name>` (`--no-<name>` for a setting that is on by default)."""
@@ -313,8 +318,7 @@ class EngineConfig:
         """The settings of replica `dp_rank`: one replica, on the GPU `dp_rank` past this server's first
         (the engine process resolves the device: the front end never touches CUDA), and on the CPU
         its share of the cores (two replicas of two threads each on two cores took 4x as long)."""
-        shared = max(1, (os.cpu_count() or 1) // (self.dp_size * self.tp_size)) if self.dp_size > 1 else 0
-        threads = self.cpu_threads or shared
+        threads = self.cpu_threads or (core_share(self.dp_size * self.tp_size) if self.dp_size > 1 else 0)
         return replace(self, dp_size=1, base_gpu_id=self.base_gpu_id + dp_rank * self.tp_size, cpu_threads=threads)
 
     @staticmethod

@@ -18,7 +18,6 @@ import dataclasses
 import gc
 import itertools
 import logging
-import os
 import random
 import time
 from collections import deque
@@ -28,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig, request_limit
+from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig, core_share, request_limit
 from rollout.engine.build import build_parts, resolve_device
 from rollout.engine.emit import Emitter, Output, output
 from rollout.engine.memory import DeviceMemory, MemoryStateError, memory_tags
@@ -98,7 +97,7 @@ class Engine:
         self.tp = start_ranks(cfg, self.device, tp_follower, tp_hooks)  # None with one rank
         self._caller_threads = torch.get_num_threads()  # (rank 0 runs in the caller's process: `close` restores it)
         if self.device.type == "cpu" and (cfg.cpu_threads or cfg.tp_size > 1):  # processes that share the cores
-            torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.tp_size))
+            torch.set_num_threads(cfg.cpu_threads or core_share(cfg.tp_size))
         p = build_parts(cfg, self.device, self.tp, self.model_path, self.model_config)
         self.dtype, self.shard = p.dtype, p.shard
         self.tokenizer, self.eos_token_ids = p.tokenizer, p.eos_token_ids
