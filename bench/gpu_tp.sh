@@ -13,19 +13,21 @@
 #   bash bench/gpu_tp.sh b1          (8B b1 decode at TP 1, 2 and 4 in one call: the same-run ratios)
 #   bash bench/gpu_tp.sh checks      (NCCL against the engine's one-shot all-reduce, the GPU tests; beside
 #                                    them, on the last GPU, bench/coupling_bound.py: issue 40's after-a-step ceiling)
+#   bash bench/gpu_tp.sh allreduce   (NCCL against the engine's one-shot all-reduce and logits gather)
 #   bash bench/gpu_tp.sh oneshot     (the engine's one-shot all-reduce against NCCL's, the GPU tests (three TP2 engines
 #                                    in one process; the head over 3 GPUs), then b1)
 #   BASE=old.py BASE_AS=kernels/x.py bash bench/gpu_tp.sh versus   (8B b1 decode, TP2 and TP1: this tree
-#                                    against the same tree with x.py's old version)
+#                                    against the same tree with x.py's old version; or BASE_TAR=.devcache/base.tar,
+#                                    carried: `git archive -o .devcache/base.tar COMMIT`, that commit's tree)
 set -uo pipefail
-stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | oneshot | versus}
+stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | allreduce | oneshot | versus}
 source bench/gpu_env.sh .whl .whl_dp
 TPS=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || echo "1 2")
 bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-running-seqs 64 --repeats 3 "$@" 2>&1 | grep -v -i -e warn -e "^Loading"; }
 allreduce() {  # NCCL against the engine's one-shot all-reduce over 2 (and 4) GPUs; $1: the log, $2: hidden sizes
   for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
     timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 \
-      --hidden "${2:-4096}" 2>&1 | grep -i -e "all-reduce (" -e "one-shot against" -e error | head -8
+      --hidden "${2:-4096}" 2>&1 | grep -i -e "GPUs in a CUDA graph" -e "one-shot against" -e error | head -12
   done | tee "$OUT/$1"
 }
 tp_gpu_tests() {  # on at most 3 GPUs (the head test's)
@@ -82,15 +84,23 @@ checks)
   tp_gpu_tests
   wait; grep -v -i -e warn -e "^Loading" "$OUT/bound.log" | tail -6
   ;;
+allreduce)
+  allreduce allreduce.log
+  ;;
 oneshot)
   allreduce allreduce.log
   tp_gpu_tests
   bash "$0" b1
   ;;
-versus)  # 8B b1 decode at TP 2 and 1: this tree against the same tree with $BASE (a file's old version) put back
-  timeout 120 python3 -m pytest -q -m gpu tests/test_fused_kernels.py 2>&1 | tail -2 | tee "$OUT/fused-tests.log"
-  rm -rf /tmp/base && mkdir -p /tmp/base && tar --exclude=.devcache --exclude=.whl* -cf - . | tar -xf - -C /tmp/base
-  cp "${BASE:?old version}" "/tmp/base/${BASE_AS:?its path in the tree}"
+versus)  # 8B b1 decode at TP 2 and 1: this tree against $BASE_TAR's, or this one with $BASE (a file's old version) put back;
+  # first $VS_TESTS (GPU tests)
+  tests=${VS_TESTS:-tests/test_fused_kernels.py}
+  timeout 200 python3 -m pytest -q -m gpu $tests 2>&1 | tail -2 | tee "$OUT/$(basename $tests .py).log"
+  rm -rf /tmp/base && mkdir -p /tmp/base
+  if [ -n "${BASE_TAR:-}" ]; then tar -xf "$BASE_TAR" -C /tmp/base; else
+    tar --exclude=.devcache --exclude=.whl* -cf - . | tar -xf - -C /tmp/base
+    cp "${BASE:?old version}" "/tmp/base/${BASE_AS:?its path in the tree}"
+  fi
   for tp in ${VS_TPS:-2 1}; do for tree in $PWD /tmp/base; do
     (cd $tree && PYTHONPATH=/root/mcache/site:$tree LIMIT=100 bench --workload decode --random-model llama3-8b \
       --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --tp-size $tp --out "$OUT/vs-tp$tp-$(basename $tree)" \

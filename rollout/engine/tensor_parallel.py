@@ -46,8 +46,8 @@ WATCH_S = 0.2  # how often a rank looks whether the others are alive
 class RankGroup:
     """The collectives of one engine's ranks: on the device (NCCL on CUDA, gloo on the CPU), and
     a gloo group on the host for the ranks' agreements (weights all swapped or none). On CUDA the
-    small all-reduces go over symmetric memory (rollout/engine/one_shot_all_reduce.py) unless
-    `custom_all_reduce` is off."""
+    small all-reduces and gathers go over symmetric memory (rollout/engine/one_shot_all_reduce.py)
+    unless `custom_all_reduce` is off."""
 
     def __init__(self, rank: int, size: int, device: torch.device, store, custom_all_reduce: bool = True):
         self.rank, self.size, self.device = rank, size, device
@@ -69,12 +69,14 @@ class RankGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_shot is not None and self.one_shot.fits(x):
-            return self.one_shot(x)
+            return self.one_shot.all_reduce(x)
         self.dev.allreduce([x]).wait()
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[L, V] on each rank -> [L, size * V], rank order along the last dimension."""
+        if self.one_shot is not None and x.dim() == 2 and self.one_shot.fits(x, self.size):
+            return self.one_shot.all_gather(x)
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         self.dev._allgather_base(out, x.contiguous()).wait()
         return out.view(self.size, x.shape[0], -1).transpose(0, 1).reshape(x.shape[0], -1)
