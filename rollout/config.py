@@ -274,8 +274,8 @@ class EngineConfig:
     pdl: bool = option(True, "use programmatic dependent launch for the Triton kernels on Hopper (process-wide)")
     tp_size: int = option(1, "GPUs (CPU processes) one engine runs over, the model split across them (tensor "
                           "parallelism; NCCL on CUDA, gloo on the CPU)")
-    disable_custom_all_reduce: bool = option(False, "tensor parallelism on CUDA: every all-reduce NCCL's (by default "
-                                             "a decode step's go over symmetric memory, P2P: faster at these sizes)")
+    disable_custom_all_reduce: bool = option(False, "tensor parallelism on CUDA: every all-reduce and gather NCCL's (by "
+                                             "default a decode step's go over symmetric memory, P2P: faster at these sizes)")
     dp_size: int = option(1, "engine replicas behind this server, each a process on its own device (data parallelism; "
                           "a prompt's requests stay on one replica)")
     cpu_threads: int = option(0, "torch threads of each engine process on the CPU (0: the cores split evenly among "
