@@ -3,6 +3,7 @@ against M = 1, speculation on and off, and optionally sglang-router in front of 
 
     python bench/dp_runs.py --dp-sizes 1,2,4 --specs ngram,off --batch-sizes 512 --repeats 3
     python bench/dp_runs.py --dp-sizes 1 --specs ngram --router     # routing overhead: a server alone vs its twin behind the router
+    python bench/dp_runs.py --dp-sizes 1 --specs off --router --workload decode --output-len 256   # the same, fixed lengths
     python bench/dp_runs.py --dp-sizes 1,4 --separate 4             # DP inside one server against 4 servers + router
 
 Per spec mode, one server per dp size (and --separate one-GPU servers behind a router) is up at once (replica i of each on GPU i, KV pools sized
@@ -10,6 +11,9 @@ by --kv-cache-tokens so that they fit side by side), and `rollout bench --url` a
 between them round by round. The workload is `rl` (64 prompts x 8 samples per 512, up to 2,048
 new tokens, EOS stops); each batch size's warm-up rollout is the epoch before, kept in the
 servers' drafters, so the timed rounds are a second epoch. Prints each row and the ratios.
+`--workload decode` sends random prompts of one sample each and runs every sample to
+--output-len: each target does the same work, so a ratio is the targets' speed alone, not the
+lengths their samples drew (rl's rounds spread by up to 30%).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 routed = stack.enter_context(launched_router([s.url for s in singles]))
                 targets.append((f"{spec}-{len(singles)}servers-router", routed.url))
             out = Path(args.out) / spec
-            rollout_main(["bench", "--model", model, "--workload", "rl", "--n", "8", "--batch-sizes", args.batch_sizes,
+            rollout_main(["bench", "--model", model, "--workload", args.workload, "--n", "8", "--batch-sizes", args.batch_sizes,
+                          "--prompt-len", str(args.prompt_len),
                           "--temperature", args.temperature, "--repeats", str(args.repeats), "--out", str(out),
                           *(["--output-len", str(args.output_len)] if args.output_len else []),
                           "--url", ",".join(f"{label}={url}" for label, url in targets)])
@@ -75,6 +80,9 @@ def main() -> None:
     ap.add_argument("--dp-sizes", default="1,2")
     ap.add_argument("--specs", default="ngram,off")
     ap.add_argument("--tp-size", type=int, default=1, help="each replica's tensor-parallel ranks (GPUs)")
+    ap.add_argument("--workload", default="rl", choices=["rl", "decode"],
+                    help="rl: prompts x 8 samples, EOS stops; decode: random prompts, every sample to --output-len")
+    ap.add_argument("--prompt-len", type=int, default=256, help="decode's random prompt tokens")
     ap.add_argument("--batch-sizes", default="512")
     ap.add_argument("--temperature", default="0.7")
     ap.add_argument("--repeats", type=int, default=3)

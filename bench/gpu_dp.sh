@@ -9,7 +9,8 @@
 #   call 3: carry .whl_router                         (sglang-router 0.3.2, orjson, setproctitle: 31 MB)
 #           bash bench/gpu_dp.sh dp                   (SKIP_TESTS=1 once the GPU test passed)
 #   call 4: bash bench/gpu_dp.sh push
-#           bash bench/gpu_dp.sh router           (a server alone against its twin behind sglang-router, 3 rounds)
+#           bash bench/gpu_dp.sh router           (a server alone against its twin behind sglang-router, 3 rounds;
+#                                                  ROUTER_WORKLOAD=decode: fixed lengths, 5 rounds)
 #   or, after setup: bash bench/gpu_dp.sh scaling   (rl under DP1 and DP-all-GPUs: random weights of the Llama-3.1-8B
 #                             shape, 256 new tokens, where a step is not launch-bound (H200s); the default model at 256 x 8)
 set -uo pipefail
@@ -41,10 +42,16 @@ scaling)
   timeout 280 python3 bench/dp_runs.py --dp-sizes 1,$GPUS --specs ngram --batch-sizes 2048 --repeats 2 --out "$OUT/dp" 2>&1 \
     | grep -v -i -e warn -e "^Loading" | tee "$OUT/dp.log" | tail -4
   ;;
-router)
+router)  # ROUTER_WORKLOAD=decode: every sample runs to 256 tokens, so the rounds differ by speed alone
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1
-  timeout 400 python3 bench/dp_runs.py --dp-sizes 1 --router --specs ngram --batch-sizes 512,2048 --repeats 3 \
-    --out "$OUT/router" 2>&1 | grep -v -i -e warn -e "^Loading" | tee "$OUT/router.log" | tail -6
+  if [ "${ROUTER_WORKLOAD:-rl}" = decode ]; then
+    timeout 400 python3 bench/dp_runs.py --dp-sizes 1 --router --specs off --workload decode --batch-sizes 512 \
+      --output-len 256 --repeats 5 --out "$OUT/router-decode" 2>&1 | grep -v -i -e warn -e "^Loading" \
+      | tee "$OUT/router-decode.log" | tail -5
+  else
+    timeout 400 python3 bench/dp_runs.py --dp-sizes 1 --router --specs ngram --batch-sizes 512,2048 --repeats 3 \
+      --out "$OUT/router" 2>&1 | grep -v -i -e warn -e "^Loading" | tee "$OUT/router.log" | tail -6
+  fi
   ;;
 push)  # one push of the Llama-3.1-8B shape over NCCL, trainer on GPU 0, to a server of 2 (and 3) replicas on the others
   for dp in 2 $([ "$GPUS" -ge 4 ] && echo 3); do
