@@ -21,8 +21,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from rollout.engine.tensor_parallel import RankGroup
-
-LLAMA3_VOCAB = 128_256
+from rollout.tools.bench import SPEED_SHAPES
 
 
 def graph_results(run: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor, replays: int) -> tuple[list, float]:
@@ -56,7 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--hidden", default="4096")
-    ap.add_argument("--vocab", type=int, default=LLAMA3_VOCAB, help="the gathered logits' columns, all ranks'")
+    ap.add_argument("--vocab", type=int, default=SPEED_SHAPES["llama3-8b"]["vocab_size"],
+                    help="the gathered logits' columns, all ranks'")
     ap.add_argument("--per-graph", type=int, default=64, help="all-reduces per graph (2 x layers)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
@@ -66,18 +66,10 @@ def main() -> None:
     store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]) + 1, size, rank == 0, timeout=timedelta(seconds=120))
     group = RankGroup(rank, size, device, store)
     assert group.one_shot is not None, "the one-shot path did not start"
-    one_shot = group.one_shot
 
     def nccl_sum(x: torch.Tensor) -> torch.Tensor:
         group.dev.allreduce([x]).wait()
         return x
-
-    def nccl_gather(x: torch.Tensor) -> torch.Tensor:
-        group.one_shot = None  # (RankGroup's NCCL path)
-        try:
-            return group.all_gather(x)
-        finally:
-            group.one_shot = one_shot
 
     def same_everywhere(x: torch.Tensor) -> bool:
         everyone = torch.empty(size * x.numel(), dtype=x.dtype, device=device)
@@ -90,7 +82,7 @@ def main() -> None:
              for r in map(int, args.rows.split(",")) for h in map(int, args.hidden.split(","))]
     cols = -(-args.vocab // size)
     cases.append((f"all-gather [1, {cols}] float32 a rank", torch.randn(args.per_graph, 1, cols, device=device, generator=gen),
-                  {"nccl": nccl_gather, "one-shot": group.all_gather}))
+                  {"nccl": group.nccl_all_gather, "one-shot": group.all_gather}))
     for what, inputs, methods in cases:
         results = {}
         for method, run in methods.items():

@@ -4,7 +4,7 @@ All-reduce: torch's one-shot kernel copies each rank's part into a buffer its pe
 NVLink (CUDA P2P; never NVLink multicast) and sums every rank's buffer in rank order: every rank gets
 the same bits, as the ranks must (they sample from these logits), and a row's sum does not depend on
 how many rows the step has. NCCL's ring costs more at these sizes: through the engine's group in a
-CUDA graph on 2 H200s, [1, 4096] bf16 took 18.7 us against 7.5, [64, 4096] 22.9 against 11.4
+CUDA graph on 2 H200s, [1, 4096] bf16 took 16.1 us against 6.6, [64, 4096] 21.4 against 11.1
 (bench/allreduce_latency.py; over 4 H200s 20.0 against 8.4). Larger ones (prefill) stay NCCL's.
 
 All-gather (the LM head's logits, each rank's slice of the vocabulary): the same sum, over parts
@@ -88,11 +88,11 @@ class OneShotAllReduce:
     @staticmethod
     def reachable(device: torch.device) -> bool:
         """Whether this GPU reads every other one's memory (P2P). Where a rank's cannot, the ranks
-        agree on NCCL for every all-reduce, and the log says why (as SGLang's custom all-reduce does)."""
+        agree on NCCL for every collective, and the log says why (as SGLang's custom all-reduce does)."""
         me = device.index if device.index is not None else torch.cuda.current_device()
         ok = all(torch.cuda.can_device_access_peer(me, peer) for peer in range(torch.cuda.device_count()) if peer != me)
         if not ok:
-            log.warning("tensor parallelism: cuda:%d has no P2P access to every other GPU; all-reduces are NCCL's", me)
+            log.warning("tensor parallelism: cuda:%d has no P2P access to every other GPU; all-reduces and gathers are NCCL's", me)
         return ok
 
     def close(self) -> None:

@@ -77,6 +77,10 @@ class RankGroup:
         """[L, V] on each rank -> [L, size * V], rank order along the last dimension."""
         if self.one_shot is not None and x.dim() == 2 and self.one_shot.fits(x, self.size):
             return self.one_shot.all_gather(x)
+        return self.nccl_all_gather(x)
+
+    def nccl_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """`all_gather` by the device group's own collective (NCCL on CUDA, gloo on the CPU)."""
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         self.dev._allgather_base(out, x.contiguous()).wait()
         return out.view(self.size, x.shape[0], -1).transpose(0, 1).reshape(x.shape[0], -1)
