@@ -149,6 +149,23 @@ def test_update_weights_under_tp_equals_tp1_and_a_wrong_shape_changes_no_rank(ti
         many.close()
 
 
+def test_a_rank_stages_its_parts_of_a_push_not_the_whole_of_it(tiny):
+    from rollout.models.loader import build_model
+    from weight_sync.buckets import TensorSpec
+    from weight_sync.receiver import _kept_bytes, _owned, _parts
+
+    cfg = ModelConfig.from_dir(tiny)
+    whole = build_model(cfg, torch.device("cpu"), torch.float32).weight_targets()
+    mine = build_model(cfg, torch.device("cpu"), torch.float32, Shard(1, 2)).weight_targets()
+    specs = [TensorSpec(n, t.shape, torch.float32) for n, t in whole.items()]
+    pushed = [(s.name, torch.randn(s.shape)) for s in specs]
+    kept = _owned(_parts(pushed, mine), mine)
+    assert _kept_bytes(specs, None) == sum(t.numel() * 4 for _, t in pushed)
+    assert _kept_bytes(specs, mine) == sum(t.numel() * 4 for _, t in kept) < 0.6 * _kept_bytes(specs, None)
+    for (name, full), (_, part) in zip(pushed, kept):
+        assert torch.equal(part, mine[name].take(full)) and part.shape == mine[name].view().shape, name
+
+
 # ---------------- a server over 2 ranks ----------------
 @pytest.fixture(scope="module")
 def tp2(tiny):

@@ -102,7 +102,7 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]
         return [Bucket(s.nbytes, (Slot(i, 0),), typed=True) for i, s in enumerate(specs)]
     buckets, slots, used = [], [], 0
     for i, spec in enumerate(specs):
-        offset = _align(used)
+        offset = align(used)
         if slots and offset + spec.nbytes > bucket_bytes:
             buckets.append(Bucket(used, tuple(slots)))
             slots, offset = [], 0
@@ -157,5 +157,6 @@ def unpack(bucket: Bucket, buf: torch.Tensor, specs: Sequence[TensorSpec]) -> li
     return out
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """`n` rounded up to ALIGN bytes: where a tensor starts in a bucket."""
     return (n + ALIGN - 1) // ALIGN * ALIGN

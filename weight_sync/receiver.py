@@ -36,6 +36,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from rollout.models.weights import WeightError, checkpoint_specs, iter_checkpoin
 from weight_sync.buckets import (
     Bucket,
     TensorSpec,
+    align,
     bucket_buffer,
     header,
     parse_specs,
@@ -420,9 +422,9 @@ class WeightReceiver:
                 raise WeightSyncError(f"weight-update group {slot.name!r} is not connected", 404)
             deadline = time.monotonic() + timeout
             cancelled = lambda: slot.closed  # noqa: E731
-            stage_dev = self._staging_device(group.device, upd.nbytes)
-            tensors: list[tuple[str, torch.Tensor]] = []
             parts = self.engine.weight_targets() if self.engine.shard.size > 1 else None
+            on_host = self._staging_device(group.device, _kept_bytes(specs, parts)) != group.device
+            tensors: list[tuple[str, torch.Tensor]] = []
             with self._recv_stream(group.device):
                 if not layout[0].typed:
                     expected = header(specs, layout)
@@ -430,20 +432,15 @@ class WeightReceiver:
                     group.broadcast(got, deadline, cancelled)
                     if got.tolist() != expected:
                         raise WeightSyncError(f"the trainer's broadcast does not match the update's metadata (header {got.tolist()} != {expected})")
-                scratch = None
+                scratch = None  # host staging receives every bucket into one device buffer
                 for bucket in layout:
-                    if stage_dev == group.device:
-                        buf = bucket_buffer(bucket, specs, group.device)
-                        staged = buf
-                    else:  # receive on the GPU, keep in pinned host memory
-                        buf = bucket_buffer(bucket, specs, group.device, out=scratch)
-                        scratch = buf if not bucket.typed and (scratch is None or buf.numel() > scratch.numel()) else scratch
-                        staged = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+                    buf = bucket_buffer(bucket, specs, group.device, out=scratch)
+                    if on_host and not bucket.typed and (scratch is None or buf.numel() > scratch.numel()):
+                        scratch = buf
                     group.broadcast(buf, deadline, cancelled)
-                    if staged is not buf:
-                        staged.copy_(buf, non_blocking=True)
-                    # (a host copy is still in flight here: only device staging is cut now)
-                    tensors.extend(_parts(unpack(bucket, staged, specs), parts if staged is buf else None))
+                    received = _parts(unpack(bucket, buf, specs), parts)
+                    # (host copies are still in flight here, queued before the next bucket's broadcast)
+                    tensors.extend(_pinned_copies(received) if on_host else _owned(received, parts))
                     upd.buckets_done += 1
                 if self._stream is not None:
                     self._stream.synchronize()
@@ -548,11 +545,43 @@ class WeightReceiver:
 
 
 def _parts(tensors: list[tuple[str, torch.Tensor]], targets: dict | None) -> list[tuple[str, torch.Tensor]]:
-    """A tensor-parallel rank keeps its part of each received tensor, copied out so that the
-    bucket's buffer is freed: it stages 1/N of the push, not all of it."""
+    """Under tensor parallelism, views of this rank's part of each received tensor: it stages 1/N
+    of the push, not all of it."""
     if targets is None:
         return tensors
-    return [(n, targets[n].take(t).clone()) if targets[n].part is not None else (n, t) for n, t in tensors]
+    return [(n, targets[n].take(t) if n in targets else t) for n, t in tensors]
+
+
+def _kept_bytes(specs: list[TensorSpec], targets: dict | None) -> int:
+    """The bytes a receive stages: the whole push, or under tensor parallelism this rank's parts."""
+    if targets is None:
+        return sum(s.nbytes for s in specs)
+    kept = 0
+    for s in specs:
+        part = targets[s.name].part if s.name in targets else None
+        kept += s.nbytes if part is None else s.nbytes * (part[1].stop - part[1].start) // s.shape[part[0]]
+    return kept
+
+
+def _owned(tensors: list[tuple[str, torch.Tensor]], targets: dict | None) -> list[tuple[str, torch.Tensor]]:
+    """Device staging: the parts copied out of the bucket's buffer, so that it is freed (whole
+    tensors stay views of it)."""
+    if targets is None:
+        return tensors
+    return [(n, t.clone() if n in targets and targets[n].part is not None else t) for n, t in tensors]
+
+
+def _pinned_copies(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Host staging: copies of `tensors` in one block of pinned memory, queued on the current stream."""
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    starts = [0, *accumulate(align(n) for n in sizes)]
+    block = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
+    out = []
+    for (name, t), off, n in zip(tensors, starts, sizes):
+        dst = block[off : off + n].view(t.dtype).view(t.shape)
+        dst.copy_(t, non_blocking=True)
+        out.append((name, dst))
+    return out
 
 
 def _checkpoint_specs(path: Path) -> list[TensorSpec]:
