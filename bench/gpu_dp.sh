@@ -11,10 +11,12 @@
 #   call 4: bash bench/gpu_dp.sh push
 #           bash bench/gpu_dp.sh router           (a server alone against its twin behind sglang-router, 3 rounds;
 #                                                  ROUTER_WORKLOAD=decode: fixed lengths, 5 rounds)
+#   bash bench/gpu_dp.sh ceiling   (one engine alone, no HTTP, at rl's batches and their halves and quarters: the
+#                             most a perfect split over 2 or 4 replicas could give, spec off and n-gram)
 #   or, after setup: bash bench/gpu_dp.sh scaling   (rl under DP1 and DP-all-GPUs: random weights of the Llama-3.1-8B
 #                             shape, 256 new tokens, where a step is not launch-bound (H200s); the default model at 256 x 8)
 set -uo pipefail
-stage=${1:?stage: setup | dp | scaling | router | push}
+stage=${1:?stage: setup | dp | scaling | ceiling | router | push}
 source bench/gpu_env.sh .whl .whl_dp .whl_router
 DPS=$([ "$GPUS" -ge 4 ] && echo 1,2,4 || echo 1,2)
 
@@ -41,6 +43,12 @@ scaling)
     | grep -v -i -e warn -e "^Loading" | tee "$OUT/dp8b.log" | tail -4
   timeout 280 python3 bench/dp_runs.py --dp-sizes 1,$GPUS --specs ngram --batch-sizes 2048 --repeats 2 --out "$OUT/dp" 2>&1 \
     | grep -v -i -e warn -e "^Loading" | tee "$OUT/dp.log" | tail -4
+  ;;
+ceiling)  # a replica of DP-M at rl 64 x 8 (256 x 8) runs a rollout of 64/M (256/M) prompts: each batch alone
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1
+  timeout 420 python3 -m rollout.tools.cli bench --workload rl --spec-modes off,ngram --batch-sizes 128,256,512,1024,2048 \
+    --n 8 --max-running-seqs 512 --temperature 0.7 --repeats 3 --out "$OUT/ceiling" 2>&1 | grep -v -i -e warn -e "^Loading" \
+    | tee "$OUT/ceiling.log" | tail -13
   ;;
 router)  # ROUTER_WORKLOAD=decode: every sample runs to 256 tokens, so the rounds differ by speed alone
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1

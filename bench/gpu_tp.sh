@@ -16,11 +16,13 @@
 #   bash bench/gpu_tp.sh allreduce   (NCCL against the engine's one-shot all-reduce and logits gather)
 #   bash bench/gpu_tp.sh oneshot     (the engine's one-shot all-reduce against NCCL's, the GPU tests (three TP2 engines
 #                                    in one process; the head over 3 GPUs), then b1)
+#   bash bench/gpu_tp.sh push        (3+ GPUs: one push over NCCL, trainer on GPU 0: 8B to DP2 and to TP2 in one
+#                                    call, then 32B to TP2)
 #   BASE=old.py BASE_AS=kernels/x.py bash bench/gpu_tp.sh versus   (8B b1 decode, TP2 and TP1: this tree
 #                                    against the same tree with x.py's old version; or BASE_TAR=.devcache/base.tar,
 #                                    carried: `git archive -o .devcache/base.tar COMMIT`, that commit's tree)
 set -uo pipefail
-stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | allreduce | oneshot | versus}
+stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | allreduce | oneshot | versus | push}
 source bench/gpu_env.sh .whl .whl_dp
 TPS=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || echo "1 2")
 bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-running-seqs 64 --repeats 3 "$@" 2>&1 | grep -v -i -e warn -e "^Loading"; }
@@ -60,7 +62,7 @@ more)
     --repeats 3 2>&1 | grep -v -i warn | tail -4 | tee "$OUT/push-tp2.log"
   ;;
 probe)
-  allreduce allreduce-symm.log
+  allreduce allreduce.log
   timeout 240 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 16 2>&1 | grep -e "^|" -e Error | tee "$OUT/tp-kernels.log"
   [ "$GPUS" -ge 3 ] && timeout 240 python3 recipes/bench_weight_sync.py --models 8b,32b --methods distributed --tp-size 2 \
     --repeats 3 2>&1 | grep -v -i warn | tail -6 | tee "$OUT/push-tp2.log"
@@ -106,6 +108,13 @@ versus)  # 8B b1 decode at TP 2 and 1: this tree against $BASE_TAR's, or this on
       --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --tp-size $tp --out "$OUT/vs-tp$tp-$(basename $tree)" \
       | grep "^| rollout" | tail -1 | sed "s|^|tp$tp $(basename $tree) |")
   done; done 2>&1 | tee "$OUT/versus.log"
+  ;;
+push)  # $PUSHES: shape and layout per run, comma-separated; NCCL wants a GPU for the trainer beside the ranks'
+  IFS=, read -ra runs <<< "${PUSHES:-8b --dp-size 2,8b --tp-size 2,32b --tp-size 2}"
+  for run in "${runs[@]}"; do
+    timeout ${LIMIT:-300} python3 recipes/bench_weight_sync.py --models $run --methods distributed --repeats 3 2>&1 \
+      | grep -v -i warn | tail -1
+  done | tee "$OUT/push.log"
   ;;
 rows)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" || exit 1
