@@ -95,7 +95,7 @@ oneshot)
   bash "$0" b1
   ;;
 versus)  # 8B b1 decode at TP 2 and 1: this tree against $BASE_TAR's, or this one with $BASE (a file's old version) put back;
-  # first $VS_TESTS (GPU tests)
+  # first $VS_TESTS (GPU tests); VS_MODEL="--model default" for the default model instead of the 8B shape
   tests=${VS_TESTS:-tests/test_fused_kernels.py}
   timeout 200 python3 -m pytest -q -m gpu $tests 2>&1 | tail -2 | tee "$OUT/$(basename $tests .py).log"
   rm -rf /tmp/base && mkdir -p /tmp/base
@@ -104,7 +104,7 @@ versus)  # 8B b1 decode at TP 2 and 1: this tree against $BASE_TAR's, or this on
     cp "${BASE:?old version}" "/tmp/base/${BASE_AS:?its path in the tree}"
   fi
   for tp in ${VS_TPS:-2 1}; do for tree in $PWD /tmp/base; do
-    (cd $tree && PYTHONPATH=/root/mcache/site:$tree LIMIT=100 bench --workload decode --random-model llama3-8b \
+    (cd $tree && PYTHONPATH=/root/mcache/site:$tree LIMIT=100 bench --workload decode ${VS_MODEL:---random-model llama3-8b} \
       --spec-modes off --batch-sizes 1 --prompt-len 128 --output-len 128 --tp-size $tp --out "$OUT/vs-tp$tp-$(basename $tree)" \
       | grep "^| rollout" | tail -1 | sed "s|^|tp$tp $(basename $tree) |")
   done; done 2>&1 | tee "$OUT/versus.log"
