@@ -15,16 +15,18 @@ import torch.nn.functional as F
 
 from kernels import fused, pdl
 from kernels.skinny_gemm import MAX_ROWS, graph_ms, skinny_linear
+from rollout.tools.bench import SPEED_SHAPES
 
 COLD_BYTES = 256 << 20  # more than Hopper's L2 (50-60 MB)
-HIDDEN, HEADS_DIM, KV_DIM, INTERMEDIATE, VOCAB = 4096, 4096, 1024, 14336, 128256
-PRODUCTS = {  # name -> (N, K) at tensor-parallel width tp
-    "qkv": lambda tp: ((HEADS_DIM + 2 * KV_DIM) // tp, HIDDEN),
-    "o": lambda tp: (HIDDEN, HEADS_DIM // tp),
-    "gate_up": lambda tp: (2 * INTERMEDIATE // tp, HIDDEN),
-    "down": lambda tp: (HIDDEN, INTERMEDIATE // tp),
-    "lm_head": lambda tp: (-(-VOCAB // tp), HIDDEN),
-}
+
+
+def products(tp: int = 1, shape: str = "llama3-8b") -> dict[str, tuple[int, int]]:
+    """A decode step's products of a speed shape, by name: (N, K) of one rank at tensor-parallel width tp."""
+    c = SPEED_SHAPES[shape]
+    hidden, heads_dim = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
+    kv_dim, inter = c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    return {"qkv": ((heads_dim + 2 * kv_dim) // tp, hidden), "o": (hidden, heads_dim // tp),
+            "gate_up": (2 * inter // tp, hidden), "down": (hidden, inter // tp), "lm_head": (-(-c["vocab_size"] // tp), hidden)}
 
 
 def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, float]]:
@@ -54,8 +56,7 @@ def main() -> None:
           "| 1 row after RMSNorm: Triton | cuBLAS |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tp in map(int, args.tp_sizes.split(",")):
-        for name, shape in PRODUCTS.items():
-            n, k = shape(tp)
+        for name, (n, k) in products(tp).items():
             w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
             t = cold_times(w)
             mb = n * k * 2 / 1e6

@@ -114,15 +114,12 @@ def draft(args: argparse.Namespace) -> None:
     print(f"| {draft_ms * 1e3:.1f} | {step_ms * 1e3:.1f} | {draft_ms / step_ms:.1%} |")
 
 
-GEMM_SHAPES = {  # Llama-3.1-8B, (N, K)
-    "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
-}
-
-
 def gemm(args: argparse.Namespace) -> None:
     pdl.set_enabled(args.pdl)
     print("| layer | N x K | cuBLAS ms | Triton ms | best TB/s | picked |\n|---|---|---|---|---|---|")
-    for name, (n, k) in GEMM_SHAPES.items():
+    from gemm_choice import products  # (bench/, this script's directory)
+
+    for name, (n, k) in products().items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
         cublas = skinny_gemm.graph_ms(lambda x=x, w=w: F.linear(x, w))
