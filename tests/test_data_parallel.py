@@ -128,10 +128,10 @@ def test_a_server_that_refuses_a_push_is_named_keeps_its_weights_and_the_other_i
             assert generate(good.url, PROMPTS[:1])[0]["meta_info"]["weight_version"] == "7"
 
 
-def test_replicas_on_the_cpu_split_its_cores_unless_told():
-    shares = [EngineConfig(model="default", dp_size=2, tp_size=tp).replica(i).cpu_threads for tp in (1, 2) for i in (0, 1)]
-    cores = os.cpu_count()
-    assert shares == [max(1, cores // 2)] * 2 + [max(1, cores // 4)] * 2
+@pytest.mark.parametrize("cores,shares", [(8, [4, 4, 2, 2]), (2, [1, 1, 1, 1]), (None, [1, 1, 1, 1])])
+def test_replicas_on_the_cpu_split_its_cores_unless_told(monkeypatch, cores, shares):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)  # (None: the count is unknown)
+    assert [EngineConfig(model="default", dp_size=2, tp_size=tp).replica(i).cpu_threads for tp in (1, 2) for i in (0, 1)] == shares
     assert EngineConfig(model="default", dp_size=2, cpu_threads=3).replica(1).cpu_threads == 3
     assert EngineConfig(model="default").replica(0).cpu_threads == 0  # one replica: torch's own default
 
