@@ -72,9 +72,8 @@ def main() -> None:
         return x
 
     def same_everywhere(x: torch.Tensor) -> bool:
-        everyone = torch.empty(size * x.numel(), dtype=x.dtype, device=device)
-        group.dev._allgather_base(everyone, x.contiguous().view(-1)).wait()
-        return bool((everyone.view(size, -1) == everyone[: x.numel()]).all())
+        everyone = group.nccl_all_gather(x.reshape(1, -1)).view(size, -1)  # (rank order)
+        return bool((everyone == everyone[0]).all())
 
     gen = torch.Generator(device=device).manual_seed(1 + rank)  # every rank its own inputs
     cases = [(f"all-reduce [{r}, {h}] bf16", torch.randn(args.per_graph, r, h, dtype=torch.bfloat16, device=device,

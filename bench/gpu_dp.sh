@@ -62,10 +62,7 @@ router)  # ROUTER_WORKLOAD=decode: every sample runs to 256 tokens, so the round
   fi
   ;;
 push)  # one push of the Llama-3.1-8B shape over NCCL, trainer on GPU 0, to a server of 2 (and 3) replicas on the others
-  for dp in 2 $([ "$GPUS" -ge 4 ] && echo 3); do
-    timeout 200 python3 recipes/bench_weight_sync.py --models 8b --methods distributed --dp-size $dp --repeats 3 2>&1 \
-      | grep -v -i warn | tail -3
-  done | tee "$OUT/push-dp.log"
+  PUSHES="8b --dp-size 2$([ "$GPUS" -ge 4 ] && echo ,8b --dp-size 3)" bash bench/gpu_tp.sh push
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -58,14 +58,12 @@ more)
     | tee "$OUT/tp-profile.log"
   LIMIT=200 bench --workload grpo --random-model llama3-8b --spec-modes off,ngram --batch-sizes 64 --temperature 1.0 \
     --output-len 128 --tp-size 2 --out "$OUT/grpo-8b-tp2" 2>&1 | tail -5 | tee "$OUT/grpo-8b-tp2.log"
-  [ "$GPUS" -ge 3 ] && timeout 300 python3 recipes/bench_weight_sync.py --models 8b,32b --methods distributed --tp-size 2 \
-    --repeats 3 2>&1 | grep -v -i warn | tail -4 | tee "$OUT/push-tp2.log"
+  [ "$GPUS" -ge 3 ] && PUSHES="8b --tp-size 2,32b --tp-size 2" bash "$0" push
   ;;
 probe)
   allreduce allreduce.log
   timeout 240 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 16 2>&1 | grep -e "^|" -e Error | tee "$OUT/tp-kernels.log"
-  [ "$GPUS" -ge 3 ] && timeout 240 python3 recipes/bench_weight_sync.py --models 8b,32b --methods distributed --tp-size 2 \
-    --repeats 3 2>&1 | grep -v -i warn | tail -6 | tee "$OUT/push-tp2.log"
+  [ "$GPUS" -ge 3 ] && PUSHES="8b --tp-size 2,32b --tp-size 2" bash "$0" push
   ;;
 gemm)  # the decode products at TP widths, Triton against cuBLAS, on weights the L2 cache does not hold
   timeout 150 python3 bench/gemm_choice.py --tp-sizes $(echo $TPS | tr ' ' ,) 2>&1 | grep -e "^|" -e Error \

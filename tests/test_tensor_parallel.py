@@ -150,20 +150,30 @@ def test_update_weights_under_tp_equals_tp1_and_a_wrong_shape_changes_no_rank(ti
 
 
 def test_a_rank_stages_its_parts_of_a_push_not_the_whole_of_it(tiny):
+    """The parts a rank stages land as the whole tensors would, own their memory (the bucket's
+    buffer is freed), and the room they need is their size."""
     from rollout.models.loader import build_model
+    from rollout.models.weights import copy_weights
     from weight_sync.buckets import TensorSpec
     from weight_sync.receiver import _kept_bytes, _owned, _parts
 
     cfg = ModelConfig.from_dir(tiny)
     whole = build_model(cfg, torch.device("cpu"), torch.float32).weight_targets()
-    mine = build_model(cfg, torch.device("cpu"), torch.float32, Shard(1, 2)).weight_targets()
     specs = [TensorSpec(n, t.shape, torch.float32) for n, t in whole.items()]
     pushed = [(s.name, torch.randn(s.shape)) for s in specs]
+    from_whole, from_parts = (build_model(cfg, torch.device("cpu"), torch.float32, Shard(1, 2)) for _ in range(2))
+    mine = from_parts.weight_targets()
     kept = _owned(_parts(pushed, mine), mine)
-    assert _kept_bytes(specs, None) == sum(t.numel() * 4 for _, t in pushed)
+    copy_weights(from_whole.weight_targets(), pushed)  # (cut to the rank's part as they are copied)
+    copy_weights(mine, kept)
+    for (name, a), b in zip(from_whole.state_dict().items(), from_parts.state_dict().values()):
+        assert torch.equal(a, b), name
+    full = {n: t for n, t in pushed}
+    split = [n for n, t in kept if t.shape != full[n].shape]
+    assert len(split) > len(kept) // 2
+    assert all(t.untyped_storage().data_ptr() != full[n].untyped_storage().data_ptr() for n, t in kept if n in split)
+    assert _kept_bytes(specs, None) == sum(t.numel() * 4 for t in full.values())
     assert _kept_bytes(specs, mine) == sum(t.numel() * 4 for _, t in kept) < 0.6 * _kept_bytes(specs, None)
-    for (name, full), (_, part) in zip(pushed, kept):
-        assert torch.equal(part, mine[name].take(full)) and part.shape == mine[name].view().shape, name
 
 
 # ---------------- a server over 2 ranks ----------------
