@@ -1,10 +1,11 @@
 """All-reduce and all-gather latency between the GPUs of one machine, as a decode step pays it:
 `per-graph` collectives (each on its own input) captured in one CUDA graph, replayed; per
 collective, median. Through the engine's `RankGroup`: `nccl` (NCCL's ring) and `one-shot` (the
-engine's default: rollout/engine/one_shot_all_reduce.py). All-reduces of [rows, hidden] bf16, and
-the gather of the LM head's float32 logits, [1, vocab / GPUs] a rank. Checks that every rank got
-the same bits and that the one-shot results equal NCCL's (the sums bitwise over 2 GPUs, within bf16
-rounding over more; the gathers bitwise).
+engine's default: rollout/engine/one_shot_all_reduce.py). All-reduces of [rows, hidden] bf16; the
+all-reduce into the next RMSNorm with the residual added, apart (two kernels) and fused
+(kernels/all_reduce_norm.py); the gather of the LM head's float32 logits, [1, vocab / GPUs] a rank.
+Checks that every rank got the same bits and that each case's second way equals its first (the sums
+bitwise over 2 GPUs, within bf16 rounding over more; the gathers bitwise).
 
     python -m torch.distributed.run --nproc-per-node 2 bench/allreduce_latency.py --rows 1,64 --hidden 4096,5120
 """
@@ -20,6 +21,7 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 
+from kernels import fused
 from rollout.engine.tensor_parallel import RankGroup
 from rollout.tools.bench import SPEED_SHAPES
 
@@ -79,6 +81,16 @@ def main() -> None:
     cases = [(f"all-reduce [{r}, {h}] bf16", torch.randn(args.per_graph, r, h, dtype=torch.bfloat16, device=device,
                                                         generator=gen), {"nccl": nccl_sum, "one-shot": group.all_reduce})
              for r in map(int, args.rows.split(",")) for h in map(int, args.hidden.split(","))]
+    for r in map(int, args.rows.split(",")):  # the decoder's all-reduce into the next norm: apart, and one kernel
+        h = int(args.hidden.split(",")[0])
+        residual = torch.randn(r, h, device=device, generator=torch.Generator(device=device).manual_seed(7)).bfloat16()
+        weight = torch.rand(h, device=device, generator=torch.Generator(device=device).manual_seed(8)).bfloat16() + 0.5
+        cases.append((f"all-reduce + residual + RMSNorm [{r}, {h}] bf16",
+                      torch.randn(args.per_graph, r, h, dtype=torch.bfloat16, device=device, generator=gen), {
+                          "apart": lambda x, w=weight, res=residual: torch.cat(
+                              fused.rms_norm(group.all_reduce(x), w, 1e-5, res), dim=1),
+                          "fused": lambda x, w=weight, res=residual: torch.cat(
+                              group.all_reduce_norm(x, res, w, 1e-5), dim=1)}))
     cols = -(-args.vocab // size)
     cases.append((f"all-gather [1, {cols}] float32 a rank", torch.randn(args.per_graph, 1, cols, device=device, generator=gen),
                   {"nccl": group.nccl_all_gather, "one-shot": group.all_gather}))
@@ -92,8 +104,8 @@ def main() -> None:
                 print(f"{what} ({method}) over {size} GPUs in a CUDA graph: {us:.1f} us median ({args.replays} replays "
                       f"of {args.per_graph}); every rank the same bits: {same}", flush=True)
         if rank == 0:
-            a, b = results["nccl"].float(), results["one-shot"].float()
-            print(f"  one-shot against NCCL: bitwise equal {torch.equal(a, b)}, max |diff| {(a - b).abs().max().item():.3g} "
+            (first, a), (second, b) = ((m, r.float()) for m, r in results.items())
+            print(f"  {second} against {first}: bitwise equal {torch.equal(a, b)}, max |diff| {(a - b).abs().max().item():.3g} "
                   f"(values up to {a.abs().max().item():.3g})", flush=True)
 
 

@@ -29,7 +29,7 @@ bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-runni
 allreduce() {  # NCCL against the engine's one-shot all-reduce over 2 (and 4) GPUs; $1: the log, $2: hidden sizes
   for n in 2 $([ "$GPUS" -ge 4 ] && echo 4); do
     timeout 90 python3 -m torch.distributed.run --nproc-per-node $n bench/allreduce_latency.py --rows 1,64 \
-      --hidden "${2:-4096}" 2>&1 | grep -i -e "GPUs in a CUDA graph" -e "one-shot against" -e error | head -12
+      --hidden "${2:-4096}" 2>&1 | grep -i -e "GPUs in a CUDA graph" -e " against " -e error | head -24
   done | tee "$OUT/$1"
 }
 tp_gpu_tests() {  # on at most 3 GPUs (the head test's)

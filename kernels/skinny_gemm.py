@@ -27,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import fused, pdl
+from kernels import pdl
 
 try:
     import triton
@@ -67,18 +67,6 @@ def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-    invariant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x + residual)), x + residual): the residual add fused into the norm."""
-    if residual is None:
-        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, out_dtype, invariant), x
-    h, summed = fused.rms_norm(x, norm_weight, eps, residual)
-    return linear(h, weight, bias, out_dtype, invariant), summed
 
 
 def takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -244,8 +244,8 @@ class DraftHead(nn.Module):
             residual = h
         else:
             x = residual = self.fc(torch.cat([e, hidden], dim=-1))  # (EAGLE-1's layer has no input norm)
-        attended = self.self_attn(self.self_attn.qkv_proj(x), ctx) + residual
-        out = self.mlp(self.mlp.gate_up_proj(self.post_attention_layernorm(attended))) + attended
+        attended = self.shard.all_reduce(self.self_attn(self.self_attn.qkv_proj(x), ctx)) + residual
+        out = self.shard.all_reduce(self.mlp(self.mlp.gate_up_proj(self.post_attention_layernorm(attended)))) + attended
         if self.cfg.kind == "eagle3":
             return self.lm_head(self.norm(out)).float(), out
         if self.cfg.kind == "mtp":  # (its normed output is the next step's hidden state, as the target's is its)

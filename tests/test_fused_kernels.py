@@ -114,22 +114,3 @@ def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
     for y in outs:
         assert y.dtype == torch.float32
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-
-
-@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
-@pytest.mark.parametrize("rows,n,k,residual,bias", [(1, 960, 576, True, False), (7, 3072, 576, False, True),
-                                                     (16, 576, 1536, True, False), (3, 100, 70, True, True)])
-def test_norm_linear_matches_norm_then_linear(dtype, rows, n, k, residual, bias):
-    from kernels.skinny_gemm import norm_linear
-
-    g = torch.Generator(device=DEVICE).manual_seed(rows * n + k + residual)
-    x = (torch.randn(rows, k, generator=g, device=DEVICE) * 2).to(dtype)
-    r = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype) if residual else None
-    nw = (1 + torch.randn(k, generator=g, device=DEVICE) / 4).to(dtype)
-    w = (torch.randn(n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
-    b = torch.randn(n, generator=g, device=DEVICE).to(dtype) if bias else None
-    y, summed = norm_linear(x, r, nw, 1e-5, w, b)
-    expected_sum = x + r if residual else x
-    assert torch.equal(summed, expected_sum)
-    h = fused.rms_norm_ref(expected_sum, nw, 1e-5)
-    close(y, torch.nn.functional.linear(h.float(), w.float(), None if b is None else b.float()), dtype)

@@ -10,6 +10,9 @@ CUDA graph on 2 H200s, [1, 4096] bf16 took 16.1 us against 6.6, [64, 4096] 21.4 
 All-gather (the LM head's logits, each rank's slice of the vocabulary): the same sum, over parts
 that each rank places in its own columns of a zeroed buffer. Adding zeros is exact, so this is the
 gather, bit for bit: [1, 64128] float32 a rank over 2 H200s took 13.1 us against NCCL's 21.2.
+
+All-reduce then RMSNorm (the decoder's o and down products, then the next norm), for few rows: one
+Triton kernel over a buffer of its own (kernels/all_reduce_norm.py).
 """
 
 from __future__ import annotations
@@ -19,20 +22,26 @@ import os
 
 import torch
 
+from kernels import all_reduce_norm
+
 log = logging.getLogger("rollout")
 
 MAX_BYTES = 512 * 1024  # the largest all-reduce measured faster than NCCL's: [64, 4096] bf16
+# the most rows the fused all-reduce + RMSNorm takes, a program and its barrier each: [1, 4096] bf16 over 2
+# H100s 11.2 us against 12.0 apart, [64, 4096] 26.0 against 18.8 (bench/allreduce_latency.py)
+MAX_NORM_ROWS = 16
 COUNT_KEY = "rollout-symm-rendezvous"  # rank 0's count of rendezvous, in the ranks' store
 
 _rendezvous_made = 0  # symmetric-memory rendezvous this process has made (`catch_up`)
 
 
-def _rendezvous(buffer: torch.Tensor, group_name: str) -> None:
+def _rendezvous(buffer: torch.Tensor, group_name: str):
     global _rendezvous_made
     import torch.distributed._symmetric_memory as symm_mem
 
-    symm_mem.rendezvous(buffer, group_name)
+    handle = symm_mem.rendezvous(buffer, group_name)
     _rendezvous_made += 1
+    return handle
 
 
 def _register(group) -> None:
@@ -84,6 +93,13 @@ class OneShotAllReduce:
         else:
             catch_up(int(store.get(COUNT_KEY)), device)
         _rendezvous(self._buffer, self.name)
+        # the Triton kernel's own buffer of two halves (kernels/all_reduce_norm.py): every rank's, with its signal pad
+        self._norm_buffer = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)
+        handle = _rendezvous(self._norm_buffer, self.name)
+        self._norm_buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self._norm_signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self._norm_rows = min(MAX_NORM_ROWS, getattr(symm_mem, "get_signal_pad_size", lambda: 2048)() // 4 // size)
+        self._norm_phases = torch.zeros(self._norm_rows, dtype=torch.int32, device=device)
 
     @staticmethod
     def reachable(device: torch.device) -> bool:
@@ -105,6 +121,18 @@ class OneShotAllReduce:
         small = x.numel() * x.element_size() * parts <= MAX_BYTES
         aligned = x.storage_offset() * x.element_size() % 16 == 0  # (the kernel's copy: as aligned as the buffer)
         return x.is_contiguous() and small and aligned and x.dtype in (torch.bfloat16, torch.float32)
+
+    def fits_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether `all_reduce_norm(x, residual, ...)` takes the fused kernel (a program and its
+        signal slots per row)."""
+        return (all_reduce_norm.triton is not None and self.fits(x) and x.dim() == 2
+                and x.shape[0] <= self._norm_rows and residual.is_contiguous())
+
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x summed over the ranks + residual), that sum), in one kernel."""
+        return all_reduce_norm.all_reduce_rms_norm(x, residual, weight, eps, self._norm_buffers, MAX_BYTES,
+                                                   self._norm_signals, self._norm_phases, self.rank)
 
     def _staged(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize

@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, ReduceOp, TCPStore
 
+from kernels import fused
 from rollout.engine.one_shot_all_reduce import OneShotAllReduce
 
 RENDEZVOUS_TIMEOUT_S = 600.0  # a rank's start: importing torch, building and loading its shard
@@ -72,6 +73,14 @@ class RankGroup:
             return self.one_shot.all_reduce(x)
         self.dev.allreduce([x]).wait()
         return x
+
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x summed over the ranks + residual), that sum): one kernel where the one-shot
+        path takes it, else the all-reduce then `fused.rms_norm`."""
+        if self.one_shot is not None and self.one_shot.fits_norm(x, residual):
+            return self.one_shot.all_reduce_norm(x, residual, weight, eps)
+        return fused.rms_norm(self.all_reduce(x), weight, eps, residual)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[L, V] on each rank -> [L, size * V], rank order along the last dimension."""

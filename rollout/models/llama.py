@@ -132,10 +132,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
-    def then(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None):
-        """(proj(norm(x + residual)), x + residual), the residual optional."""
-        return skinny_gemm.norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias,
-                                       invariant=proj.batch_invariant)
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), where x is this rank's part of a row-parallel
+        product (summed over the ranks here); with no residual, x is whole (the embedding)."""
+        if residual is None:
+            return self(x), x
+        return shard.reduce_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -154,7 +156,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """From the qkv projection of the normalised input (the layer applies the norm first: RMSNorm.then)."""
+        """From the qkv projection of the normalised input, this rank's part of the output (the
+        ranks' parts sum to it: the next norm sums them, `RMSNorm.add`)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -166,7 +169,7 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.k_caches[self.layer], ctx.v_caches[self.layer]
         q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, out=ctx.attn_out)  # [T, heads, head_dim]
-        return self.shard.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -178,8 +181,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """From the gate/up projection of the normalised input (the layer applies the norm first: RMSNorm.then)."""
-        return self.shard.all_reduce(self.down_proj(fused.silu_mul(gate_up)))
+        """From the gate/up projection of the normalised input, this rank's part of the output (as `Attention`'s)."""
+        return self.down_proj(fused.silu_mul(gate_up))
 
 
 class VocabEmbedding(nn.Embedding):
@@ -203,16 +206,22 @@ class VocabEmbedding(nn.Embedding):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = ALONE):
         super().__init__()
+        self.layer, self.shard = layer, shard
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
-        """Returns (this layer's output, the residual stream before it); their sum is the hidden state."""
-        qkv, residual = self.input_layernorm.then(self.self_attn.qkv_proj, x, residual)
-        gate_up, residual = self.post_attention_layernorm.then(self.mlp.gate_up_proj, self.self_attn(qkv, ctx), residual)
-        return self.mlp(gate_up), residual
+        """Returns (this rank's part of this layer's output, the residual stream before it): the
+        hidden state is the ranks' parts summed plus the residual. `x`: the layer before's, or
+        with no residual the embedding."""
+        h, residual = self.input_layernorm.add(x, residual, self.shard)
+        if self.layer in ctx.aux_layers:  # (the hidden state entering this layer)
+            k = ctx.aux_layers.index(self.layer)
+            ctx.aux_hidden[:, k * residual.shape[1] : (k + 1) * residual.shape[1]].copy_(residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(self.self_attn.qkv_proj(h), ctx), residual, self.shard)
+        return self.mlp(self.mlp.gate_up_proj(h)), residual
 
 
 class DecoderBody(nn.Module):
@@ -258,24 +267,22 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor | None,  # [L] rows of the T tokens whose next-token logits are wanted; None: all
     ) -> torch.Tensor:  # [L, vocab] float32
         x, residual = self.model.embed_tokens(input_ids), None
-        hidden = self.config.hidden_size
-        for i, layer in enumerate(self.model.layers):
-            if i in ctx.aux_layers:
-                k = ctx.aux_layers.index(i)
-                ctx.aux_hidden[:, k * hidden : (k + 1) * hidden].copy_(x if residual is None else x + residual)
+        for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
         last = len(self.model.layers)
         if last in ctx.aux_layers:  # (past the last layer: its output after the final norm, EAGLE-1's feature)
+            h, _ = self.model.norm.add(x, residual, self.shard)
             k = ctx.aux_layers.index(last)
-            ctx.aux_hidden[:, k * hidden : (k + 1) * hidden].copy_(self.model.norm(x + residual))
-        if logits_indices is not None:
-            x, residual = x[logits_indices], residual[logits_indices]
+            ctx.aux_hidden[:, k * h.shape[1] : (k + 1) * h.shape[1]].copy_(h)
+            h = h if logits_indices is None else h[logits_indices]
+        else:
+            if logits_indices is not None:
+                x, residual = x[logits_indices], residual[logits_indices]
+            h, _ = self.model.norm.add(x, residual, self.shard)
         # float32 out of the accumulator, not rounded to bf16 (steps of 0.06 at a logit near 10):
         # the logprobs a trainer gets are exact to float32. (It did not keep coupled rollouts
         # aligned: their draws part over activations upstream; bench/RESULTS.md.)
-        logits, _ = skinny_gemm.norm_linear(x, residual, self.model.norm.weight, self.model.norm.eps,
-                                            self.lm_head_weight, out_dtype=torch.float32,
-                                            invariant=self.batch_invariant)
+        logits = skinny_gemm.linear(h, self.lm_head_weight, out_dtype=torch.float32, invariant=self.batch_invariant)
         return vocab_logits(self.shard, logits, self.config.vocab_size)
 
     def to_host(self) -> None:

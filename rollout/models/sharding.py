@@ -2,9 +2,10 @@
 
 Each rank holds its share of the attention heads and of the MLP's intermediate size (the
 fused q/k/v and gate/up projections column-parallel; o and down row-parallel, each followed by
-one all-reduce) and a contiguous slice of the vocabulary (embedding and LM head). KV heads split
-like the query heads; with more ranks than KV heads, each rank holds the one KV head its query
-heads read (replicated, SGLang's rule). Norms are replicated.
+one all-reduce, which the next norm does: `Shard.reduce_norm`) and a contiguous slice of the
+vocabulary (embedding and LM head). KV heads split like the query heads; with more ranks than KV
+heads, each rank holds the one KV head its query heads read (replicated, SGLang's rule). Norms are
+replicated.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from kernels import fused
 from rollout.models.config import ModelConfig
 
 
@@ -21,6 +23,9 @@ class Collectives(Protocol):
     """What the model needs of the ranks' group (rollout/engine/tensor_parallel.py)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...  # [L, V] of each rank -> [L, size * V], rank order
 
@@ -79,6 +84,14 @@ class Shard:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_gather(x)
+
+    def reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x summed over the ranks + residual), that sum): a row-parallel product's
+        parts into the next norm (on the GPU one kernel: kernels/all_reduce_norm.py)."""
+        if self.group is None:
+            return fused.rms_norm(x, weight, eps, residual)
+        return self.group.all_reduce_norm(x, residual, weight, eps)
 
 
 ALONE = Shard()

@@ -1,0 +1,71 @@
+"""The fused all-reduce + residual + RMSNorm kernel (kernels/all_reduce_norm.py) over 2 GPUs (run on
+the device machine: -m gpu): on fresh random parts, bitwise the one-shot all-reduce then
+`fused.rms_norm`, the same bits on every rank, and the same again replayed in a CUDA graph (the
+buffer's halves then taken in the other order)."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")]
+
+# (consecutive cases of other row counts: each row's buffer halves alternate on their own)
+CASES = [(torch.bfloat16, 1, 4096), (torch.bfloat16, 7, 576), (torch.bfloat16, 16, 4096), (torch.bfloat16, 3, 5120),
+         (torch.float32, 1, 576), (torch.float32, 16, 4096)]
+
+
+def _rank(rank: int, size: int, port: int) -> None:
+    from torch._C._distributed_c10d import TCPStore
+
+    from kernels import fused
+    from rollout.engine.tensor_parallel import RankGroup
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    store = TCPStore("127.0.0.1", port, size, rank == 0, timeout=timedelta(seconds=60))
+    group = RankGroup(rank, size, device, store)
+    try:
+        for case, (dtype, rows, n) in enumerate(CASES):
+            shared = torch.Generator(device=device).manual_seed(100 + case)  # (the residual and weight are replicated)
+            residual = torch.randn(rows, n, generator=shared, device=device).to(dtype)
+            weight = (1 + torch.randn(n, generator=shared, device=device) / 4).to(dtype)
+            own = torch.Generator(device=device).manual_seed(1000 * rank + case)
+            parts = [(torch.randn(rows, n, generator=own, device=device) * 3).to(dtype) for _ in range(3)]
+            assert group.one_shot.fits_norm(parts[0], residual), (dtype, rows, n)
+
+            def fused_calls(xs):
+                return [torch.cat(group.all_reduce_norm(x, residual, weight, 1e-5), dim=1) for x in xs]
+
+            got = fused_calls(parts)
+            want = [torch.cat(fused.rms_norm(group.all_reduce(x.clone()), weight, 1e-5, residual), dim=1) for x in parts]
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), f"fused != apart {dtype} {rows}x{n}"
+            everyone = group.nccl_all_gather(torch.stack(got).reshape(1, -1)).view(size, -1)
+            assert torch.equal(everyone[0], everyone[1]), "ranks differ"
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            static = [x.clone() for x in parts]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = fused_calls(static)
+            for _ in range(2):
+                graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(o, g) for o, g in zip(outs, got)), f"graph != eager {dtype} {rows}x{n}"
+        torch.cuda.synchronize()
+    finally:
+        group.close()
+
+
+def test_fused_all_reduce_norm_is_the_all_reduce_then_the_norm_bitwise():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(2, port), nprocs=2, join=True)
