@@ -34,7 +34,7 @@ allreduce() {  # NCCL against the engine's one-shot all-reduce over 2 (and 4) GP
 }
 tp_gpu_tests() {  # on at most 3 GPUs (the head test's)
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 240 python3 -m pytest -q -m gpu \
-    -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
+    -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py tests/test_all_reduce_norm_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
 }
 
 case "$stage" in

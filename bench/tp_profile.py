@@ -1,5 +1,6 @@
 """Where a tensor-parallel decode step's time goes: one sequence of the Llama-3.1-8B shape (random
-weights), decode steps' wall, device and host time (Engine.step_log, medians), by setting.
+weights), decode steps' wall, device and host time (Engine.step_log, medians), by setting; and where
+one request's time went: its prefill, its decode steps, their slowest, and the time outside steps.
 
     python bench/tp_profile.py --tp-sizes 1,2 --variants default,no-pdl,no-overlap,no-graphs
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step (eager)
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -30,7 +32,8 @@ def main() -> None:
     model = speed_model_dir(args.shape)
     if args.kernels:
         return kernel_tables(model, args)
-    print("| tp | variant | step ms | device ms | host ms | tok/s |\n|---|---|---|---|---|---|", flush=True)
+    print("| tp | variant | step ms | device ms | host ms | tok/s | run ms | prefill ms | decode steps ms | slowest step ms "
+          "| outside steps ms |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for tp in map(int, args.tp_sizes.split(",")):
         for variant in args.variants.split(","):
             engine = Engine(model=model, load_format="dummy", spec="off", tp_size=tp, max_running_seqs=8,
@@ -38,11 +41,16 @@ def main() -> None:
             params = SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
             for _ in range(2):  # the first run warms up
                 engine.reset_stats()
+                start = time.perf_counter()
                 engine.generate([list(range(100, 228))], params)
+                run_ms = (time.perf_counter() - start) * 1e3
             steps = [r for r in engine.step_log if not r.prefill]
+            prefill = sum(r.wall_ms for r in engine.step_log if r.prefill)
             med = lambda k: statistics.median(getattr(r, k) for r in steps)  # noqa: E731
+            walls = sum(r.wall_ms for r in steps)
             print(f"| {tp} | {variant} | {med('wall_ms'):.2f} | {med('device_ms'):.2f} | {med('host_ms'):.2f} | "
-                  f"{1e3 / med('wall_ms'):.1f} |", flush=True)
+                  f"{1e3 / med('wall_ms'):.1f} | {run_ms:.1f} | {prefill:.1f} | {walls:.1f} | "
+                  f"{max(r.wall_ms for r in steps):.1f} | {run_ms - prefill - walls:.1f} |", flush=True)
             engine.close()
             del engine
 

@@ -114,3 +114,26 @@ def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
     for y in outs:
         assert y.dtype == torch.float32
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtype):
+    """kernels/all_reduce_norm.py with a group of one (its own buffer and flags: no peers needed):
+    the residual RMSNorm bit for bit, while the calls' epochs advance and their halves alternate.
+    Its sums over 2 GPUs: tests/test_all_reduce_norm_gpu.py."""
+    from kernels.all_reduce_norm import all_reduce_rms_norm
+
+    slot = 8 * 512 * 4  # (8 rows of 512, float32)
+    buffer = torch.zeros(2 * slot, dtype=torch.uint8, device=DEVICE)
+    flags = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    epochs = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    pointers = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    w = (1 + torch.randn(300, generator=g, device=DEVICE) / 4).to(dtype)
+    for rows in (3, 1, 3, 8):  # (row 0 in every call; rows 1-2 in three, rows 3-7 in one)
+        x = (torch.randn(rows, 300, generator=g, device=DEVICE) * 3).to(dtype)
+        r = torch.randn(rows, 300, generator=g, device=DEVICE).to(dtype)
+        out, summed = all_reduce_rms_norm(x, r, w, 1e-5, pointers(buffer), slot, pointers(flags), epochs, 0)
+        want_out, want_sum = fused.rms_norm(x, w, 1e-5, r)
+        assert torch.equal(summed, want_sum) and torch.equal(out, want_out)
+    assert epochs.tolist() == [4, 3, 3, 1, 1, 1, 1, 1] and flags.tolist() == epochs.tolist()

@@ -27,9 +27,8 @@ from kernels import all_reduce_norm
 log = logging.getLogger("rollout")
 
 MAX_BYTES = 512 * 1024  # the largest all-reduce measured faster than NCCL's: [64, 4096] bf16
-# the most rows the fused all-reduce + RMSNorm takes, a program and its barrier each: [1, 4096] bf16 over 2
-# H100s 11.2 us against 12.0 apart, [64, 4096] 26.0 against 18.8 (bench/allreduce_latency.py)
-MAX_NORM_ROWS = 16
+MAX_NORM_ROWS = 16  # the most rows the fused all-reduce + RMSNorm takes, a program each (kernels/all_reduce_norm.py)
+NORM_SLOT_BYTES = MAX_NORM_ROWS * 8192 * 2  # a rank's slot in that kernel's buffer: 16 rows of a hidden size 8192, bf16
 COUNT_KEY = "rollout-symm-rendezvous"  # rank 0's count of rendezvous, in the ranks' store
 
 _rendezvous_made = 0  # symmetric-memory rendezvous this process has made (`catch_up`)
@@ -93,13 +92,13 @@ class OneShotAllReduce:
         else:
             catch_up(int(store.get(COUNT_KEY)), device)
         _rendezvous(self._buffer, self.name)
-        # the Triton kernel's own buffer of two halves (kernels/all_reduce_norm.py): every rank's, with its signal pad
-        self._norm_buffer = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)
+        # the Triton kernel's own buffer (kernels/all_reduce_norm.py): two halves of a slot per rank, and its signal pad
+        self._norm_buffer = symm_mem.empty(2 * size * NORM_SLOT_BYTES, dtype=torch.uint8, device=device)
         handle = _rendezvous(self._norm_buffer, self.name)
         self._norm_buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self._norm_signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self._norm_rows = min(MAX_NORM_ROWS, getattr(symm_mem, "get_signal_pad_size", lambda: 2048)() // 4 // size)
-        self._norm_phases = torch.zeros(self._norm_rows, dtype=torch.int32, device=device)
+        self._norm_epochs = torch.zeros(self._norm_rows, dtype=torch.int32, device=device)
 
     @staticmethod
     def reachable(device: torch.device) -> bool:
@@ -123,16 +122,17 @@ class OneShotAllReduce:
         return x.is_contiguous() and small and aligned and x.dtype in (torch.bfloat16, torch.float32)
 
     def fits_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether `all_reduce_norm(x, residual, ...)` takes the fused kernel (a program and its
-        signal slots per row)."""
-        return (all_reduce_norm.triton is not None and self.fits(x) and x.dim() == 2
-                and x.shape[0] <= self._norm_rows and residual.is_contiguous())
+        """Whether `all_reduce_norm(x, residual, ...)` takes the fused kernel (a program and a flag
+        per rank for each row; x within a rank's slot of its buffer)."""
+        return (all_reduce_norm.triton is not None and x.is_contiguous() and x.dim() == 2 and residual.is_contiguous()
+                and x.dtype in (torch.bfloat16, torch.float32) and x.shape[0] <= self._norm_rows
+                and x.numel() * x.element_size() <= NORM_SLOT_BYTES)
 
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual), that sum), in one kernel."""
-        return all_reduce_norm.all_reduce_rms_norm(x, residual, weight, eps, self._norm_buffers, MAX_BYTES,
-                                                   self._norm_signals, self._norm_phases, self.rank)
+        return all_reduce_norm.all_reduce_rms_norm(x, residual, weight, eps, self._norm_buffers, NORM_SLOT_BYTES,
+                                                   self._norm_signals, self._norm_epochs, self.rank)
 
     def _staged(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
