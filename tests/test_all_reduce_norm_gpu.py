@@ -1,7 +1,7 @@
 """The fused all-reduce + residual + RMSNorm kernel (kernels/all_reduce_norm.py) over 2 GPUs (run on
 the device machine: -m gpu): on fresh random parts, bitwise the one-shot all-reduce then
-`fused.rms_norm`, the same bits on every rank, and the same again replayed in a CUDA graph (the
-buffer's halves then taken in the other order)."""
+`fused.rms_norm`, the same bits on every rank, and the same again in each of two CUDA-graph replays
+(the buffer's halves taken in the other order, then in eager's)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def _rank(rank: int, size: int, port: int) -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 outs = fused_calls(static)
-            for _ in range(2):
+            for _ in range(2):  # (3 calls a replay: the halves in the other order, then in eager's)
                 graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(o, g) for o, g in zip(outs, got)), f"graph != eager {dtype} {rows}x{n}"
+                torch.cuda.synchronize()
+                assert all(torch.equal(o, g) for o, g in zip(outs, got)), f"graph != eager {dtype} {rows}x{n}"
         torch.cuda.synchronize()
     finally:
         group.close()

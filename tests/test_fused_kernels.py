@@ -130,10 +130,16 @@ def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtyp
     pointers = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device=DEVICE)  # noqa: E731
     g = torch.Generator(device=DEVICE).manual_seed(5)
     w = (1 + torch.randn(300, generator=g, device=DEVICE) / 4).to(dtype)
+    last = {}  # (half, row) -> the row last written there: a row's calls alternate halves, from half 1
     for rows in (3, 1, 3, 8):  # (row 0 in every call; rows 1-2 in three, rows 3-7 in one)
         x = (torch.randn(rows, 300, generator=g, device=DEVICE) * 3).to(dtype)
         r = torch.randn(rows, 300, generator=g, device=DEVICE).to(dtype)
+        calls = epochs.tolist()
         out, summed = all_reduce_rms_norm(x, r, w, 1e-5, pointers(buffer), slot, pointers(flags), epochs, 0)
         want_out, want_sum = fused.rms_norm(x, w, 1e-5, r)
         assert torch.equal(summed, want_sum) and torch.equal(out, want_out)
+        last.update({((calls[i] + 1) % 2, i): x[i] for i in range(rows)})
     assert epochs.tolist() == [4, 3, 3, 1, 1, 1, 1, 1] and flags.tolist() == epochs.tolist()
+    halves = buffer.view(2, slot)
+    for (half, i), row in last.items():
+        assert torch.equal(halves[half].view(dtype)[i * 300 : (i + 1) * 300], row), (half, i)
