@@ -50,6 +50,18 @@ class LaunchedServer:
                 raise RuntimeError(f"{self.proc.args[:4]} not healthy after {timeout} s:\n{self.log()}")
             time.sleep(0.2)
 
+    def wait_for_workers(self, urls: list[str], timeout: float) -> None:
+        """Until a router's /workers lists every one of `urls`: it answers /health before it has
+        added them, and a push through it (WeightPusher reads /workers) would reach none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            listed = {w["url"] for w in requests.get(self.url + "/workers", timeout=5).json()["workers"]}
+            if listed >= set(urls):
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the router lists {sorted(listed)} of {urls} after {timeout} s:\n{self.log()}")
+            time.sleep(0.2)
+
 
 @contextmanager
 def launched_server(*serve_args: str, host: str = "127.0.0.1", timeout: float = 900.0,
@@ -66,12 +78,14 @@ def launched_server(*serve_args: str, host: str = "127.0.0.1", timeout: float = 
 @contextmanager
 def launched_router(worker_urls: list[str], policy: str = "cache_aware", timeout: float = 120.0) -> Iterator[LaunchedServer]:
     """SGLang's router (`python -m sglang_router.launch_router`, the `sglang-router` package) in
-    front of `worker_urls` on a free port, once it answers /health; SIGTERM at the end."""
+    front of `worker_urls` on a free port, once it answers /health and lists every worker; SIGTERM
+    at the end."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, "--worker-urls", *worker_urls, "--log-level", "warn",
            "--prometheus-port", str(free_port())]  # (its default, 29000, is one port for every router on the host)
     with launched_process(cmd, f"http://127.0.0.1:{port}", timeout) as router:
+        router.wait_for_workers(worker_urls, timeout)
         yield router
 
 
