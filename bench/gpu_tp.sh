@@ -10,6 +10,8 @@
 #   call 3: bash bench/gpu_tp.sh probe   (NCCL against symmetric-memory all-reduce, kernels per step, pushes to TP2)
 #   call 4: bash bench/gpu_tp.sh rows    (32B TP4 decode, rl under TP2 x DP2 against one TP2 replica)
 #   bash bench/gpu_tp.sh gemm        (the decode products at TP widths: bench/gemm_choice.py)
+#   bash bench/gpu_tp.sh where       (where the time goes: a b1 request at each TP size, the prefill's kernels at TP1,
+#                                    on 4 GPUs the 32B shape's b64 step at TP4, kernel by kernel)
 #   bash bench/gpu_tp.sh b1          (8B b1 decode at TP 1, 2 and 4 in one call: the same-run ratios)
 #   bash bench/gpu_tp.sh checks      (NCCL against the engine's one-shot all-reduce, the GPU tests; beside
 #                                    them, on the last GPU, bench/coupling_bound.py: issue 40's after-a-step ceiling)
@@ -22,7 +24,7 @@
 #                                    against the same tree with x.py's old version; or BASE_TAR=.devcache/base.tar,
 #                                    carried: `git archive -o .devcache/base.tar COMMIT`, that commit's tree)
 set -uo pipefail
-stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | checks | allreduce | oneshot | versus | push}
+stage=${1:?stage: setup | tp | more | probe | rows | gemm | b1 | where | checks | allreduce | oneshot | versus | push}
 source bench/gpu_env.sh .whl .whl_dp
 TPS=$([ "$GPUS" -ge 4 ] && echo "1 2 4" || echo "1 2")
 bench() { timeout "${LIMIT:-200}" python3 -m rollout.tools.cli bench --max-running-seqs 64 --repeats 3 "$@" 2>&1 | grep -v -i -e warn -e "^Loading"; }
@@ -32,9 +34,10 @@ allreduce() {  # NCCL against the engine's one-shot all-reduce over 2 (and 4) GP
       --hidden "${2:-4096}" 2>&1 | grep -i -e "GPUs in a CUDA graph" -e " against " -e error | head -24
   done | tee "$OUT/$1"
 }
-tp_gpu_tests() {  # on at most 3 GPUs (the head test's)
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 240 python3 -m pytest -q -m gpu \
-    -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py tests/test_all_reduce_norm_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.log" | tail -4
+tp_gpu_tests() {  # the engine's on at most 3 GPUs (the head test's), the all-reduce + norm kernel's on all
+  { CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 240 python3 -m pytest -q -m gpu \
+      -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py 2>&1 | tail -4
+    timeout 120 python3 -m pytest -q -m gpu -rs tests/test_all_reduce_norm_gpu.py 2>&1 | tail -4; } | tee "$OUT/tp-gpu-tests.log"
 }
 
 case "$stage" in
@@ -76,6 +79,14 @@ b1)  # the 8B shape's b1 decode at every TP size the machine has, in one call (t
     LIMIT=120 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
       --output-len 128 --tp-size $tp $nccl --out "$OUT/b1-tp$run" | grep "^| rollout" | tail -1 | sed "s|^|tp$run |"
   done 2>&1 | tee "$OUT/b1.log"
+  ;;
+where)
+  timeout 200 python3 bench/tp_profile.py --tp-sizes $(echo $TPS | tr ' ' ,) 2>&1 | grep -e "^|" -e Error \
+    | tee "$OUT/tp-profile.log"
+  timeout 120 python3 bench/tp_profile.py --tp-sizes 1 --kernels 12 --prefill 2>&1 | grep -e "^|" -e Error \
+    | tee "$OUT/prefill-kernels.log"
+  [ "$GPUS" -ge 4 ] && timeout 240 python3 bench/tp_profile.py --shape qwen2.5-32b --tp-sizes 4 --batch 64 \
+    --prompt-len 1024 --tokens 16 --kernels 12 2>&1 | grep -e "^|" -e Error | tee "$OUT/kernels-32b-b64-tp4.log"
   ;;
 checks)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1

@@ -4,6 +4,8 @@ one request's time went: its prefill, its decode steps, their slowest, and the t
 
     python bench/tp_profile.py --tp-sizes 1,2 --variants default,no-pdl,no-overlap,no-graphs
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step (eager)
+    python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill   # ... in the prompt's prefill
+    python bench/tp_profile.py --shape qwen2.5-32b --tp-sizes 4 --batch 64 --prompt-len 1024 --tokens 32 --kernels 14
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--tp-sizes", default="1,2")
     ap.add_argument("--variants", default="default")
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens a sequence")
+    ap.add_argument("--batch", type=int, default=1, help="sequences, each its own prompt")
+    ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--kernels", type=int, default=0, metavar="K", help="instead: rank 0's K costliest kernels per step")
+    ap.add_argument("--prefill", action="store_true", help="with --kernels: the prompts' prefill instead of decode steps")
     args = ap.parse_args()
     model = speed_model_dir(args.shape)
     if args.kernels:
@@ -36,13 +41,12 @@ def main() -> None:
           "| outside steps ms |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for tp in map(int, args.tp_sizes.split(",")):
         for variant in args.variants.split(","):
-            engine = Engine(model=model, load_format="dummy", spec="off", tp_size=tp, max_running_seqs=8,
-                            kv_cache_tokens=20_000, **VARIANTS[variant])
+            engine = profiled_engine(model, tp, args, **VARIANTS[variant])
             params = SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
             for _ in range(2):  # the first run warms up
                 engine.reset_stats()
                 start = time.perf_counter()
-                engine.generate([list(range(100, 228))], params)
+                engine.generate(prompts(args), params)
                 run_ms = (time.perf_counter() - start) * 1e3
             steps = [r for r in engine.step_log if not r.prefill]
             prefill = sum(r.wall_ms for r in engine.step_log if r.prefill)
@@ -55,27 +59,41 @@ def main() -> None:
             del engine
 
 
+def prompts(args: argparse.Namespace) -> list[list[int]]:
+    return [list(range(100 + i * args.prompt_len, 100 + (i + 1) * args.prompt_len)) for i in range(args.batch)]
+
+
+def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> Engine:
+    return Engine(model=model, load_format="dummy", spec="off", tp_size=tp, max_running_seqs=max(8, args.batch),
+                  kv_cache_tokens=args.batch * (args.prompt_len + args.tokens) + 4096, **config)
+
+
 def kernel_tables(model: str, args: argparse.Namespace) -> None:
-    """Eager decode steps under torch.profiler: rank 0's kernels, us per step, costliest first (in
-    a CUDA graph the same kernels run, without the launch gaps). Without PDL: a kernel launched
-    early would count its wait for the one before. A collective counts its wait for the other ranks."""
+    """Eager decode steps (or the prefill) under torch.profiler: rank 0's kernels, us per step,
+    costliest first (in a CUDA graph the same kernels run, without the launch gaps), and the steps'
+    wall time in the run before, unprofiled. Without PDL: a kernel launched early would count its
+    wait for the one before. A collective counts its wait for the other ranks."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
+    steps = 1 if args.prefill else args.tokens
+    params = SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True)
     print("| tp | kernel | per step | us per step |\n|---|---|---|---|", flush=True)
     for tp in map(int, args.tp_sizes.split(",")):
-        engine = Engine(model=model, load_format="dummy", spec="off", tp_size=tp, max_running_seqs=8,
-                        kv_cache_tokens=20_000, cuda_graphs=False, pdl=False)
-        engine.generate([list(range(100, 228))], params)
+        engine = profiled_engine(model, tp, args, cuda_graphs=False, pdl=False)
+        engine.generate(prompts(args), params)
+        engine.reset_stats()
+        engine.generate(prompts(args), params)
+        wall_us = 1e3 * sum(r.wall_ms for r in engine.step_log if r.prefill == args.prefill) / steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.generate([list(range(100, 228))], params)
+            engine.generate(prompts(args), params)
             torch.cuda.synchronize()
         kernels = sorted(((e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
                           if e.self_device_time_total > 0), key=lambda k: -k[2])
-        total = sum(k[2] for k in kernels) / args.tokens
+        total = sum(k[2] for k in kernels) / steps
         for name, count, us in kernels[: args.kernels]:
-            print(f"| {tp} | {name[:70]} | {count / args.tokens:.0f} | {us / args.tokens:.1f} |", flush=True)
+            print(f"| {tp} | {name[:70]} | {count / steps:.0f} | {us / steps:.1f} |", flush=True)
         print(f"| {tp} | all {len(kernels)} kernels | | {total:.1f} |", flush=True)
+        print(f"| {tp} | the steps' wall (unprofiled, eager) | | {wall_us:.1f} |", flush=True)
         engine.close()
         del engine
 

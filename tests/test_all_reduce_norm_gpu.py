@@ -1,7 +1,9 @@
-"""The fused all-reduce + residual + RMSNorm kernel (kernels/all_reduce_norm.py) over 2 GPUs (run on
-the device machine: -m gpu): on fresh random parts, bitwise the one-shot all-reduce then
-`fused.rms_norm`, the same bits on every rank, and the same again in each of two CUDA-graph replays
-(the buffer's halves taken in the other order, then in eager's)."""
+"""The fused all-reduce + residual + RMSNorm kernel (kernels/all_reduce_norm.py) over 2, 3 and 4 GPUs
+(run on the device machine: -m gpu): on fresh random parts, bitwise the ranks' parts summed in rank
+order in float32, rounded once, then `fused.rms_norm`; over 2 GPUs bitwise the one-shot all-reduce
+then `fused.rms_norm` too (what steps of more than 16 rows run); the same bits on every rank, and the
+same again in each of two CUDA-graph replays (the buffer's halves taken in the other order, then in
+eager's)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = pytest.mark.gpu
 
 # (consecutive cases of other row counts: each row's buffer halves alternate on their own)
 CASES = [(torch.bfloat16, 1, 4096), (torch.bfloat16, 7, 576), (torch.bfloat16, 16, 4096), (torch.bfloat16, 3, 5120),
@@ -42,10 +43,18 @@ def _rank(rank: int, size: int, port: int) -> None:
                 return [torch.cat(group.all_reduce_norm(x, residual, weight, 1e-5), dim=1) for x in xs]
 
             got = fused_calls(parts)
-            want = [torch.cat(fused.rms_norm(group.all_reduce(x.clone()), weight, 1e-5, residual), dim=1) for x in parts]
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), f"fused != apart {dtype} {rows}x{n}"
+            for x, g in zip(parts, got):
+                everyone = group.nccl_all_gather(x.reshape(1, -1)).view(size, rows, n)
+                total = torch.zeros(rows, n, dtype=torch.float32, device=device)
+                for part in everyone:  # (rank order)
+                    total += part.float()
+                want = torch.cat(fused.rms_norm(total.to(dtype), weight, 1e-5, residual), dim=1)
+                assert torch.equal(g, want), f"fused != the float32 sum then the norm {dtype} {rows}x{n}"
+                if size == 2:
+                    apart = torch.cat(fused.rms_norm(group.all_reduce(x.clone()), weight, 1e-5, residual), dim=1)
+                    assert torch.equal(g, apart), f"fused != apart {dtype} {rows}x{n}"
             everyone = group.nccl_all_gather(torch.stack(got).reshape(1, -1)).view(size, -1)
-            assert torch.equal(everyone[0], everyone[1]), "ranks differ"
+            assert all(torch.equal(everyone[0], other) for other in everyone[1:]), "ranks differ"
 
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -62,10 +71,14 @@ def _rank(rank: int, size: int, port: int) -> None:
         group.close()
 
 
-def test_fused_all_reduce_norm_is_the_all_reduce_then_the_norm_bitwise():
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_fused_all_reduce_norm_is_the_sum_then_the_norm_bitwise(size: int):
     import torch.multiprocessing as mp
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(2, port), nprocs=2, join=True)
+    mp.spawn(_rank, args=(size, port), nprocs=size, join=True)
