@@ -11,6 +11,7 @@ one request's time went: its prefill, its decode steps, their slowest, and the t
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import statistics
 import time
 
@@ -68,13 +69,22 @@ def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> 
                   kv_cache_tokens=args.batch * (args.prompt_len + args.tokens) + 4096, **config)
 
 
+def profiled_kernels(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[str, int, float]]:
+    """Rank 0's kernels in one run of the prompts: (name, launches, device us), costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+    return sorted(((e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), key=lambda k: -k[2])
+
+
 def kernel_tables(model: str, args: argparse.Namespace) -> None:
     """Eager decode steps (or the prefill) under torch.profiler: rank 0's kernels, us per step,
     costliest first (in a CUDA graph the same kernels run, without the launch gaps), and the steps'
     wall time in the run before, unprofiled. Without PDL: a kernel launched early would count its
     wait for the one before. A collective counts its wait for the other ranks."""
-    from torch.profiler import ProfilerActivity, profile
-
     steps = 1 if args.prefill else args.tokens
     params = SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True)
     print("| tp | kernel | per step | us per step |\n|---|---|---|---|", flush=True)
@@ -84,11 +94,13 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
         engine.reset_stats()
         engine.generate(prompts(args), params)
         wall_us = 1e3 * sum(r.wall_ms for r in engine.step_log if r.prefill == args.prefill) / steps
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.generate(prompts(args), params)
-            torch.cuda.synchronize()
-        kernels = sorted(((e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
-                          if e.self_device_time_total > 0), key=lambda k: -k[2])
+        kernels = profiled_kernels(engine, prompts(args), params)
+        if not args.prefill:  # the decode steps' kernels: the whole run's less the prefill's
+            alone = {name: (count, us) for name, count, us in
+                     profiled_kernels(engine, prompts(args), replace(params, max_new_tokens=1))}
+            kernels = sorted(((name, count - alone.get(name, (0, 0))[0], us - alone.get(name, (0, 0))[1])
+                              for name, count, us in kernels), key=lambda k: -k[2])
+            kernels = [k for k in kernels if k[2] > 0]
         total = sum(k[2] for k in kernels) / steps
         for name, count, us in kernels[: args.kernels]:
             print(f"| {tp} | {name[:70]} | {count / steps:.0f} | {us / steps:.1f} |", flush=True)
