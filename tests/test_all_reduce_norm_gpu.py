@@ -1,9 +1,9 @@
 """The fused all-reduce + residual + RMSNorm kernel (kernels/all_reduce_norm.py) over 2, 3 and 4 GPUs
 (run on the device machine: -m gpu): on fresh random parts, bitwise the ranks' parts summed in rank
-order in float32, rounded once, then `fused.rms_norm`; over 2 GPUs bitwise the one-shot all-reduce
-then `fused.rms_norm` too (what steps of more than 16 rows run); the same bits on every rank, and the
-same again in each of two CUDA-graph replays (the buffer's halves taken in the other order, then in
-eager's)."""
+order in float32 and rounded once (`RankGroup.ordered_sum`, a coupled engine's sum), then
+`fused.rms_norm`; over 2 GPUs bitwise the one-shot all-reduce then `fused.rms_norm` too (what steps
+of more than 16 rows run); the same bits on every rank, and the same again in each of two
+CUDA-graph replays (the buffer's halves taken in the other order, then in eager's)."""
 
 from __future__ import annotations
 
@@ -44,12 +44,8 @@ def _rank(rank: int, size: int, port: int) -> None:
 
             got = fused_calls(parts)
             for x, g in zip(parts, got):
-                everyone = group.nccl_all_gather(x.reshape(1, -1)).view(size, rows, n)
-                total = torch.zeros(rows, n, dtype=torch.float32, device=device)
-                for part in everyone:  # (rank order)
-                    total += part.float()
-                want = torch.cat(fused.rms_norm(total.to(dtype), weight, 1e-5, residual), dim=1)
-                assert torch.equal(g, want), f"fused != the float32 sum then the norm {dtype} {rows}x{n}"
+                want = torch.cat(fused.rms_norm(group.ordered_sum(x), weight, 1e-5, residual), dim=1)
+                assert torch.equal(g, want), f"fused != the ordered sum then the norm {dtype} {rows}x{n}"
                 if size == 2:
                     apart = torch.cat(fused.rms_norm(group.all_reduce(x.clone()), weight, 1e-5, residual), dim=1)
                     assert torch.equal(g, apart), f"fused != apart {dtype} {rows}x{n}"

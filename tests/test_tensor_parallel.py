@@ -4,10 +4,12 @@ with speculation, weight pushes of every kind, and a rank that dies."""
 from __future__ import annotations
 
 import os
+import socket
 import signal
 import subprocess
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import requests
@@ -265,3 +267,50 @@ def test_one_push_reaches_all_four_ranks_of_tp2_x_dp2(tp1, tiny):
                 assert pusher.push(model.named_parameters(), version=version)["weight_version"] == version
         assert generate(both.url) == generate(tp1.url)
         assert [r["weight_version"] for r in requests.get(both.url + "/server_info", timeout=30).json()["replicas"]] == [version] * 2
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_a_coupled_engine_over_4_ranks_is_batch_invariant_its_second_rollout_the_first_bit_for_bit(tiny, size):
+    """Coupled sampling's second rollout verifies the first one's tokens as drafts, in steps of
+    other row counts than the first's. Over 4 ranks a row's all-reduce must come out the same bits
+    whatever the step's rows (gloo's ring sums a row in an order set by the tensor's size), or the
+    draws and logprobs drift apart from the first rollout's."""
+    engine = Engine(model=str(tiny), spec="ngram", device="cpu", coupled_sampling=True, spec_adaptive=False,
+                    tp_size=size)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    try:
+        first = outputs(engine, PROMPTS, params)
+        engine.reset_stats()
+        second = outputs(engine, PROMPTS, params)
+        assert [o.token_ids for o in second] == [o.token_ids for o in first]
+        assert [o.logprobs for o in second] == [o.logprobs for o in first]
+        assert engine.stats()["rollout/spec_accept_rate/coupled"] == 1.0
+    finally:
+        engine.close()
+
+
+def _ordered_rank(rank: int, size: int, port: int) -> None:
+    from torch._C._distributed_c10d import TCPStore
+
+    from rollout.engine.tensor_parallel import RankGroup
+
+    store = TCPStore("127.0.0.1", port, size, rank == 0, timeout=timedelta(seconds=60))
+    group = RankGroup(rank, size, torch.device("cpu"), store, ordered=True)
+    gen = torch.Generator().manual_seed(rank)
+    row = torch.randn(1, 576, generator=gen) * 3
+    everyone = [torch.randn(1, 576, generator=torch.Generator().manual_seed(r)) * 3 for r in range(size)]
+    want = torch.zeros(1, 576)
+    for part in everyone:  # (rank order, from zero)
+        want += part
+    for rows in [1, 2, 5, 17, 300]:  # (gloo's ring alone sums row 0 differently at 2 rows than at 1)
+        x = torch.cat([row, torch.randn(rows - 1, 576, generator=gen)])
+        assert torch.equal(group.all_reduce(x)[:1], want), rows
+
+
+def test_an_ordered_group_sums_a_row_to_the_same_bits_whatever_the_rows_beside_it():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ordered_rank, args=(3, port), nprocs=3, join=True)

@@ -48,10 +48,19 @@ class RankGroup:
     """The collectives of one engine's ranks: on the device (NCCL on CUDA, gloo on the CPU), and
     a gloo group on the host for the ranks' agreements (weights all swapped or none). On CUDA the
     small all-reduces and gathers go over symmetric memory (rollout/engine/one_shot_all_reduce.py)
-    unless `custom_all_reduce` is off."""
+    unless `custom_all_reduce` is off.
 
-    def __init__(self, rank: int, size: int, device: torch.device, store, custom_all_reduce: bool = True):
+    `ordered` (a batch-invariant engine's: coupled sampling): over more than 2 ranks every sum is
+    the ranks' parts added in rank order in float32 and rounded once, so a row comes out the same
+    bits whatever else its step holds. Otherwise the kernel depends on the step's size (gloo's
+    ring and NCCL sum a row in an order set by where it falls; torch's one-shot kernel and the
+    fused norm kernel round differently), and 3 or more addends differ with the order. Two ranks
+    need nothing: a + b is one rounding in any kernel (measured bitwise on 2 GPUs)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, store, custom_all_reduce: bool = True,
+                 ordered: bool = False):
         self.rank, self.size, self.device = rank, size, device
+        self.ordered = ordered and size > 2
         self.one_shot, self.closed = None, False
         opts = ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
@@ -69,6 +78,8 @@ class RankGroup:
             self.dev = self.host
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ordered:
+            return self.ordered_sum(x)
         if self.one_shot is not None and self.one_shot.fits(x):
             return self.one_shot.all_reduce(x)
         self.dev.allreduce([x]).wait()
@@ -77,10 +88,20 @@ class RankGroup:
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual), that sum): one kernel where the one-shot
-        path takes it, else the all-reduce then `fused.rms_norm`."""
+        path takes it (its sum is `ordered_sum`'s), else the all-reduce then `fused.rms_norm`."""
         if self.one_shot is not None and self.one_shot.fits_norm(x, residual):
             return self.one_shot.all_reduce_norm(x, residual, weight, eps)
         return fused.rms_norm(self.all_reduce(x), weight, eps, residual)
+
+    def ordered_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` gathered, added in rank order in float32 from zero, rounded once (what
+        kernels/all_reduce_norm.py computes): the same bits on every rank, for any number of rows."""
+        parts = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.dev._allgather_base(parts, x.contiguous()).wait()
+        total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for part in parts.view(self.size, *x.shape):
+            total += part
+        return total.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[L, V] on each rank -> [L, size * V], rank order along the last dimension."""
@@ -140,7 +161,8 @@ class Leader:
             os.close(read)
             self._pipes.append(os.fdopen(write, "wb"))
         self._events: list = []
-        self.group = RankGroup(0, self.size, device, self._store, not config.disable_custom_all_reduce)
+        self.group = RankGroup(0, self.size, device, self._store, not config.disable_custom_all_reduce,
+                               ordered=config.coupled_sampling)
 
     def record(self, name: str, *args) -> None:
         """A call for the other ranks to replay (sent with the next `flush`)."""
@@ -199,12 +221,13 @@ class Follower:
 
     leads = False
 
-    def __init__(self, rank: int, size: int, port: int, pipe, device: torch.device, custom_all_reduce: bool):
+    def __init__(self, rank: int, size: int, port: int, pipe, device: torch.device, custom_all_reduce: bool,
+                 ordered: bool):
         self.rank, self.size = rank, size
         self._pipe = pipe
         self._events: deque = deque()
         store = TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-        self.group = RankGroup(rank, size, device, store, custom_all_reduce)
+        self.group = RankGroup(rank, size, device, store, custom_all_reduce, ordered)
         self._store = store
 
     def next(self) -> tuple:
@@ -234,4 +257,5 @@ def start_ranks(config, device: torch.device, follower: tuple | None, hooks: str
     if follower is None:
         return Leader(config, device, hooks)
     rank, port, pipe = follower
-    return Follower(rank, config.tp_size, port, pipe, device, not config.disable_custom_all_reduce)
+    return Follower(rank, config.tp_size, port, pipe, device, not config.disable_custom_all_reduce,
+                    config.coupled_sampling)
