@@ -4,7 +4,7 @@ one request's time went: its prefill, its decode steps, their slowest, and the t
 
     python bench/tp_profile.py --tp-sizes 1,2 --variants default,no-pdl,no-overlap,no-graphs
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step (eager)
-    python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill   # ... in the prompt's prefill
+    python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill --host 14   # the prefill's kernels and host ops
     python bench/tp_profile.py --shape qwen2.5-32b --tp-sizes 4 --batch 64 --prompt-len 1024 --tokens 32 --kernels 14
 """
 
@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences, each its own prompt")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--kernels", type=int, default=0, metavar="K", help="instead: rank 0's K costliest kernels per step")
-    ap.add_argument("--prefill", action="store_true", help="with --kernels: the prompts' prefill instead of decode steps")
+    ap.add_argument("--prefill", action="store_true", help="with --kernels: the prompts' prefill, not decode steps")
+    ap.add_argument("--host", type=int, default=0, metavar="K", help="with --kernels: rank 0's K costliest host ops")
     args = ap.parse_args()
     model = speed_model_dir(args.shape)
     if args.kernels:
@@ -69,46 +70,60 @@ def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> 
                   kv_cache_tokens=args.batch * (args.prompt_len + args.tokens) + 4096, **config)
 
 
-def profiled_kernels(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[str, int, float]]:
-    """Rank 0's kernels in one run of the prompts: (name, launches, device us), costliest first."""
+Rows = list[tuple[str, int, float]]  # (name, count, us), costliest first
+
+
+def profiled(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Rows]:
+    """Rank 0's work in one run of the prompts, costliest first: "device", its kernels (name,
+    launches, device us); "host", the host's ops (name, calls, self CPU us: the time in the op
+    itself, its launches included)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, params)
-        torch.cuda.synchronize()
-    return sorted(((e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
-                   if e.self_device_time_total > 0), key=lambda k: -k[2])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    fields = {"device": "self_device_time_total", "host": "self_cpu_time_total"}
+    return {kind: sorted(((e.key, e.count, getattr(e, f)) for e in events if getattr(e, f) > 0), key=lambda k: -k[2])
+            for kind, f in fields.items()}
+
+
+def less(rows: Rows, other: Rows) -> Rows:
+    """`rows` less `other`, name by name (what is left positive), costliest first."""
+    minus = {name: (count, us) for name, count, us in other}
+    rows = [(name, count - minus.get(name, (0, 0))[0], us - minus.get(name, (0, 0))[1]) for name, count, us in rows]
+    return sorted((r for r in rows if r[2] > 0), key=lambda k: -k[2])
 
 
 def kernel_tables(model: str, args: argparse.Namespace) -> None:
     """Eager decode steps (or the prefill) under torch.profiler: rank 0's kernels, us per step,
     costliest first (in a CUDA graph the same kernels run, without the launch gaps), and the steps'
-    wall time in the run before, unprofiled. Without PDL: a kernel launched early would count its
-    wait for the one before. A collective counts its wait for the other ranks."""
+    wall time in the run before, unprofiled; with --host K, the K costliest host ops too (the rest
+    of the wall is Python). Without PDL: a kernel launched early would count its wait for the one
+    before. A collective counts its wait for the other ranks."""
     steps = 1 if args.prefill else args.tokens
     params = SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True)
-    print("| tp | kernel | per step | us per step |\n|---|---|---|---|", flush=True)
+    print("| tp | kernel or host op | per step | us per step |\n|---|---|---|---|", flush=True)
     for tp in map(int, args.tp_sizes.split(",")):
         engine = profiled_engine(model, tp, args, cuda_graphs=False, pdl=False)
         engine.generate(prompts(args), params)
         engine.reset_stats()
         engine.generate(prompts(args), params)
         wall_us = 1e3 * sum(r.wall_ms for r in engine.step_log if r.prefill == args.prefill) / steps
-        kernels = profiled_kernels(engine, prompts(args), params)
-        if not args.prefill:  # the decode steps' kernels: the whole run's less the prefill's
-            alone = {name: (count, us) for name, count, us in
-                     profiled_kernels(engine, prompts(args), replace(params, max_new_tokens=1))}
-            kernels = sorted(((name, count - alone.get(name, (0, 0))[0], us - alone.get(name, (0, 0))[1])
-                              for name, count, us in kernels), key=lambda k: -k[2])
-            kernels = [k for k in kernels if k[2] > 0]
-        total = sum(k[2] for k in kernels) / steps
-        for name, count, us in kernels[: args.kernels]:
-            print(f"| {tp} | {name[:70]} | {count / steps:.0f} | {us / steps:.1f} |", flush=True)
-        print(f"| {tp} | all {len(kernels)} kernels | | {total:.1f} |", flush=True)
+        work = profiled(engine, prompts(args), params)
+        if not args.prefill:  # the decode steps' work: the whole run's less the prefill's
+            alone = profiled(engine, prompts(args), replace(params, max_new_tokens=1))
+            work = {kind: less(rows, alone[kind]) for kind, rows in work.items()}
+        for kind, top in (("device", args.kernels), ("host", args.host)):
+            for name, count, us in work[kind][:top]:
+                print(f"| {tp} | {kind}: {name[:70]} | {count / steps:.0f} | {us / steps:.1f} |", flush=True)
+            if top:
+                total = sum(k[2] for k in work[kind]) / steps
+                print(f"| {tp} | {kind}: all {len(work[kind])} | | {total:.1f} |", flush=True)
         print(f"| {tp} | the steps' wall (unprofiled, eager) | | {wall_us:.1f} |", flush=True)
         engine.close()
         del engine
-
 
 if __name__ == "__main__":
     main()
