@@ -11,8 +11,7 @@
 #   call 4: bash bench/gpu_tp.sh rows    (32B TP4 decode, rl under TP2 x DP2 against one TP2 replica)
 #   bash bench/gpu_tp.sh gemm        (the decode products at TP widths: bench/gemm_choice.py)
 #   bash bench/gpu_tp.sh where       (where the time goes: a b1 request at each TP size, the prefill's kernels and host
-#                                    ops at TP1 and TP2,
-#                                    on 4 GPUs the 32B shape's b64 step at TP4, kernel by kernel)
+#                                    ops at TP1 and TP2)
 #   bash bench/gpu_tp.sh b1          (8B b1 decode at TP 1, 2 and 4 in one call: the same-run ratios)
 #   bash bench/gpu_tp.sh checks      (NCCL against the engine's one-shot all-reduce, the GPU tests; beside
 #                                    them, on the last GPU, bench/coupling_bound.py: issue 40's after-a-step ceiling)
@@ -86,8 +85,6 @@ where)
     | tee "$OUT/tp-profile.log"
   timeout 150 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 8 --host 12 --prefill 2>&1 | grep -e "^|" -e Error \
     | tee "$OUT/prefill-kernels.log"
-  [ "$GPUS" -ge 4 ] && timeout 240 python3 bench/tp_profile.py --shape qwen2.5-32b --tp-sizes 4 --batch 64 \
-    --prompt-len 1024 --tokens 16 --kernels 12 2>&1 | grep -e "^|" -e Error | tee "$OUT/kernels-32b-b64-tp4.log"
   ;;
 checks)
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())" >/dev/null || exit 1
