@@ -35,8 +35,8 @@ allreduce() {  # NCCL against the engine's one-shot all-reduce over 2 (and 4) GP
   done | tee "$OUT/$1"
 }
 tp_gpu_tests() {  # the engine's on at most 3 GPUs (the head test's), the all-reduce + norm kernel's on all
-  { CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 240 python3 -m pytest -q -m gpu \
-      -o faulthandler_timeout=180 tests/test_tensor_parallel_gpu.py 2>&1 | tail -4
+  { CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((GPUS > 3 ? 2 : GPUS - 1))) timeout 420 python3 -m pytest -q -m gpu \
+      -o faulthandler_timeout=300 tests/test_tensor_parallel_gpu.py 2>&1 | tail -4
     timeout 120 python3 -m pytest -q -m gpu -rs tests/test_all_reduce_norm_gpu.py 2>&1 | tail -4; } | tee "$OUT/tp-gpu-tests.log"
 }
 
