@@ -4,8 +4,8 @@ with speculation, weight pushes of every kind, and a rank that dies."""
 from __future__ import annotations
 
 import os
-import socket
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -270,7 +270,7 @@ def test_one_push_reaches_all_four_ranks_of_tp2_x_dp2(tp1, tiny):
 
 
 @pytest.mark.parametrize("size", [1, 4])
-def test_a_coupled_engine_over_4_ranks_is_batch_invariant_its_second_rollout_the_first_bit_for_bit(tiny, size):
+def test_a_coupled_engines_second_rollout_is_the_first_bit_for_bit_over_1_and_4_ranks(tiny, size):
     """Coupled sampling's second rollout verifies the first one's tokens as drafts, in steps of
     other row counts than the first's. Over 4 ranks a row's all-reduce must come out the same bits
     whatever the step's rows (gloo's ring sums a row in an order set by the tensor's size), or the
