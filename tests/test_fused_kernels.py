@@ -120,7 +120,7 @@ def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
 def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtype):
     """kernels/all_reduce_norm.py with a group of one (its own buffer and flags: no peers needed):
     the residual RMSNorm bit for bit, while the calls' epochs advance and their halves alternate.
-    Its sums over 2 GPUs: tests/test_all_reduce_norm_gpu.py."""
+    Its sums over 2-4 GPUs: tests/test_all_reduce_norm_gpu.py."""
     from kernels.all_reduce_norm import all_reduce_rms_norm
 
     slot = 8 * 512 * 4  # (8 rows of 512, float32)

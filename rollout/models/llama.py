@@ -38,6 +38,12 @@ class ForwardContext:
     aux_layers: tuple[int, ...] = ()
     aux_hidden: torch.Tensor | None = None
 
+    def keep_aux(self, layer: int, hidden: torch.Tensor) -> None:
+        """`hidden` [num_tokens, hidden] into its columns of aux_hidden, if the head reads `layer`'s."""
+        if layer in self.aux_layers:
+            k, width = self.aux_layers.index(layer), hidden.shape[1]
+            self.aux_hidden[:, k * width : (k + 1) * width].copy_(hidden)
+
 
 @dataclass(frozen=True)
 class WeightTarget:
@@ -217,9 +223,7 @@ class DecoderLayer(nn.Module):
         hidden state is the ranks' parts summed plus the residual. `x`: the layer before's, or
         with no residual the embedding."""
         h, residual = self.input_layernorm.add(x, residual, self.shard)
-        if self.layer in ctx.aux_layers:  # (the hidden state entering this layer)
-            k = ctx.aux_layers.index(self.layer)
-            ctx.aux_hidden[:, k * residual.shape[1] : (k + 1) * residual.shape[1]].copy_(residual)
+        ctx.keep_aux(self.layer, residual)  # (the hidden state entering this layer)
         h, residual = self.post_attention_layernorm.add(self.self_attn(self.self_attn.qkv_proj(h), ctx), residual, self.shard)
         return self.mlp(self.mlp.gate_up_proj(h)), residual
 
@@ -269,16 +273,14 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, ctx)
-        last = len(self.model.layers)
-        if last in ctx.aux_layers:  # (past the last layer: its output after the final norm, EAGLE-1's feature)
-            h, _ = self.model.norm.add(x, residual, self.shard)
-            k = ctx.aux_layers.index(last)
-            ctx.aux_hidden[:, k * h.shape[1] : (k + 1) * h.shape[1]].copy_(h)
-            h = h if logits_indices is None else h[logits_indices]
-        else:
-            if logits_indices is not None:
-                x, residual = x[logits_indices], residual[logits_indices]
-            h, _ = self.model.norm.add(x, residual, self.shard)
+        last = len(self.model.layers)  # (past the last layer: its output after the final norm, EAGLE-1's feature)
+        every_row = last in ctx.aux_layers
+        if logits_indices is not None and not every_row:  # (else the final norm of the logits' rows alone)
+            x, residual = x[logits_indices], residual[logits_indices]
+        h, _ = self.model.norm.add(x, residual, self.shard)
+        ctx.keep_aux(last, h)
+        if logits_indices is not None and every_row:
+            h = h[logits_indices]
         # float32 out of the accumulator, not rounded to bf16 (steps of 0.06 at a logit near 10):
         # the logprobs a trainer gets are exact to float32. (It did not keep coupled rollouts
         # aligned: their draws part over activations upstream; bench/RESULTS.md.)
