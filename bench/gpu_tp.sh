@@ -105,7 +105,7 @@ oneshot)
 versus)  # 8B b1 decode at TP 2 and 1: this tree against $BASE_TAR's, or this one with $BASE (a file's old version) put back;
   # first $VS_TESTS (GPU tests); VS_MODEL="--model default" for the default model instead of the 8B shape
   tests=${VS_TESTS:-tests/test_fused_kernels.py}
-  timeout 200 python3 -m pytest -q -m gpu $tests 2>&1 | tail -2 | tee "$OUT/$(basename $tests .py).log"
+  timeout 200 python3 -m pytest -q -m gpu $tests 2>&1 | tail -2 | tee "$OUT/versus-tests.log"
   rm -rf /tmp/base && mkdir -p /tmp/base
   if [ -n "${BASE_TAR:-}" ]; then tar -xf "$BASE_TAR" -C /tmp/base; else
     tar --exclude=.devcache --exclude=.whl* -cf - . | tar -xf - -C /tmp/base

@@ -77,6 +77,29 @@ def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
     close(skinny_linear(x, w, b), ref, dtype)
 
 
+def test_kernel_choice_times_cold_copies_and_frees_them():
+    """The Triton-or-cuBLAS choice times each product after a norm on copies of the weight that
+    outgrow the L2 cache; the copies are gone after it (a second choice holds no more memory than
+    the first, which left 64 MiB more than before it on 2 x H200: a workspace, not its copies), and
+    the product is the same either way."""
+    from kernels import skinny_gemm
+
+    if not ON_GPU:
+        pytest.skip("the choice times CUDA graphs")
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    x = torch.randn(2, 2048, generator=g, device=DEVICE).to(torch.bfloat16)
+    w = (torch.randn(3072, 2048, generator=g, device=DEVICE) / 45).to(torch.bfloat16)
+    held = []
+    for _ in range(2):
+        assert isinstance(skinny_gemm._triton_is_faster(x, w, None, None), bool)
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    assert held[1] == held[0]
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    close(skinny_gemm.skinny_linear(x, w), ref, torch.bfloat16)
+    close(skinny_gemm._cublas_linear(x, w, None, None), ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,bias,out_dtype", [(960, 576, True, None), (4099, 576, False, torch.float32), (70, 130, True, None)])
 def test_invariant_linear_rows_are_alike_in_any_batch(dtype, n, k, bias, out_dtype):
