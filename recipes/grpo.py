@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the server derives each request's seed from its prompt, so every epoch draws a prompt's samples "
                          "with the same noise and drafts from the earlier epoch's (needs --dataset-size to meet prompts again)")
     ap.add_argument("--compare-spec-off", action="store_true",
-                    help="also run every rollout after the first on a second server with speculation off (same seeds, "
-                         "same weights pushed to both) and report its tokens/s beside")
+                    help="also run every rollout on a second server with speculation off (same seeds, same weights "
+                         "pushed to both) and report its tokens/s beside")
     ap.add_argument("--spec-no-adaptive", action="store_true",
                     help="the server verifies as many drafts as fit rather than what its measured costs say pays (the "
                          "adaptive budget trusts drafts only after tens of steps: longer than a CPU demo's rollouts)")
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> GrpoRun:
             rollout_s = time.perf_counter() - t0
             after = server_stats()
             off_tokens_per_s = 0.0
-            if off_client is not None and step > 1:  # (the first rollout has no earlier one to draft from)
+            if off_client is not None:  # (every rollout: the first also warms the spec-off server, as it did this one)
                 t1 = time.perf_counter()
                 off_groups = off_client.generate(prompts, sampling, n=args.n)
                 off_tokens_per_s = sum(len(s.token_ids) for g in off_groups for s in g) / (time.perf_counter() - t1)

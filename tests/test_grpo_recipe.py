@@ -79,6 +79,6 @@ def test_the_recipe_rolls_out_coupled_and_compares_with_a_spec_off_server(defaul
                             "--spec", "ngram", "--spec-no-adaptive", "--coupled-sampling", "--compare-spec-off",
                             "--out", str(tmp_path), "--lr", "1e-6"])
     first, second = grpo.run(args).records
-    assert first.off_tokens_per_s == 0 < second.off_tokens_per_s  # (the first rollout has nothing to draft from)
+    assert first.off_tokens_per_s > 0 and second.off_tokens_per_s > 0
     assert second.spec["rollout/spec_draft_tokens/coupled"] > 0
     assert second.spec["rollout/spec_accept_rate/coupled"] > 0.5
