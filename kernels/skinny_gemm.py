@@ -4,12 +4,12 @@ At decode, a linear layer reads its whole weight to produce a handful of rows, s
 run at memory bandwidth; for small layers what matters is the fixed cost of a launch. The
 Triton kernel below streams the weight once through one tile of 16 rows. Whether it or
 cuBLAS is faster depends on the shape, so the first call for each (N, K, dtype) times both as
-steps run them, and keeps the faster: inside a CUDA graph, each product after a norm kernel (under
-programmatic dependent launch the Triton kernel is placed behind that kernel, cuBLAS's only after
-it), on copies of the weight that outgrow the L2 cache (a step reads each layer's weights once).
-Timed back to back on one weight, small products ran from L2 and cuBLAS was kept where the
-Triton kernel is faster in a step (bench/RESULTS.md, tensor parallelism). That first call must
-happen outside CUDA-graph capture (the runner's warm-up does it). The RMSNorm before a product stays its own kernel:
+steps run them and keeps the faster: inside a CUDA graph, each product after a norm kernel
+(under programmatic dependent launch the Triton kernel is placed behind that kernel, cuBLAS's
+only after it), on copies of the weight that outgrow the L2 cache (a step reads each layer's
+weights once). Timed back to back on one weight, the small products ran from L2, which no step
+sees (bench/RESULTS.md, tensor parallelism). That first call must happen outside CUDA-graph
+capture (the runner's warm-up does it). The RMSNorm before a product stays its own kernel:
 fused into this one, every program normalised the rows again before streaming its tile, and
 on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us
 apart: bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the
