@@ -84,7 +84,7 @@ b1)  # the 8B shape's b1 decode at every TP size the machine has, in one call (t
 where)
   timeout 200 python3 bench/tp_profile.py --tp-sizes $(echo $TPS | tr ' ' ,) 2>&1 | grep -e "^|" -e Error \
     | tee "$OUT/tp-profile.log"
-  timeout 150 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 8 --host 12 --prefill 2>&1 | grep -e "^|" -e Error \
+  timeout 300 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 8 --host 12 --prefill 2>&1 | grep -e "^|" -e Error \
     | tee "$OUT/prefill-kernels.log"
   ;;
 checks)
