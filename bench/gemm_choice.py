@@ -1,6 +1,7 @@
 """The decode products of the Llama-3.1-8B shape at tensor-parallel widths: the Triton skinny
 GEMM (kernels/skinny_gemm.py) against cuBLAS, one row and 16, each call on the next of copies of
-the weight that together outgrow the L2 cache, as a step streams its layers.
+the weight that together outgrow the L2 cache, as a step streams its layers (`cold_copies`), and
+after a norm kernel as the engine's choice times them.
 
     python bench/gemm_choice.py --tp-sizes 1,2,4
 """
@@ -13,12 +14,9 @@ import torch
 
 import torch.nn.functional as F
 
-from kernels import fused, pdl
-from kernels.skinny_gemm import MAX_ROWS, graph_ms, skinny_linear
+from kernels import pdl
+from kernels.skinny_gemm import MAX_ROWS, after_norm_ms, cold_copies, cublas_linear, graph_ms, skinny_linear
 from rollout.tools.bench import SPEED_SHAPES
-
-COLD_BYTES = 256 << 20  # more than Hopper's L2 (50-60 MB)
-
 
 def products(tp: int = 1, shape: str = "llama3-8b") -> dict[str, tuple[int, int]]:
     """A decode step's products of a speed shape, by name: (N, K) of one rank at tensor-parallel width tp."""
@@ -29,9 +27,10 @@ def products(tp: int = 1, shape: str = "llama3-8b") -> dict[str, tuple[int, int]
             "gate_up": (2 * inter // tp, hidden), "down": (hidden, inter // tp), "lm_head": (-(-c["vocab_size"] // tp), hidden)}
 
 
-def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, float]]:
-    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel."""
-    copies = [weight] + [torch.empty_like(weight) for _ in range(min(31, -(-COLD_BYTES // (weight.numel() * 2)) - 1))]
+def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, ...]]:
+    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel, and of one row after a
+    norm kernel (what the engine's choice times)."""
+    copies = cold_copies(weight)
     times = {}
     for name, fn in (("triton", skinny_linear), ("cublas", F.linear)):
         per_rows = []
@@ -39,11 +38,8 @@ def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, float]]:
             probe = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
             per_rows.append(graph_ms(lambda: [fn(probe, w) for w in copies]) / len(copies))  # noqa: B023
         times[name] = tuple(per_rows)
-    # the RMSNorm (and residual add) before the product, its own kernel
-    x, r = (torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device) for _ in range(2))
-    nw = torch.randn(weight.shape[1], dtype=weight.dtype, device=weight.device)
-    for name, fn in (("norm+triton", skinny_linear), ("norm+cublas", F.linear)):
-        times[name] = (graph_ms(lambda: [fn(fused.rms_norm(x, nw, 1e-6, r)[0], w) for w in copies]) / len(copies),)  # noqa: B023
+    for name, fn in (("norm+triton", skinny_linear), ("norm+cublas", cublas_linear)):
+        times[name] = (after_norm_ms(fn, weight.shape[1], copies, rows=1),)
     return times
 
 

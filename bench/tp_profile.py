@@ -2,8 +2,8 @@
 Llama-3.1-8B shape (random weights), decode steps' wall, device and host time (Engine.step_log,
 medians), by setting; and where the run's time went: its prefill, its decode steps, their slowest,
 and the time outside steps. The kernel tables run eager: at a large batch the ranks' hosts drift
-apart and a collective's kernel absorbs the wait (32B b64 at TP4: NCCL's all-reduce "took" 45 ms
-a step of the 11 ms a graphed step takes), so they read true at b1 only.
+apart and a collective's kernel absorbs the wait (once seen at 32B b64 TP4, where NCCL's
+all-reduce took most of an eager step; that run's log was not kept), so they read true at b1 only.
 
     python bench/tp_profile.py --tp-sizes 1,2 --variants default,no-pdl,no-overlap,no-graphs
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step (eager)

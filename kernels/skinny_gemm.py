@@ -57,10 +57,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return invariant_linear(x, weight, bias, out_dtype)
     if takes_triton(x, weight, bias, out_dtype):
         return skinny_linear(x, weight, bias, out_dtype)
-    return _cublas_linear(x, weight, bias, out_dtype)
+    return cublas_linear(x, weight, bias, out_dtype)
 
 
-def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    out_dtype: torch.dtype | None) -> torch.Tensor:
     if out_dtype in (None, x.dtype):
         return F.linear(x, weight, bias)
@@ -104,15 +104,34 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       out_dtype: torch.dtype | None) -> bool:
-    """Each kernel timed as a step runs it (the module's docstring): [norm, product] over copies of
-    the weight that together take twice the L2 cache (for a while at warm-up, at most that much memory)."""
+    """Each kernel timed as a step runs it (the module's docstring); the copies live only for the
+    timing (at warm-up, at most twice the L2 cache's memory)."""
+    copies = cold_copies(weight)
+    return (after_norm_ms(skinny_linear, x.shape[1], copies, bias, out_dtype)
+            < after_norm_ms(cublas_linear, x.shape[1], copies, bias, out_dtype))
+
+
+def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weight and uninitialised copies of it that together take twice the L2 cache: a product
+    called on each in turn reads its weight from memory, as a step reads each layer's."""
     l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    copies = [weight] + [torch.empty_like(weight) for _ in range(-(-2 * l2_bytes // weight.nbytes) - 1)]
-    probe = torch.randn(MAX_ROWS, x.shape[1], dtype=x.dtype, device=x.device)
-    norm_weight = torch.rand(x.shape[1], dtype=x.dtype, device=x.device)
-    ms = [graph_ms(lambda: [product(fused.rms_norm(probe, norm_weight, 1e-6), w, bias, out_dtype) for w in copies])  # noqa: B023
-          for product in (skinny_linear, _cublas_linear)]
-    return ms[0] < ms[1]
+    return [weight] + [torch.empty_like(weight) for _ in range(-(-2 * l2_bytes // weight.nbytes) - 1)]
+
+
+def after_norm_ms(product, k: int, copies: list[torch.Tensor], bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None, rows: int = MAX_ROWS) -> float:
+    """Milliseconds of an RMSNorm kernel then `product(x, weight, bias, out_dtype)` of `rows` rows,
+    in a CUDA graph, each weight of `copies` in turn (the norm is what a step puts before a product:
+    under PDL the Triton product is placed behind it)."""
+    dtype, device = copies[0].dtype, copies[0].device
+    probe = torch.randn(rows, k, dtype=dtype, device=device)
+    norm_weight = torch.rand(k, dtype=dtype, device=device)
+
+    def calls() -> None:
+        for weight in copies:
+            product(fused.rms_norm(probe, norm_weight, 1e-6), weight, bias, out_dtype)
+
+    return graph_ms(calls) / len(copies)
 
 
 def graph_ms(fn) -> float:

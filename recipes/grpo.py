@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> GrpoRun:
             rollout_s = time.perf_counter() - t0
             after = server_stats()
             off_tokens_per_s = 0.0
-            if off_client is not None:  # (every rollout: the first also warms the spec-off server, as it did this one)
+            if off_client is not None:  # (the first rollout too: both servers then time warm rollouts alike)
                 t1 = time.perf_counter()
                 off_groups = off_client.generate(prompts, sampling, n=args.n)
                 off_tokens_per_s = sum(len(s.token_ids) for g in off_groups for s in g) / (time.perf_counter() - t1)

@@ -77,11 +77,11 @@ def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
     close(skinny_linear(x, w, b), ref, dtype)
 
 
-def test_kernel_choice_times_cold_copies_and_frees_them():
-    """The Triton-or-cuBLAS choice times each product after a norm on copies of the weight that
-    outgrow the L2 cache; the copies are gone after it (a second choice holds no more memory than
-    the first, which left 64 MiB more than before it on 2 x H200: a workspace, not its copies), and
-    the product is the same either way."""
+def test_kernel_choice_frees_its_weight_copies():
+    """The Triton-or-cuBLAS choice times each product on copies of the weight that outgrow the L2
+    cache (kernels/skinny_gemm.cold_copies); none outlives it. Compared between two choices: the
+    first left 64 MiB more than before it on 2 x H200, which stays, and is no whole number of
+    these 12.6 MB copies."""
     from kernels import skinny_gemm
 
     if not ON_GPU:
@@ -89,15 +89,13 @@ def test_kernel_choice_times_cold_copies_and_frees_them():
     g = torch.Generator(device=DEVICE).manual_seed(7)
     x = torch.randn(2, 2048, generator=g, device=DEVICE).to(torch.bfloat16)
     w = (torch.randn(3072, 2048, generator=g, device=DEVICE) / 45).to(torch.bfloat16)
+    assert len(skinny_gemm.cold_copies(w)) > 1
     held = []
     for _ in range(2):
-        assert isinstance(skinny_gemm._triton_is_faster(x, w, None, None), bool)
+        skinny_gemm._triton_is_faster(x, w, None, None)
         torch.cuda.synchronize()
         held.append(torch.cuda.memory_allocated())
     assert held[1] == held[0]
-    ref = torch.nn.functional.linear(x.float(), w.float())
-    close(skinny_gemm.skinny_linear(x, w), ref, torch.bfloat16)
-    close(skinny_gemm._cublas_linear(x, w, None, None), ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -123,7 +121,7 @@ def test_invariant_linear_rows_are_alike_in_any_batch(dtype, n, k, bias, out_dty
 def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
     """The LM head's logits (out_dtype=float32), by the Triton kernel and by cuBLAS: within float32
     accumulation error of the exact product, far inside one bf16 step."""
-    from kernels.skinny_gemm import _cublas_linear, linear, skinny_linear
+    from kernels.skinny_gemm import cublas_linear, linear, skinny_linear
 
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     x = torch.randn(rows, 576, generator=g, device=DEVICE).to(dtype)
@@ -133,7 +131,7 @@ def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
     if rows <= 16:
         outs.append(skinny_linear(x, w, None, torch.float32))
     if ON_GPU:
-        outs.append(_cublas_linear(x, w, None, torch.float32))
+        outs.append(cublas_linear(x, w, None, torch.float32))
     for y in outs:
         assert y.dtype == torch.float32
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
