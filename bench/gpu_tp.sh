@@ -11,8 +11,8 @@
 #   call 3: bash bench/gpu_tp.sh probe   (NCCL against symmetric-memory all-reduce, kernels per step, pushes to TP2)
 #   call 4: bash bench/gpu_tp.sh rows    (32B TP4 decode, rl under TP2 x DP2 against one TP2 replica)
 #   bash bench/gpu_tp.sh gemm        (the decode products at TP widths: bench/gemm_choice.py)
-#   bash bench/gpu_tp.sh where       (where the time goes: a b1 request at each TP size, the prefill's kernels and host
-#                                    ops at TP1 and TP2)
+#   bash bench/gpu_tp.sh where       (where the time goes: a b1 request at each TP size, each rank's steps, the prefill's
+#                                    kernels and host ops at TP1 and TP2)
 #   bash bench/gpu_tp.sh b1          (8B b1 decode at TP 1, 2 and 4 in one call: the same-run ratios)
 #   bash bench/gpu_tp.sh checks      (NCCL against the engine's one-shot all-reduce, the GPU tests; beside
 #                                    them, on the last GPU, bench/coupling_bound.py: issue 40's after-a-step ceiling)
@@ -82,7 +82,7 @@ b1)  # the 8B shape's b1 decode at every TP size the machine has, in one call (t
   done 2>&1 | tee "$OUT/b1.log"
   ;;
 where)
-  timeout 200 python3 bench/tp_profile.py --tp-sizes $(echo $TPS | tr ' ' ,) 2>&1 | grep -e "^|" -e Error \
+  timeout 200 python3 bench/tp_profile.py --tp-sizes $(echo $TPS | tr ' ' ,) --ranks 2>&1 | grep -e "^|" -e Error \
     | tee "$OUT/tp-profile.log"
   timeout 300 python3 bench/tp_profile.py --tp-sizes 1,2 --kernels 8 --host 12 --prefill 2>&1 | grep -e "^|" -e Error \
     | tee "$OUT/prefill-kernels.log"

@@ -8,6 +8,7 @@ all-reduce took most of an eager step; that run's log was not kept), so they rea
     python bench/tp_profile.py --tp-sizes 1,2 --variants default,no-pdl,no-overlap,no-graphs
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step (eager)
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill --host 14   # the prefill's kernels and host ops
+    PYTHONPATH=. python bench/tp_profile.py --tp-sizes 2 --ranks   # each rank's prefill and decode steps
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0, metavar="K", help="instead: rank 0's K costliest kernels per step")
     ap.add_argument("--prefill", action="store_true", help="with --kernels: the prompts' prefill, not decode steps")
     ap.add_argument("--host", type=int, default=0, metavar="K", help="with --kernels: rank 0's K costliest host ops")
+    ap.add_argument("--ranks", action="store_true", help="then each rank's steps (the repository root on PYTHONPATH)")
     args = ap.parse_args()
     model = speed_model_dir(args.shape)
     if args.kernels:
         return kernel_tables(model, args)
+    rank_rows = []
     print("| tp | variant | step ms | device ms | host ms | tok/s | run ms | prefill ms | decode steps ms | slowest step ms "
           "| outside steps ms |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for tp in map(int, args.tp_sizes.split(",")):
@@ -59,8 +62,37 @@ def main() -> None:
             print(f"| {tp} | {variant} | {med('wall_ms'):.2f} | {med('device_ms'):.2f} | {med('host_ms'):.2f} | "
                   f"{1e3 / med('wall_ms'):.1f} | {run_ms:.1f} | {prefill:.1f} | {walls:.1f} | "
                   f"{max(r.wall_ms for r in steps):.1f} | {run_ms - prefill - walls:.1f} |", flush=True)
+            if args.ranks and engine.tp is not None:
+                engine.tp.record("rank_steps")
+                engine.tp.flush()
+                rank_rows += [(tp, variant, rank, row) for rank, row in enumerate(rank_steps(engine))]
             engine.close()
             del engine
+    if rank_rows:
+        print("| tp | variant | rank | prefill began ms (after rank 0's) | prefill host ms | prefill wall ms "
+              "| decode host ms | decode wall ms |\n|---|---|---|---|---|---|---|---|")
+        for tp, variant, rank, (began, *ms) in rank_rows:
+            print(f"| {tp} | {variant} | {rank} | {began:.2f} | " + " | ".join(f"{v:.2f}" for v in ms) + " |")
+
+
+def rank_steps(engine: Engine) -> list[list[float]]:
+    """Every rank's latest run, gathered over the ranks' host group: its last prefill's start
+    (ms after rank 0's), host and wall ms, and its decode steps' median host and wall ms. The
+    ranks share a host clock (time.perf_counter)."""
+    log = list(engine.step_log)
+    prefill = [r for r in log if r.prefill][-1]
+    decode = [r for r in log if not r.prefill and r.began_s > prefill.began_s]
+    mine = torch.tensor([prefill.began_s * 1e3, prefill.host_ms, prefill.wall_ms,
+                         statistics.median(r.host_ms for r in decode), statistics.median(r.wall_ms for r in decode)],
+                        dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(engine.tp.size)]
+    engine.tp.group.host.allgather([rows], [mine]).wait()
+    return [[row[0].item() - rows[0][0].item(), *row[1:].tolist()] for row in rows]
+
+
+def rank_handlers(engine: Engine) -> dict:
+    """The other ranks' side of `--ranks` (Engine's `tp_hooks`)."""
+    return {"rank_steps": lambda: rank_steps(engine)}
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -68,7 +100,9 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 
 
 def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> Engine:
+    hooks = "bench.tp_profile:rank_handlers" if args.ranks else None
     return Engine(model=model, load_format="dummy", spec="off", tp_size=tp, max_running_seqs=max(8, args.batch),
+                  tp_hooks=hooks,
                   kv_cache_tokens=args.batch * (args.prompt_len + args.tokens) + 4096, **config)
 
 

@@ -386,7 +386,8 @@ class Engine:
         self._last_done = done
         prefill = step.batch.is_prefill
         device_s, host_s = (0.0 if prefill else step.result.device_seconds()), cost - step.result.waited
-        self.step_log.append(StepRecord(len(seqs), step.draft_rows, prefill, cost * 1e3, device_s * 1e3, host_s * 1e3))
+        self.step_log.append(StepRecord(len(seqs), step.draft_rows, prefill, cost * 1e3, device_s * 1e3, host_s * 1e3,
+                                          began))
         self._steps += 1
         if not prefill:
             self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost)

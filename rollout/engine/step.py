@@ -68,6 +68,7 @@ class StepRecord(NamedTuple):
     wall_ms: float  # the wall time the step added (overlapping steps: since the one before completed)
     device_ms: float  # decode and verify steps: the device's time (CUDA events; prefill: 0)
     host_ms: float  # the wall time less the time the host waited for the device
+    began_s: float  # time.perf_counter() when the step began (one clock for a host's processes: ranks line up)
 
 
 @dataclass
