@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from rollout.config import MAX_TOP_LOGPROBS, EngineConfig, SamplingParams, SpecConfig, core_share, request_limit
-from rollout.engine.build import build_parts, resolve_device
+from rollout.engine.build import build_parts, keep_host_heap, resolve_device
 from rollout.engine.emit import Emitter, Output, output
 from rollout.engine.memory import DeviceMemory, MemoryStateError, memory_tags
 from rollout.engine.sampler import prompt_seed, sequence_key
@@ -96,8 +96,10 @@ class Engine:
         Shard.check(self.model_config, cfg.tp_size)  # before any rank starts
         self.tp = start_ranks(cfg, self.device, tp_follower, tp_hooks)  # None with one rank
         self._caller_threads = torch.get_num_threads()  # (rank 0 runs in the caller's process: `close` restores it)
-        if self.device.type == "cpu" and (cfg.cpu_threads or cfg.tp_size > 1):  # processes that share the cores
-            torch.set_num_threads(cfg.cpu_threads or core_share(cfg.tp_size))
+        if self.device.type == "cpu":
+            keep_host_heap()
+            if cfg.cpu_threads or cfg.tp_size > 1:  # processes that share the cores
+                torch.set_num_threads(cfg.cpu_threads or core_share(cfg.tp_size))
         p = build_parts(cfg, self.device, self.tp, self.model_path, self.model_config)
         self.dtype, self.shard = p.dtype, p.shard
         self.tokenizer, self.eos_token_ids = p.tokenizer, p.eos_token_ids
