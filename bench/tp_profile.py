@@ -102,8 +102,7 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> Engine:
     hooks = "bench.tp_profile:rank_handlers" if args.ranks else None
     return Engine(model=model, load_format="dummy", spec="off", tp_size=tp, max_running_seqs=max(8, args.batch),
-                  tp_hooks=hooks,
-                  kv_cache_tokens=args.batch * (args.prompt_len + args.tokens) + 4096, **config)
+                  kv_cache_tokens=args.batch * (args.prompt_len + args.tokens) + 4096, tp_hooks=hooks, **config)
 
 
 Rows = list[tuple[str, int, float]]  # (name, count, us), costliest first
