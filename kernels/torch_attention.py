@@ -38,6 +38,9 @@ def dense_mask(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, tor
 
 class TorchAttention:
     def plan(self, meta: AttentionMetadata) -> None:
+        longest = int(meta.kv_lens.max()) if meta.num_seqs else 0
+        if longest > meta.max_kv_len:  # keys past the bound would be dropped without a word
+            raise ValueError(f"a sequence's {longest} keys exceed the step's bound max_kv_len={meta.max_kv_len}")
         seq_of_token, index_in_seq, allowed = dense_mask(meta)
         q_rows = meta.max_q_len
         mask = torch.zeros(meta.num_seqs, q_rows, meta.max_kv_len, dtype=torch.bool, device=allowed.device)

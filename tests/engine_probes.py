@@ -40,3 +40,18 @@ def draft_every_other_step(engine: Engine, per_seq: int = 4) -> None:
         StepPlan(per_seq * num_seqs, True, False) if next(turn) and num_seqs * (per_seq + 1) <= free_slots
         else StepPlan(0, False, False)
     )
+
+
+def attention_slack(engine: Engine) -> list[int]:
+    """For each plain decode step's attention plan (one query row a sequence): how many keys its
+    bound `max_kv_len` allows past the longest sequence (the CPU's reference attention pads every
+    row to the bound)."""
+    slack, plan = [], engine.runner.backend.plan
+
+    def planning(meta):
+        if meta.max_q_len == 1 and meta.num_seqs:
+            slack.append(meta.max_kv_len - int(meta.kv_lens.max()))
+        return plan(meta)
+
+    engine.runner.backend.plan = planning
+    return slack

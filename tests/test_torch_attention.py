@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kernels.attention import AttentionMetadata
@@ -89,3 +90,11 @@ def test_reference_attention_matches_per_query_loop_causal_and_tree():
         assert torch.equal(k_cache[meta.out_slots], k) and torch.equal(v_cache[meta.out_slots], v)
         expected = loop_attention(meta, q, k_cache, v_cache, cached, q_lens, 0.25)
         assert torch.allclose(out, expected, atol=1e-5), (seed, tree)
+
+
+def test_a_bound_below_a_sequences_keys_is_an_error():
+    """The reference pads every row to `max_kv_len`; a bound too low would drop keys silently."""
+    meta, *_ = build_case(4, tree=True)
+    meta.max_kv_len -= 1
+    with pytest.raises(ValueError, match="exceed the step's bound"):
+        TorchAttention().plan(meta)

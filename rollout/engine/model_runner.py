@@ -83,6 +83,7 @@ class ModelRunner:
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, once captured (capture_graphs)
         self._rows: BatchRows | None = None  # the last decode batch's
         self._head_runs = True  # the draft head ran in the last step launched (it starts awake)
+        self._pending: StepInFlight | None = None  # the last step launched, until it is collected
 
     def capture_graphs(self, attn_out: torch.Tensor, max_batch: int, capacities, step_kinds) -> int:
         """Capture a CUDA graph of every decode-step shape (rollout/engine/cuda_graphs.py); returns how many."""
@@ -113,17 +114,24 @@ class ModelRunner:
         else:
             inputs = DecodeInputs(*(to_device(a, self.device) for a in DecodeInputs.host_arrays(slots, b)), s, len(slots))
             edit = (lambda layout: self._edits(seqs, layout)) if b.editing else None
-            # the host's tokens trail the device by the step in flight, if any: at most the widest step
-            widest = self.drafters.width + 1
-            max_kv = min(max(len(q.tokens) for q in seqs) + 2 * widest, self.pool.max_context)
+            # a bound of the sequences' lengths after this step (attention pads to it on the CPU): the
+            # host's, plus what the step in flight and this one append
+            unseen = self._appends(self._pending.draft_rows) if self._pending is not None else 0
+            max_kv = min(max(len(q.tokens) for q in seqs) + unseen + self._appends(draft_rows), self.pool.max_context)
             out = self.run_decode(inputs, draft_rows, drafting, head, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
         tensors = [out.ints, out.logprobs]
         if shadow and out.trees is not None:
             tensors += list(out.trees)
         if top:
             tensors += list(out.top)
-        return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows, drafting=drafting,
-                            shadow=shadow and out.trees is not None, top=bool(top), head=head)
+        self._pending = StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows,
+                                     drafting=drafting, shadow=shadow and out.trees is not None, top=bool(top), head=head)
+        return self._pending
+
+    def _appends(self, draft_rows: int) -> int:
+        """The most tokens a step of `draft_rows` draft rows appends to a sequence: its root's draw
+        and the drafts of its tree accepted before it."""
+        return 1 + min(draft_rows, self.drafters.width)
 
     def _set_head_running(self, runs: bool) -> None:
         """Whether the draft head runs in the step being launched: as it stops, every row stops
@@ -286,7 +294,8 @@ class ModelRunner:
         if top:
             values, ids_ = processed_logprobs(logits, st).topk(top, dim=-1)
             tensors += [ids_, values]
-        return StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
+        self._pending = StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
+        return self._pending
 
     def _eagle_after_prefill(self, batch: Batch, starts: np.ndarray, input_ids: np.ndarray, positions: torch.Tensor,
                              meta: AttentionMetadata, aux: torch.Tensor, drawn: torch.Tensor, logits_rows: list[int]) -> None:
@@ -327,6 +336,8 @@ class ModelRunner:
         """Wait for a launched step: what each sequence emitted (a decode step also sets `step.accepted`,
         the nodes whose KV the scheduler keeps)."""
         host = step.result.wait()
+        if step is self._pending:
+            self._pending = None
         if step.batch.is_prefill:
             return self._emit_prefill(step, host)
         if step.shadow:
