@@ -1,4 +1,5 @@
-"""Reference attention in plain torch: pad every sequence, build a dense mask, two matmuls.
+"""Reference attention in plain torch: pad every sequence, build a dense mask, two matmuls per KV
+head over its query heads.
 
 Slow but obviously correct on any device; CI runs it on the CPU and every fast backend is
 held to it on random inputs. It is also batch-invariant on the CPU: it computes in
@@ -61,20 +62,24 @@ class TorchAttention:
         return self.attend(q, k_cache, v_cache, meta, scale, out)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        group = num_heads // k_cache.shape[1]
-        q_pad = q.new_zeros(meta.num_seqs, self._q_rows, num_heads, head_dim)
-        q_pad[self._seq_of_token, self._index_in_seq] = q[: len(self._seq_of_token)]
-        # [B, num_heads, max_kv, head_dim]
-        keys = k_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
-        values = v_cache[self._slots].to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
+        num_seqs, rows, (num_heads, head_dim), kv_heads = meta.num_seqs, self._q_rows, q.shape[1:], k_cache.shape[1]
+        group = num_heads // kv_heads
         # In float64 throughout: BLAS picks its kernel, and the softmax its vector grouping, by the
         # shape (query rows, key count), so their rounding varies from step to step; the extra
         # precision absorbs that, and steps of different shapes agree to the last bit.
-        scores = torch.matmul(q_pad.transpose(1, 2).double(), keys.transpose(2, 3).double()) * scale
-        probs = scores.masked_fill(~self._mask, float("-inf")).softmax(dim=-1)  # [B, H, q_rows, max_kv]
-        result = torch.matmul(probs, values.double()).to(q.dtype)  # [B, num_heads, q_rows, head_dim]
-        result = result.transpose(1, 2)[self._seq_of_token, self._index_in_seq]
+        q_pad = torch.zeros(num_seqs, rows, num_heads, head_dim, dtype=torch.float64, device=q.device)
+        q_pad[self._seq_of_token, self._index_in_seq] = q[: len(self._seq_of_token)].double()
+        # the query heads of a KV head (h // group) together, [B, kv_heads, group * rows, head_dim]:
+        # each KV head's keys are read once, not copied for each of its query heads
+        q_grouped = q_pad.view(num_seqs, rows, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        q_grouped = q_grouped.reshape(num_seqs, kv_heads, group * rows, head_dim)
+        keys = k_cache[self._slots].to(q.dtype).double().permute(0, 2, 3, 1)  # [B, kv_heads, head_dim, max_kv]
+        values = v_cache[self._slots].to(q.dtype).double().transpose(1, 2)  # [B, kv_heads, max_kv, head_dim]
+        scores = (torch.matmul(q_grouped, keys) * scale).view(num_seqs, kv_heads, group, rows, -1)
+        probs = scores.masked_fill(~self._mask[:, :, None], float("-inf")).softmax(dim=-1)
+        result = torch.matmul(probs.view(num_seqs, kv_heads, group * rows, -1), values)
+        result = result.view(num_seqs, kv_heads, group, rows, head_dim).permute(0, 3, 1, 2, 4)
+        result = result.reshape(num_seqs, rows, num_heads, head_dim)[self._seq_of_token, self._index_in_seq].to(q.dtype)
         if len(result) < len(q):  # rows left over: zeros
             result = torch.cat([result, result.new_zeros(len(q) - len(result), num_heads, head_dim)])
         return result if out is None else out.copy_(result)
