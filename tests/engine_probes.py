@@ -15,11 +15,11 @@ def count_chained(engine: Engine) -> list[int]:
     chained, outstanding = [0, 0], []
     launch, collect = engine.runner.launch_decode, engine.runner.collect
 
-    def launching(batch, slots, draft_rows, drafting, head=HeadWork.NONE, shadow=False):
+    def launching(batch, slots, draft_rows, drafting, head=HeadWork.NONE, shadow=False, after=None):
         if outstanding:
             chained[0] += 1
             chained[1] += outstanding[-1].draft_rows > 0
-        step = launch(batch, slots, draft_rows, drafting, head, shadow)
+        step = launch(batch, slots, draft_rows, drafting, head, shadow, after)
         outstanding.append(step)
         return step
 

@@ -305,7 +305,7 @@ class Engine:
         chain = (prev is not None and batch is not None and not batch.is_prefill and self.config.overlap_schedule
                  and not self._editing_logits)
         if chain:
-            launched = self._launch(batch, began)
+            launched = self._launch(batch, began, after=prev)
             self._complete(prev, updated)
             if all(seq.finished for seq in batch.seqs):  # nothing left to wait for
                 self._complete(launched, updated)
@@ -325,7 +325,8 @@ class Engine:
         self._flush_replay()
         return self._collect(updated)
 
-    def _launch(self, batch: Batch, began: float) -> StepInFlight:
+    def _launch(self, batch: Batch, began: float, after: StepInFlight | None = None) -> StepInFlight:
+        """Launch `batch`'s step; `after`: the step it follows, still in flight."""
         if batch.is_prefill:
             slots, positions, starts = self.scheduler.place_prefill(batch)
             head = self._prefill_head(new_prompts=bool((starts == 0).any()))
@@ -337,7 +338,7 @@ class Engine:
             self._draft_steps += plan.draft_rows > 0
             slots = self.scheduler.step_slots(len(batch.seqs) + plan.draft_rows)
             self._flush_replay()
-            step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.head, plan.shadow)
+            step = self.runner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.head, plan.shadow, after)
         step.began = began
         return step
 

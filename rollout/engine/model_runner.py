@@ -83,7 +83,6 @@ class ModelRunner:
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, once captured (capture_graphs)
         self._rows: BatchRows | None = None  # the last decode batch's
         self._head_runs = True  # the draft head ran in the last step launched (it starts awake)
-        self._pending: StepInFlight | None = None  # the last step launched, until it is collected
 
     def capture_graphs(self, attn_out: torch.Tensor, max_batch: int, capacities, step_kinds) -> int:
         """Capture a CUDA graph of every decode-step shape (rollout/engine/cuda_graphs.py); returns how many."""
@@ -95,12 +94,13 @@ class ModelRunner:
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
     def launch_decode(self, batch: Batch, slots: np.ndarray, draft_rows: int, drafting: bool,
-                      head: HeadWork = HeadWork.NONE, shadow: bool = False) -> StepInFlight:
+                      head: HeadWork = HeadWork.NONE, shadow: bool = False, after: StepInFlight | None = None) -> StepInFlight:
         """Queue a decode or verify step of every sequence in `batch` on the device: its roots and
         at most `draft_rows` drafts, with the KV slots of those rows in `slots` [S + draft_rows]
-        (the scheduler's); it may follow a step not yet collected. `drafting`: the drafter runs
-        (draft_rows > 0 needs it; with none it only looks, for the statistics); `head`: a draft
-        head's work (spec/eagle.py); `shadow`: the whole trees come back to the host."""
+        (the scheduler's); it may follow a step not yet collected (`after`: its tokens are on the
+        device, not yet the host's). `drafting`: the drafter runs (draft_rows > 0 needs it; with
+        none it only looks, for the statistics); `head`: a draft head's work (spec/eagle.py);
+        `shadow`: the whole trees come back to the host."""
         seqs = batch.seqs
         s = len(seqs)
         b = self._batch_rows(batch)
@@ -116,7 +116,7 @@ class ModelRunner:
             edit = (lambda layout: self._edits(seqs, layout)) if b.editing else None
             # a bound of the sequences' lengths after this step (attention pads to it on the CPU): the
             # host's, plus what the step in flight and this one append
-            unseen = self._appends(self._pending.draft_rows) if self._pending is not None else 0
+            unseen = self._appends(after.draft_rows) if after is not None else 0
             max_kv = min(max(len(q.tokens) for q in seqs) + unseen + self._appends(draft_rows), self.pool.max_context)
             out = self.run_decode(inputs, draft_rows, drafting, head, mode, edit=edit, top_logprobs=top, max_kv_len=max_kv)
         tensors = [out.ints, out.logprobs]
@@ -124,9 +124,8 @@ class ModelRunner:
             tensors += list(out.trees)
         if top:
             tensors += list(out.top)
-        self._pending = StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows,
-                                     drafting=drafting, shadow=shadow and out.trees is not None, top=bool(top), head=head)
-        return self._pending
+        return StepInFlight(batch, draft_rows, HostCopy(tensors, clock), slots=slots, rows=b.rows, drafting=drafting,
+                            shadow=shadow and out.trees is not None, top=bool(top), head=head)
 
     def _appends(self, draft_rows: int) -> int:
         """The most tokens a step of `draft_rows` draft rows appends to a sequence: its root's draw
@@ -294,8 +293,7 @@ class ModelRunner:
         if top:
             values, ids_ = processed_logprobs(logits, st).topk(top, dim=-1)
             tensors += [ids_, values]
-        self._pending = StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
-        return self._pending
+        return StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
 
     def _eagle_after_prefill(self, batch: Batch, starts: np.ndarray, input_ids: np.ndarray, positions: torch.Tensor,
                              meta: AttentionMetadata, aux: torch.Tensor, drawn: torch.Tensor, logits_rows: list[int]) -> None:
@@ -336,8 +334,6 @@ class ModelRunner:
         """Wait for a launched step: what each sequence emitted (a decode step also sets `step.accepted`,
         the nodes whose KV the scheduler keeps)."""
         host = step.result.wait()
-        if step is self._pending:
-            self._pending = None
         if step.batch.is_prefill:
             return self._emit_prefill(step, host)
         if step.shadow:
