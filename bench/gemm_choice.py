@@ -1,7 +1,9 @@
 """The decode products of the Llama-3.1-8B shape at tensor-parallel widths: the Triton skinny
 GEMM (kernels/skinny_gemm.py) against cuBLAS, one row and 16, each call on the next of copies of
-the weight that together outgrow the L2 cache, as a step streams its layers (`cold_copies`), and
-after a norm kernel as the engine's choice times them.
+the weight that together outgrow the L2 cache, as a step streams its layers (`cold_copies`); then
+one row after a kernel, as a step runs them: after a norm (what the engine's choice times) and
+after a kernel that only waits (as the all-reduce + norm and a short attention do), with the
+Triton kernel's weight prefetch at several sizes (`--prefetch-mib`; 0: none).
 
     python bench/gemm_choice.py --tp-sizes 1,2,4
 """
@@ -11,12 +13,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from kernels import pdl
-from kernels.skinny_gemm import MAX_ROWS, after_norm_ms, cold_copies, cublas_linear, graph_ms, skinny_linear
+from kernels import fused, pdl, skinny_gemm
+from kernels.skinny_gemm import MAX_ROWS, cold_copies, cublas_linear, graph_ms, skinny_linear
 from rollout.tools.bench import SPEED_SHAPES
+
 
 def products(tp: int = 1, shape: str = "llama3-8b") -> dict[str, tuple[int, int]]:
     """A decode step's products of a speed shape, by name: (N, K) of one rank at tensor-parallel width tp."""
@@ -27,9 +31,22 @@ def products(tp: int = 1, shape: str = "llama3-8b") -> dict[str, tuple[int, int]
             "gate_up": (2 * inter // tp, hidden), "down": (hidden, inter // tp), "lm_head": (-(-c["vocab_size"] // tp), hidden)}
 
 
+@triton.jit
+def _wait_kernel(cycles, PDL: tl.constexpr):
+    """One program that spins `cycles` SM clocks, touching no memory."""
+    pdl.wait_for_previous(PDL)
+    start = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    now = start
+    while now - start < cycles:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+def waiting(cycles: int) -> None:
+    _wait_kernel[(1,)](cycles, num_warps=1, **pdl.launch_args())
+
+
 def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, ...]]:
-    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel, and of one row after a
-    norm kernel (what the engine's choice times)."""
+    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel."""
     copies = cold_copies(weight)
     times = {}
     for name, fn in (("triton", skinny_linear), ("cublas", F.linear)):
@@ -38,30 +55,53 @@ def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, ...]]:
             probe = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
             per_rows.append(graph_ms(lambda: [fn(probe, w) for w in copies]) / len(copies))  # noqa: B023
         times[name] = tuple(per_rows)
-    for name, fn in (("norm+triton", skinny_linear), ("norm+cublas", cublas_linear)):
-        times[name] = (after_norm_ms(fn, weight.shape[1], copies, rows=1),)
     return times
+
+
+def after_ms(before, product, copies: list[torch.Tensor]) -> float:
+    """Milliseconds of `before()` then a one-row `product` on each weight of `copies` in turn, in a graph."""
+    probe = torch.randn(1, copies[0].shape[1], dtype=copies[0].dtype, device=copies[0].device)
+    return graph_ms(lambda: [(before(), product(probe, w)) for w in copies]) / len(copies)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp-sizes", default="1,2,4")
+    ap.add_argument("--prefetch-mib", default="0,8,16,32")
+    ap.add_argument("--wait-cycles", type=int, default=12000, help="the waiting kernel's length (its us are printed)")
     args = ap.parse_args()
     pdl.set_enabled(pdl.supported(torch.device("cuda")))
+    budgets = [int(b) for b in args.prefetch_mib.split(",")]
+    wait_us = graph_ms(lambda: waiting(args.wait_cycles)) * 1e3
+    print(f"waiting kernel alone: {wait_us:.1f} us; prefetch MiB {budgets}; pairs in us (the kernel before included)")
     print("| tp | product | N x K | MB | cuBLAS 1 row us (TB/s) | Triton 1 row | cuBLAS 16 rows | Triton 16 rows "
-          "| 1 row after RMSNorm: Triton | cuBLAS |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| after RMSNorm: cuBLAS | Triton by prefetch | after waiting: cuBLAS | Triton by prefetch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for tp in map(int, args.tp_sizes.split(",")):
         for name, (n, k) in products(tp).items():
             w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
             t = cold_times(w)
+            copies = cold_copies(w)
+            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+            norm_weight = torch.rand(k, dtype=torch.bfloat16, device="cuda")
+            cells = []
+            for before in (lambda x=x, norm_weight=norm_weight: fused.rms_norm(x, norm_weight, 1e-6), lambda: waiting(args.wait_cycles)):
+                cells.append(f"{after_ms(before, cublas_linear_plain, copies) * 1e3:.1f}")
+                triton_us = []
+                for budget in budgets:
+                    skinny_gemm.PREFETCH_BYTES = budget << 20
+                    triton_us.append(f"{after_ms(before, skinny_linear, copies) * 1e3:.1f}")
+                cells.append(" / ".join(triton_us))
             mb = n * k * 2 / 1e6
             cell = lambda ms: f"{ms * 1e3:.1f} ({mb / ms / 1e3:.2f})"  # noqa: E731
             print(f"| {tp} | {name} | {n} x {k} | {mb:.0f} | {cell(t['cublas'][0])} | {cell(t['triton'][0])} | "
-                  f"{cell(t['cublas'][1])} | {cell(t['triton'][1])} | "
-                  f"{t['norm+triton'][0] * 1e3:.1f} | {t['norm+cublas'][0] * 1e3:.1f} |", flush=True)
-            del w
+                  f"{cell(t['cublas'][1])} | {cell(t['triton'][1])} | " + " | ".join(cells) + " |", flush=True)
+            del w, copies
             torch.cuda.empty_cache()
+
+
+def cublas_linear_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return cublas_linear(x, w, None, None)
 
 
 if __name__ == "__main__":

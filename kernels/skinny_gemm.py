@@ -3,8 +3,9 @@
 At decode, a linear layer reads its whole weight to produce a handful of rows, so it should
 run at memory bandwidth; for small layers what matters is the fixed cost of a launch. The
 Triton kernel below streams the weight once through one tile of 16 rows. Whether it or
-cuBLAS is faster depends on the shape, so the first call for each (N, K, dtype) times both as
-steps run them and keeps the faster: inside a CUDA graph, each product after a norm kernel
+cuBLAS is faster depends on the shape and the rows (on an H200, Triton wins the 8B shape's products
+at TP2 for one row and cuBLAS for 16), so the first call for each (N, K, dtype) and power of two
+of rows times both as steps run them and keeps the faster: inside a CUDA graph, each product after a norm kernel
 (under programmatic dependent launch the Triton kernel is placed behind that kernel, cuBLAS's
 only after it), on copies of the weight that outgrow the L2 cache (a step reads each layer's
 weights once). Timed back to back on one weight, the small products ran from L2, which no step
@@ -21,6 +22,13 @@ summation order, by the row count, and the few-row path above is a different ker
 a row verified beside a draft tree came out in different last bits than the same row decoded
 alone, and two coupled samples parted there. The invariant path runs one Triton kernel with
 one fixed tile for every row count: each output element sums its products in the same order.
+
+Weight prefetch under programmatic dependent launch: the weight is no output of the kernel
+before, so a product placed on the SMs while that kernel still runs asks the L2 cache for the
+head of each of its weight rows (PREFETCH_BYTES over the whole weight, in bulk prefetches)
+before it waits. The kernels before a product at decode (the norm or all-reduce + norm,
+attention, silu) use little of the memory's bandwidth, which the prefetch then fills. Loads
+and sums are unchanged: the result is bitwise the same.
 """
 
 from __future__ import annotations
@@ -42,8 +50,9 @@ MAX_ROWS = 16
 INVARIANT_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 CPU_BLOCK_ROWS = 8
+PREFETCH_BYTES = 16 << 20  # weight a product prefetches into L2 before its wait (bench/gemm_choice.py)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_use_triton: dict[tuple, bool] = {}  # (N, K, dtype, out dtype, has_bias, PDL) -> Triton beat cuBLAS
+_use_triton: dict[tuple, bool] = {}  # (N, K, rows, dtype, out dtype, has_bias, PDL) -> Triton beat cuBLAS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -81,10 +90,11 @@ def takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     )  # float32 stays with cuBLAS: tl.dot would round its inputs to tf32
     if not usable:
         return False
-    key = (weight.shape[0], weight.shape[1], x.dtype, out_dtype, bias is not None, pdl.enabled())
+    rows = 1 << (x.shape[0] - 1).bit_length()
+    key = (weight.shape[0], weight.shape[1], rows, x.dtype, out_dtype, bias is not None, pdl.enabled())
     choice = _use_triton.get(key)
     if choice is None:
-        choice = _use_triton[key] = INTERPRET or _triton_is_faster(x, weight, bias, out_dtype)
+        choice = _use_triton[key] = INTERPRET or _triton_is_faster(rows, weight, bias, out_dtype)
     return choice
 
 
@@ -102,13 +112,14 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.cat([F.linear(block, weight, bias) for block in x.split(CPU_BLOCK_ROWS)])[:rows]
 
 
-def _triton_is_faster(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _triton_is_faster(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
                       out_dtype: torch.dtype | None) -> bool:
     """Each kernel timed as a step runs it (the module's docstring); the copies live only for the
     timing (at warm-up, at most twice the L2 cache's memory)."""
     copies = cold_copies(weight)
-    return (after_norm_ms(skinny_linear, x.shape[1], copies, bias, out_dtype)
-            < after_norm_ms(cublas_linear, x.shape[1], copies, bias, out_dtype))
+    k = weight.shape[1]
+    return (after_norm_ms(skinny_linear, k, copies, bias, out_dtype, rows)
+            < after_norm_ms(cublas_linear, k, copies, bias, out_dtype, rows))
 
 
 def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -156,13 +167,27 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m == 0:
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS)
+    prefetch = prefetch_row_bytes(weight)
+    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            prefetch)
+    flags = dict(HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, PREFETCH=prefetch > 0)
     if INTERPRET:  # the interpreter cannot time configurations
         _skinny_gemm_kernel[grid](*args, **flags, BLOCK_N=32, BLOCK_K=64, PDL=False)
     else:
         _skinny_gemm_tuned[grid](*args, **flags, **pdl.launch_args())
     return y
+
+
+def prefetch_row_bytes(weight: torch.Tensor) -> int:
+    """Bytes at the head of each row of `weight` that a product prefetches before it waits on the
+    kernel before it: PREFETCH_BYTES shared by the rows, in the 16-byte units a bulk prefetch
+    takes; 0 without PDL (nothing runs before the wait then) or on an unaligned weight."""
+    if not pdl.enabled() or INTERPRET or not weight.is_cuda:
+        return 0
+    size = weight.element_size()
+    if weight.data_ptr() % 16 or weight.stride(0) * size % 16:
+        return 0
+    return min(weight.shape[1] * size, PREFETCH_BYTES // weight.shape[0]) // 16 * 16
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -179,21 +204,40 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if m:
         tile = INVARIANT_TILE
         grid = (triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(m, tile["BLOCK_M"]))
+        prefetch = prefetch_row_bytes(weight) if m <= tile["BLOCK_M"] else 0  # (a row block each would repeat it)
         _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
-                                  weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **tile,
-                                  IEEE=x.dtype == torch.float32, **({"PDL": False} if INTERPRET else pdl.launch_args()))
+                                  weight.stride(0), y.stride(0), prefetch, HAS_BIAS=bias is not None, **tile,
+                                  PREFETCH=prefetch > 0, IEEE=x.dtype == torch.float32,
+                                  **({"PDL": False} if INTERPRET else pdl.launch_args()))
     return y.view(*lead, n)
 
 
 if triton is not None:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
+    def _prefetch_rows(w_ptr, cols, n, stride_wn, nbytes, BLOCK_N: tl.constexpr):
+        """Ask the L2 cache for the first `nbytes` of each weight row in `cols` by sm_90's bulk prefetch,
+        each row in pieces so that each of the program's (at least 128) threads issues one."""
+        tl.static_assert(BLOCK_N <= 128)
+        piece = nbytes // (128 // BLOCK_N) // 16 * 16
+        rows = tl.minimum(cols, n - 1).to(tl.int64)
+        offsets = tl.arange(0, 128 // BLOCK_N) * (piece // (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        heads = w_ptr + rows[:, None] * stride_wn + offsets[None, :]
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [heads, tl.zeros((BLOCK_N, 128 // BLOCK_N), dtype=tl.int32) + piece], dtype=tl.int32,
+            is_pure=False, pack=1)
+
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym, prefetch_bytes,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, IEEE: tl.constexpr = False):
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                            IEEE: tl.constexpr = False):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PREFETCH:  # before the wait: the kernel before may still run (the module's docstring)
+            _prefetch_rows(w_ptr, cols, n, stride_wn, prefetch_bytes, BLOCK_N)
         pdl.wait_for_previous(PDL)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (one row block unless batch-invariant)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < m
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
