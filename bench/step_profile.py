@@ -1,7 +1,6 @@
 """Step profiles that `rollout bench` does not cover: one kernel against the step it lives in (GPU).
 
     python bench/step_profile.py draft [--seqs 512] [--output-len 1000] [--history 8] [--width 8]
-    python bench/step_profile.py gemm [--rows 1] [--pdl]
     python bench/step_profile.py sampling
     python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
     python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--fixed]
@@ -17,9 +16,6 @@
   decode graph at the same batch size. Token rows as an RL rollout leaves them: `--seqs` live
   samples in groups of 8 (prompts of 100 tokens, `--output-len` output tokens drawn from a
   short motif per prompt, so that matches are found) and `--history` finished samples per prompt.
-- gemm: few-row products of the Llama-3.1-8B shapes, cuBLAS against the skinny Triton kernel,
-  back to back inside a CUDA graph (as the engine times its choice), with the weight bytes
-  streamed per second and which one `kernels.skinny_gemm.linear` picks.
 - sampling: drawing one token per logits row, the fused kernels against the torch reference,
   each alone in a CUDA graph, over the default model's vocabulary.
 - steps: where a rollout's time goes, spec off against n-gram: the `rl` workload's prompts
@@ -64,9 +60,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
-from kernels import pdl, skinny_gemm
+from kernels import skinny_gemm
 
 
 def draft(args: argparse.Namespace) -> None:
@@ -112,20 +107,6 @@ def draft(args: argparse.Namespace) -> None:
           f"{found} trees with drafts")
     print("| drafting kernel us | decode step us | ratio |\n|---|---|---|")
     print(f"| {draft_ms * 1e3:.1f} | {step_ms * 1e3:.1f} | {draft_ms / step_ms:.1%} |")
-
-
-def gemm(args: argparse.Namespace) -> None:
-    pdl.set_enabled(args.pdl)
-    print("| layer | N x K | cuBLAS ms | Triton ms | best TB/s | picked |\n|---|---|---|---|---|---|")
-    from gemm_choice import products  # (bench/, this script's directory)
-
-    for name, (n, k) in products().items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
-        cublas = skinny_gemm.graph_ms(lambda x=x, w=w: F.linear(x, w))
-        ours = skinny_gemm.graph_ms(lambda x=x, w=w: skinny_gemm.skinny_linear(x, w))
-        picked = "Triton" if skinny_gemm.takes_triton(x, w, None) else "cuBLAS"
-        print(f"| {name} | {n} x {k} | {cublas:.4f} | {ours:.4f} | {n * k * 2 / min(cublas, ours) / 1e9:.2f} | {picked} |")
 
 
 def sampling(args: argparse.Namespace) -> None:
@@ -599,9 +580,6 @@ def main() -> None:
     d.add_argument("--output-len", type=int, default=1000)
     d.add_argument("--history", type=int, default=8, help="finished samples per prompt")
     d.add_argument("--width", type=int, default=8)
-    m = sub.add_parser("gemm", help="8B-shape products: cuBLAS against the skinny Triton GEMM")
-    m.add_argument("--rows", type=int, default=1)
-    m.add_argument("--pdl", action="store_true", help="programmatic dependent launch (kernels/pdl.py)")
     sp = sub.add_parser("sampling", help="the fused sampling kernels against the torch reference")
     sp.add_argument("--vocabs", default="49152,151936", help="vocabulary sizes (151,936: the Qwen3-8B shape)")
     t = sub.add_parser("steps", help="where a rollout's steps spend their time, spec off against n-gram")
@@ -647,7 +625,7 @@ def main() -> None:
     a.add_argument("--max-new-tokens", type=int, default=192)
     a.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    {"accept": accept, "head": head, "headcost": headcost, "draft": draft, "gemm": gemm, "sampling": sampling, "steps": steps, "host": host, "collect": collect, "verify": verify, "budget": budget}[args.profile](args)
+    {"accept": accept, "head": head, "headcost": headcost, "draft": draft, "sampling": sampling, "steps": steps, "host": host, "collect": collect, "verify": verify, "budget": budget}[args.profile](args)
 
 
 if __name__ == "__main__":
