@@ -1,20 +1,20 @@
 """Matrix products with few rows (decode and verify steps): y = x @ w.T (+ b) for x [M <= 16, K].
 
-At decode, a linear layer reads its whole weight to produce a handful of rows, so it should
-run at memory bandwidth; for small layers what matters is the fixed cost of a launch. The
-Triton kernel below streams the weight once through one tile of 16 rows. Whether it or
-cuBLAS is faster depends on the shape and the rows (on an H200, Triton wins the 8B shape's products
-at TP2 for one row and cuBLAS for 16), so the first call for each (N, K, dtype) and power of two
-of rows times both as steps run them and keeps the faster: inside a CUDA graph, each product after a norm kernel
-(under programmatic dependent launch the Triton kernel is placed behind that kernel, cuBLAS's
-only after it), on copies of the weight that outgrow the L2 cache (a step reads each layer's
-weights once). Timed back to back on one weight, the small products ran from L2, which no step
-sees (bench/RESULTS.md, tensor parallelism). That first call must happen outside CUDA-graph
-capture (the runner's warm-up does it). The RMSNorm before a product stays its own kernel:
-fused into this one, every program normalised the rows again before streaming its tile, and
-on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us
-apart: bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the
-fused path was removed).
+At decode, a linear layer reads its whole weight to produce a handful of rows, so it should run
+at memory bandwidth; for small layers what matters is the fixed cost of a launch. The Triton
+kernel below streams the weight once through one tile of 16 rows. Whether it or cuBLAS is faster
+depends on the shape and the rows (on an H200, Triton wins the 8B shape's products at TP2 for
+one row and cuBLAS for 16), so the first call for each (N, K, dtype) and power of two of rows
+times both as steps run them and keeps the faster: inside a CUDA graph, each product after a
+norm kernel (under programmatic dependent launch the Triton kernel is placed behind that kernel,
+cuBLAS's only after it), on copies of the weight that outgrow the L2 cache (a step reads each
+layer's weights once). Timed back to back on one weight, the small products ran from L2, which
+no step sees (bench/RESULTS.md, tensor parallelism). That first call must happen outside
+CUDA-graph capture (the runner's warm-up does it). The RMSNorm before a product stays its own
+kernel: fused into this one, every program normalised the rows again before streaming its tile,
+and on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us
+apart: bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the fused
+path was removed).
 
 Batch-invariant products (`invariant=True`, coupled sampling's engines): a row of the result is
 the same bits whatever else is in the step. cuBLAS picks its kernel, and with it each row's
