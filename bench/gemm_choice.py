@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import fused, pdl, skinny_gemm
-from kernels.skinny_gemm import MAX_ROWS, cold_copies, cublas_linear, graph_ms, skinny_linear
+from kernels import pdl, skinny_gemm
+from kernels.skinny_gemm import MAX_ROWS, after_kernel_ms, cold_copies, cublas_linear, graph_ms, skinny_linear
 from rollout.tools.bench import SPEED_SHAPES
 
 
@@ -45,10 +45,9 @@ def waiting(cycles: int) -> None:
     _wait_kernel[(1,)](cycles, num_warps=1, **pdl.launch_args())
 
 
-def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, ...]]:
-    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel."""
-    copies = cold_copies(weight)
-    times = {}
+def cold_times(copies: list[torch.Tensor]) -> dict[str, tuple[float, ...]]:
+    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel, on each of `copies` in turn."""
+    weight, times = copies[0], {}
     for name, fn in (("triton", skinny_linear), ("cublas", F.linear)):
         per_rows = []
         for rows in (1, MAX_ROWS):
@@ -56,12 +55,6 @@ def cold_times(weight: torch.Tensor) -> dict[str, tuple[float, ...]]:
             per_rows.append(graph_ms(lambda: [fn(probe, w) for w in copies]) / len(copies))  # noqa: B023
         times[name] = tuple(per_rows)
     return times
-
-
-def after_ms(before, product, copies: list[torch.Tensor]) -> float:
-    """Milliseconds of `before()` then a one-row `product` on each weight of `copies` in turn, in a graph."""
-    probe = torch.randn(1, copies[0].shape[1], dtype=copies[0].dtype, device=copies[0].device)
-    return graph_ms(lambda: [(before(), product(probe, w)) for w in copies]) / len(copies)
 
 
 def main() -> None:
@@ -72,6 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     pdl.set_enabled(pdl.supported(torch.device("cuda")))
     budgets = [int(b) for b in args.prefetch_mib.split(",")]
+    default_prefetch = skinny_gemm.PREFETCH_BYTES
     wait_us = graph_ms(lambda: waiting(args.wait_cycles)) * 1e3
     print(f"waiting kernel alone: {wait_us:.1f} us; prefetch MiB {budgets}; pairs in us (the kernel before included)")
     print("| tp | product | N x K | MB | cuBLAS 1 row us (TB/s) | Triton 1 row | cuBLAS 16 rows | Triton 16 rows "
@@ -80,17 +74,16 @@ def main() -> None:
     for tp in map(int, args.tp_sizes.split(",")):
         for name, (n, k) in products(tp).items():
             w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
-            t = cold_times(w)
             copies = cold_copies(w)
-            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-            norm_weight = torch.rand(k, dtype=torch.bfloat16, device="cuda")
+            t = cold_times(copies)
             cells = []
-            for before in (lambda x=x, norm_weight=norm_weight: fused.rms_norm(x, norm_weight, 1e-6), lambda: waiting(args.wait_cycles)):
-                cells.append(f"{after_ms(before, cublas_linear_plain, copies) * 1e3:.1f}")
+            for before in (None, lambda: waiting(args.wait_cycles)):  # (None: an RMSNorm)
+                cells.append(f"{after_kernel_ms(cublas_linear, k, copies, rows=1, before=before) * 1e3:.1f}")
                 triton_us = []
                 for budget in budgets:
                     skinny_gemm.PREFETCH_BYTES = budget << 20
-                    triton_us.append(f"{after_ms(before, skinny_linear, copies) * 1e3:.1f}")
+                    triton_us.append(f"{after_kernel_ms(skinny_linear, k, copies, rows=1, before=before) * 1e3:.1f}")
+                skinny_gemm.PREFETCH_BYTES = default_prefetch
                 cells.append(" / ".join(triton_us))
             mb = n * k * 2 / 1e6
             cell = lambda ms: f"{ms * 1e3:.1f} ({mb / ms / 1e3:.2f})"  # noqa: E731
@@ -98,10 +91,6 @@ def main() -> None:
                   f"{cell(t['cublas'][1])} | {cell(t['triton'][1])} | " + " | ".join(cells) + " |", flush=True)
             del w, copies
             torch.cuda.empty_cache()
-
-
-def cublas_linear_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return cublas_linear(x, w, None, None)
 
 
 if __name__ == "__main__":

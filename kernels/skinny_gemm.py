@@ -118,8 +118,8 @@ def _triton_is_faster(rows: int, weight: torch.Tensor, bias: torch.Tensor | None
     timing (at warm-up, at most twice the L2 cache's memory)."""
     copies = cold_copies(weight)
     k = weight.shape[1]
-    return (after_norm_ms(skinny_linear, k, copies, bias, out_dtype, rows)
-            < after_norm_ms(cublas_linear, k, copies, bias, out_dtype, rows))
+    return (after_kernel_ms(skinny_linear, k, copies, bias, out_dtype, rows)
+            < after_kernel_ms(cublas_linear, k, copies, bias, out_dtype, rows))
 
 
 def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -129,18 +129,22 @@ def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight] + [torch.empty_like(weight) for _ in range(-(-2 * l2_bytes // weight.nbytes) - 1)]
 
 
-def after_norm_ms(product, k: int, copies: list[torch.Tensor], bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None, rows: int = MAX_ROWS) -> float:
-    """Milliseconds of an RMSNorm kernel then `product(x, weight, bias, out_dtype)` of `rows` rows,
-    in a CUDA graph, each weight of `copies` in turn (the norm is what a step puts before a product:
-    under PDL the Triton product is placed behind it)."""
+def after_kernel_ms(product, k: int, copies: list[torch.Tensor], bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None, rows: int = MAX_ROWS, before=None) -> float:
+    """Milliseconds of a kernel then `product(x, weight, bias, out_dtype)` of `rows` rows, in a CUDA
+    graph, each weight of `copies` in turn. The kernel: `before()`, or by default an RMSNorm that
+    writes x (what a step puts before a product: under PDL the Triton product is placed behind it)."""
     dtype, device = copies[0].dtype, copies[0].device
     probe = torch.randn(rows, k, dtype=dtype, device=device)
     norm_weight = torch.rand(k, dtype=dtype, device=device)
 
     def calls() -> None:
         for weight in copies:
-            product(fused.rms_norm(probe, norm_weight, 1e-6), weight, bias, out_dtype)
+            if before is None:
+                product(fused.rms_norm(probe, norm_weight, 1e-6), weight, bias, out_dtype)
+            else:
+                before()
+                product(probe, weight, bias, out_dtype)
 
     return graph_ms(calls) / len(copies)
 
