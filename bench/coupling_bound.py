@@ -15,7 +15,7 @@ that the new policy draws the old token is, with old p and new q and the old tok
 A sample's expected shared prefix is the sum over positions of the product of those chances up to
 there; the table compares the expected share of the tokens with what the engine shared.
 
-    python bench/coupling_bound.py --prompts 64 --n 8 --max-new-tokens 2048 --lr 1e-6
+    python bench/coupling_bound.py --prompts 64 --n 8 --max-new-tokens 2048 --lr 1e-6 --dtype float16
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from rollout import Engine, SamplingParams
-from rollout.tools.bench import EpochUpdate, common_prefix, expected_prefix, match_chances, workload_prompts
+from rollout.tools.bench import EPOCH_STARTS, EpochUpdate, common_prefix, expected_prefix, match_chances, workload_prompts
 
 
 def teacher_forced_logits(model, prompt: list[int], sample: list[int]) -> torch.Tensor:
@@ -43,12 +43,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--lr", default="1e-6", help="comma-separated; 0: a push of the same weights (the control)")
     ap.add_argument("--trainer-samples", type=int, default=64)
-    ap.add_argument("--spread", action="store_true", help="the trainer's weights off the bf16 rounding ties")
+    ap.add_argument("--start", choices=EPOCH_STARTS, default="served",
+                    help="the trainer's float32 weights before its step (rollout bench --epoch-update-start)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="auto", help="the engine's (and the pushed weights') dtype")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(device=args.device, spec="off", coupled_sampling=True,
+    engine = Engine(device=args.device, dtype=args.dtype, spec="off", coupled_sampling=True,
                     kv_cache_tokens=1_200_000 if args.device == "cuda" else None)
     prompts, n = workload_prompts(SimpleNamespace(workload="rl", seed=0, n=args.n, prompt_set="mixed"),
                                   engine.tokenizer, args.prompts * args.n)
@@ -59,7 +61,7 @@ def main() -> None:
           "per-token match, Gumbel / exact | median prefix: engine / Gumbel |")
     print("|---|---|---|---|---|---|---|")
     for lr in map(float, args.lr.split(",")):
-        trainer = EpochUpdate(engine, lr, args.trainer_samples, args.spread)  # (lr 0: AdamW moves nothing)
+        trainer = EpochUpdate(engine, lr, args.trainer_samples, args.start)  # (lr 0: AdamW moves nothing)
         trainer.restore(engine)
         first = [[o.token_ids for o in g] for g in engine.generate(prompts, params)]
         update = trainer.step(prompts, first)

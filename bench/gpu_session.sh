@@ -14,7 +14,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | numerics | admission | deterministic | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -22,7 +22,7 @@ wheels=$(ls .whl/*.whl .whl_server/*.whl 2>/dev/null)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
-bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-$OUT}" "$@" 2>&1 | grep -v -e Warning -e warn; }
+bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-/tmp/bench-files}" "$@" 2>&1 | grep -v -e Warning -e warn; }
 RL="--workload rl --spec-modes off,ngram --batch-sizes 512 --n 8 --max-running-seqs 512 --repeats 3"
 
 case "$stage" in
@@ -65,7 +65,8 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
   # BASE_TAR=.devcache/base.tar, carried: that commit's runs too, in the same call (`git archive -o .devcache/base.tar
   # COMMIT -- . ':!rollout/models/default_head/model.safetensors'`: the head's weights, 10 MB, are taken from this tree)
   # TREES=base|head|"base head" (default: both when BASE_TAR is given), BETWEEN="update same" (default),
-  # SPREAD=1: the trainer's weights off the bf16 rounding ties (--epoch-update-spread)
+  # START=served|checkpoint|spread: the trainer's float32 weights before its step (--epoch-update-start; default served),
+  # DTYPE=bfloat16|float16|float32: the engines' dtype (default bfloat16)
   trees=$PWD; export BENCH_OUT=/tmp/bench-files
   if [ -n "${BASE_TAR:-}" ]; then
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$BASE_TAR" -C /tmp/base && trees="/tmp/base $PWD"
@@ -75,9 +76,9 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
   for tree in $trees; do
     name=$([ "$tree" = "$PWD" ] && echo head || echo base)
     for between in ${BETWEEN:-update same}; do
-      step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6} ${SPREAD:+--epoch-update-spread}")
+      step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6} --epoch-update-start ${START:-served}")
       (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history \
-        --coupled-sampling $step --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
+        --coupled-sampling $step --dtype ${DTYPE:-bfloat16} --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
         | grep -E "^\| rollout|coupled" | sed "s|^|$name $between |")
     done
   done
@@ -185,6 +186,42 @@ rl-head)  # the rl rows with the hybrid beside n-gram alone (HEAD: default, the 
 head-big)  # a draft-and-verify step of a random EAGLE-3 head of the published shape against a decode step, Llama-3.1-8B shape, b1
   timeout 500 python3 bench/step_profile.py head --random-model llama3-8b --head-trees 1,3,5 --prompts 2 --output-len 128 \
     2>&1 | grep -v -i warn | tee "$OUT/head-big.log" | tail -7
+  ;;
+numerics)  # issue 62: float16 and deterministic inference's GPU tests, the mismatch against an fp32 trainer by dtype,
+  # and decode speed in bf16 against fp16 (default model b1/b64/b512, the 8B shape b1), the dtypes alternating
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
+  timeout 330 python3 -m pytest -q -m gpu tests/test_numerics_gpu.py tests/test_engine_gpu.py \
+    -k "numerics or half or programmatic or coupled" 2>&1 | tee "$OUT/numerics-tests.log" | tail -6
+  LIMIT=200 bench --workload mismatch --batch-sizes 128 --n 4 --output-len 256 --spec-modes off --repeats 3 \
+    | tee "$OUT/mismatch.log" | grep -E "^\|"
+  for dtype in ${DECODE_DTYPES:-bfloat16 float16 bfloat16 float16}; do
+    LIMIT=90 bench --workload decode --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 --prompt-len 64 \
+      --output-len 256 --dtype $dtype | grep -E "^\| rollout" | sed "s/^/$dtype /"
+  done | tee "$OUT/dtype-speed.log"
+  for dtype in ${BIG_DTYPES:-bfloat16 float16}; do
+    LIMIT=120 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
+      --output-len 128 --dtype $dtype | grep -E "^\| rollout" | sed "s/^/8B $dtype /"
+  done | tee -a "$OUT/dtype-speed.log"
+  ;;
+admission)  # issue 61: rl 64 x 8 on a 12,000-slot pool (below one group's worst case, 8 x 2,048), admission keeping
+  # room for growth (the default) and not (--schedule-conservativeness 0), beside the default pool
+  for pool in "--kv-cache-tokens 12000" "--kv-cache-tokens 12000 --schedule-conservativeness 0" ""; do
+    echo "== ${pool:-default pool}"
+    LIMIT=200 bench --workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0 $pool \
+      | grep -E "^\| (system|rollout)"
+  done | tee "$OUT/admission.log"
+  ;;
+deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference against without, rl 64 x 8 and the 8B shape b64
+  for flag in "" --enable-deterministic-inference "" --enable-deterministic-inference; do
+    echo "== ${flag:-default}"
+    LIMIT=120 bench --workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0 $flag \
+      | grep -E "^\| rollout"
+  done | tee "$OUT/deterministic.log"
+  for flag in "" --enable-deterministic-inference; do
+    echo "== 8B b64 ${flag:-default}"
+    LIMIT=150 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 \
+      --output-len 128 $flag | grep -E "^\| rollout"
+  done | tee -a "$OUT/deterministic.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"

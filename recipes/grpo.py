@@ -2,10 +2,12 @@
 
 Each step: sample groups of `n` completions per prompt through `RolloutClient`, score them,
 normalise rewards within each group (the advantages), recompute the completions' logprobs
-in the trainer and report how far they are from the rollout's, take one policy-gradient
-step, and push the new weights to the server with `WeightPusher`. Every step is logged to
-W&B (offline unless configured) with the rollout's acceptance statistics, and a PNG of
-reward and accept rate per step is written beside the run.
+in the trainer (float32 master weights) and report how far they are from the rollout's (the
+mismatch: mean, p99, max and KL's k3 estimate), take one policy-gradient step (with `--tis C`,
+each token weighted by truncated importance sampling), and push the new weights to the server
+in its dtype (`--dtype`) with `WeightPusher`. Every step is logged to W&B (offline unless
+configured) with the rollout's acceptance statistics, and a PNG of reward, mismatch and accept
+rate per step is written beside the run.
 
     python recipes/grpo.py --steps 2 --prompts 2 --n 4 --max-new-tokens 32     # seconds on a CPU (CI)
     python recipes/grpo.py --steps 30 --prompts 64 --n 8 --max-new-tokens 256  # an H100 run
@@ -32,6 +34,7 @@ from rollout.models.loader import resolve_model_path  # noqa: E402
 from rollout.server.replicas import summed_stats  # noqa: E402
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids  # noqa: E402
 from rollout.tools.launch import launched_server  # noqa: E402
+from rollout.tools.mismatch import mismatch_stats, teacher_forced_logprobs, tis_weights  # noqa: E402
 from rollout.tools.wandb_log import WandbLogger  # noqa: E402
 from weight_sync import WeightPusher  # noqa: E402
 from weight_sync.pusher import router_workers  # noqa: E402
@@ -43,8 +46,7 @@ MICRO_BATCH = 16  # sequences per trainer forward/backward
 class StepRecord:
     step: int
     reward: float
-    mismatch_mean: float
-    mismatch_max: float
+    mismatch: dict  # the rollout's logprobs against the trainer's (rollout.tools.mismatch.mismatch_stats)
     rollout_s: float
     tokens_per_s: float
     weight_version: int
@@ -66,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="the server's dtype, and the dtype weights are pushed in (the trainer keeps float32 master "
+                         "weights); auto: bfloat16 on a GPU, float32 on the CPU. float16 matches the trainer ~7x "
+                         "closer than bfloat16 at the same speed (README)")
+    ap.add_argument("--tis", type=float, default=0.0, metavar="C",
+                    help="truncated importance sampling: weight each token's loss by min(C, p_trainer / p_rollout), "
+                         "correcting for the rollout's mismatch (0: off)")
     ap.add_argument("--push", default="auto", choices=["auto", "distributed", "disk", "ipc"],
                     help="auto: ipc when trainer and server share a GPU, else distributed (gloo)")
     ap.add_argument("--spec", default="auto", choices=["off", "ngram", "eagle", "auto"], help="the server's speculation")
@@ -97,7 +106,7 @@ def rollout_server(args: argparse.Namespace, spec: str | None = None, share: flo
         yield args.server
         return
     spec = spec or args.spec
-    serve_args = ["--model", args.model, "--device", args.device, "--spec", spec]
+    serve_args = ["--model", args.model, "--device", args.device, "--spec", spec, "--dtype", args.dtype]
     if args.spec_draft_model and spec in ("eagle", "auto"):
         serve_args += ["--spec-draft-model", args.spec_draft_model]
     if args.coupled_sampling:
@@ -121,18 +130,6 @@ def group_advantages(rewards: list[float], n: int) -> list[float]:
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
         out += [(r - mean) / (std + 1e-4) for r in group]
     return out
-
-
-def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float):
-    """Per-token logprobs of each completion under the trainer's model: a list of 1-D tensors."""
-    device = next(model.parameters()).device
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float() / max(temperature, 1e-6)
-    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return [logprobs[i, len(p) - 1 : len(p) - 1 + len(c)] for i, (p, c) in enumerate(zip(prompts, completions))]
 
 
 def spec_delta(before: dict, after: dict) -> dict:
@@ -193,7 +190,7 @@ def run(args: argparse.Namespace) -> GrpoRun:
         if args.coupled_sampling and not client.server_info()["engine_config"]["coupled_sampling"]:
             raise SystemExit(f"--coupled-sampling: the server at {url} does not sample coupled (serve it with --coupled-sampling)")
         urls = [url] + ([off_client.url] if off_client is not None else [])
-        pusher = WeightPusher(urls, method=push, dtype=torch.bfloat16 if device == "cuda" else None)
+        pusher = WeightPusher(urls, method=push, dtype=push_dtype(args.dtype, device))
         # (a router's URL stands for its workers: the push reaches each, and their counters add up)
         workers = [stack.enter_context(RolloutClient(u)) for u in router_workers([url])]
 
@@ -231,19 +228,23 @@ def run(args: argparse.Namespace) -> GrpoRun:
             num_tokens = max(1, sum(len(c) for c in completions))
             train = step <= args.steps
             policy.train(train)
-            diffs = []
+            trainer_lp, rollout_lp = [], []
             for i in range(0, len(samples), MICRO_BATCH):  # micro-batches keep the logits in memory
                 chunk = slice(i, i + MICRO_BATCH)
                 with torch.set_grad_enabled(train):
-                    new_lp = completion_logprobs(policy, sample_prompts[chunk], completions[chunk], args.temperature)
-                diffs += [lp.detach().cpu() - torch.tensor(s.logprobs) for lp, s in zip(new_lp, samples[chunk])]
+                    new_lp = teacher_forced_logprobs(policy, sample_prompts[chunk], completions[chunk], args.temperature)
+                old_lp = [torch.tensor(s.logprobs, device=device) for s in samples[chunk]]
+                trainer_lp += [lp.detach().cpu() for lp in new_lp]
+                rollout_lp += [lp.cpu() for lp in old_lp]
                 if train:
-                    # on-policy, so the PPO ratio exp(lp - lp_old) is 1; its gradient is grad lp
-                    loss = -sum(a * (lp - lp.detach()).exp().sum() for a, lp in zip(advantages[chunk], new_lp))
+                    # on-policy, so the PPO ratio exp(lp - lp_old) is 1; its gradient is grad lp (with --tis,
+                    # weighted by how much likelier the trainer finds each token than the rollout did)
+                    weights = [tis_weights(lp, old, args.tis) if args.tis else 1.0 for lp, old in zip(new_lp, old_lp)]
+                    loss = -sum(a * (w * (lp - lp.detach()).exp()).sum()
+                                for a, w, lp in zip(advantages[chunk], weights, new_lp))
                     (loss / num_tokens).backward()
-            diffs = torch.cat(diffs) if diffs else torch.zeros(0)
-            mismatch_mean = diffs.abs().mean().item() if len(diffs) else 0.0
-            mismatch_max = diffs.abs().max().item() if len(diffs) else 0.0
+            mismatch = mismatch_stats(torch.cat(trainer_lp), torch.cat(rollout_lp)) if samples else mismatch_stats(
+                torch.zeros(0), torch.zeros(0))
 
             sync_s, version = 0.0, step - 1
             if train:
@@ -256,14 +257,13 @@ def run(args: argparse.Namespace) -> GrpoRun:
                 sync_s = time.perf_counter() - t1
                 version = step
             rec = StepRecord(
-                step=step, reward=sum(rewards) / len(rewards), mismatch_mean=mismatch_mean, mismatch_max=mismatch_max,
+                step=step, reward=sum(rewards) / len(rewards), mismatch=mismatch,
                 rollout_s=rollout_s, tokens_per_s=tokens / rollout_s, weight_version=version, weight_sync_s=sync_s,
                 spec=spec_delta(before, after), off_tokens_per_s=off_tokens_per_s,
             )
             records.append(rec)
             logger.log(
-                {"grpo/reward": rec.reward, "grpo/logprob_mismatch_mean": mismatch_mean,
-                 "grpo/logprob_mismatch_max": mismatch_max, "grpo/rollout_s": rollout_s,
+                {"grpo/reward": rec.reward, **{f"grpo/{k}": v for k, v in mismatch.items()}, "grpo/rollout_s": rollout_s,
                  "rollout/tokens_per_s": rec.tokens_per_s, "rollout/weight_version": version,
                  "rollout/weight_sync_s": sync_s, "rollout/tokens_per_s_spec_off": off_tokens_per_s, **rec.spec},
                 step=step,
@@ -280,6 +280,14 @@ def run(args: argparse.Namespace) -> GrpoRun:
     return GrpoRun(records, policy, logger.run_dir)
 
 
+def push_dtype(dtype: str, device: str) -> torch.dtype | None:
+    """What the trainer pushes its float32 weights as: the server's dtype (auto: bf16 on a GPU,
+    as it serves; unchanged on the CPU)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else None
+    return getattr(torch, dtype)
+
+
 def print_row(r: StepRecord, header: bool, compare: bool = False) -> None:
     """A step's row: its rollout's speed, acceptance (coupled: drafts from the earlier epoch's sample),
     and with `compare` the same rollout's tokens/s with speculation off."""
@@ -292,7 +300,8 @@ def print_row(r: StepRecord, header: bool, compare: bool = False) -> None:
         cells += [f"{r.off_tokens_per_s:.1f}", f"{r.tokens_per_s / r.off_tokens_per_s:.2f}x" if r.off_tokens_per_s else "-"]
     heads += ["accept rate", "coupled accept", "accept len", "drafted", "mismatch", "version", "sync s"]
     cells += [f"{s['rollout/spec_accept_rate']:.3f}", "-" if coupled is None else f"{coupled:.3f}",
-              f"{s['rollout/spec_accept_length']:.2f}", str(s["rollout/spec_draft_tokens"]), f"{r.mismatch_mean:.2e}",
+              f"{s['rollout/spec_accept_length']:.2f}", str(s["rollout/spec_draft_tokens"]),
+              f"{r.mismatch['logprob_mismatch_mean']:.2e}",
               str(r.weight_version), f"{r.weight_sync_s:.2f}"]
     if header:
         print("| " + " | ".join(heads) + " |")
@@ -301,8 +310,9 @@ def print_row(r: StepRecord, header: bool, compare: bool = False) -> None:
 
 
 def figure(records: list[StepRecord]):
-    """Reward, rollout seconds and each drafter's accept rate by step (integer ticks; the legends sit
-    below the axes, clear of their labels). Returns the matplotlib figure."""
+    """Reward, the logprob mismatch (mean and p99), rollout seconds and each drafter's accept rate by
+    step (integer ticks; the legends sit below the axes, clear of their labels). Returns the
+    matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -310,9 +320,12 @@ def figure(records: list[StepRecord]):
     from matplotlib.ticker import MaxNLocator
 
     steps = [r.step for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 5.5), sharex=True)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(6.5, 7.5), sharex=True)
     top.plot(steps, [r.reward for r in records], marker="o", label="mean reward")
     top.set_ylabel("mean reward")
+    for key, label in (("logprob_mismatch_mean", "mean"), ("logprob_mismatch_p99", "p99")):
+        middle.plot(steps, [r.mismatch[key] for r in records], marker="^", label=f"|logprob mismatch|, {label}")
+    middle.set_ylabel("trainer - rollout")
     bottom.plot(steps, [r.rollout_s for r in records], marker="o", color="black", label="rollout seconds")
     bottom.set_ylabel("rollout seconds")
     rates = bottom.twinx()
@@ -323,9 +336,9 @@ def figure(records: list[StepRecord]):
     rates.set_ylabel("accept rate")
     bottom.set_xlabel("step")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
-    handles = [h for ax in (top, bottom, rates) for h in ax.get_legend_handles_labels()[0]]
+    handles = [h for ax in (top, middle, bottom, rates) for h in ax.get_legend_handles_labels()[0]]
     fig.legend(handles=handles, loc="lower center", ncol=2, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 * (1 + len(handles) // 2), 1, 1))
+    fig.tight_layout(rect=(0, 0.045 * (1 + len(handles) // 2), 1, 1))
     return fig
 
 

@@ -124,7 +124,13 @@ class SamplingParams:
 def request_limit(prompt_len: int, params: SamplingParams, max_model_len: int, max_running_seqs: int,
                   kv_tokens: int) -> tuple[str, str] | None:
     """The first of an engine's limits a request breaks, as (`n` | `prompt` | `max_new_tokens`, why),
-    or None if it fits. The engine and the HTTP front end both ask this, before anything is queued."""
+    or None if it fits. The engine and the HTTP front end both ask this, before anything is queued.
+
+    Only what can never run is refused. A group whose samples would together outgrow the KV pool
+    is admitted, as SGLang admits it: `max_new_tokens` is a cap few samples reach, and when the pool
+    runs dry the newest samples are preempted and recomputed once others finish. What must fit is
+    one sample alone (its prompt and every token it may add), and the prompt's prefill with the
+    first token of each of its `n` samples, which are placed together."""
     if params.n > max_running_seqs:
         return "n", (f"{params.n} samples exceed the {max_running_seqs} sequences the engine runs at once "
                      "(--max-running-seqs); send at most that many per request")
@@ -133,10 +139,13 @@ def request_limit(prompt_len: int, params: SamplingParams, max_model_len: int, m
     if prompt_len + params.max_new_tokens > max_model_len:
         return "max_new_tokens", (f"{params.max_new_tokens} new tokens + the prompt's {prompt_len} exceed the context "
                                   f"length {max_model_len}; ask for at most {max_model_len - prompt_len} new tokens")
-    if prompt_len + params.n * params.max_new_tokens > kv_tokens:
-        return "max_new_tokens", (f"n x max_new_tokens + prompt = {prompt_len + params.n * params.max_new_tokens} "
-                                  f"KV slots, more than the pool holds ({kv_tokens}); lower n or max_new_tokens, "
-                                  "or raise --kv-cache-tokens")
+    if prompt_len + params.max_new_tokens > kv_tokens:
+        return "max_new_tokens", (f"one sample needs up to prompt + max_new_tokens = {prompt_len + params.max_new_tokens} "
+                                  f"KV slots, more than the pool holds ({kv_tokens}); ask for at most "
+                                  f"{kv_tokens - prompt_len} new tokens, or raise --kv-cache-tokens")
+    if prompt_len + params.n > kv_tokens:
+        return "n", (f"the prompt's {prompt_len} KV slots and one for each of {params.n} samples' first tokens "
+                     f"exceed the pool ({kv_tokens}); lower n, or raise --kv-cache-tokens")
     return None
 
 
@@ -267,6 +276,9 @@ class EngineConfig:
     max_running_seqs: int = option(256, "sequences decoded together, at most")
     max_prefill_tokens: int | None = option(None, "tokens per step across prefill chunks (default: 4096 on CUDA, 512 on "
                                             "the CPU, where a step of 4,096 prompt tokens of the default model takes 20 s)")
+    schedule_conservativeness: float = option(1.0, "how much of the KV pool admission keeps for what running samples are "
+                                              "expected to add (SGLang's flag: it scales that estimate; 0: admit whatever "
+                                              "fits now, and preempt when the pool runs dry)")
     kv_cache_tokens: int | None = option(None, "KV pool size in tokens (default: from the memory fraction on CUDA, 16,384 on CPU)")
     kv_cache_memory_fraction: float = option(0.85, "share of free GPU memory the KV pool takes when its size is not given")
     cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs")
@@ -285,8 +297,12 @@ class EngineConfig:
     seed: int = option(0, "seeds the samples of requests that give no seed")
     coupled_sampling: bool = option(False, "a request that gives no seed gets one from its prompt's token ids and --seed, "
                                     "so every rollout of a prompt draws sample i with the same noise, and a later "
-                                    "rollout drafts from the earlier one (drafter source `coupled`); the kernels are "
-                                    "batch-invariant and drafts are chains, so a token is computed alike in any step")
+                                    "rollout drafts from the earlier one (drafter source `coupled`); implies "
+                                    "--enable-deterministic-inference, so a token is computed alike in any step")
+    enable_deterministic_inference: bool = option(False, "batch-invariant kernels (SGLang's flag): a request with a seed "
+                                                  "gets bitwise the same tokens and logprobs alone or in any batch, before "
+                                                  "or after a preemption, with speculation on or off (its drafts are "
+                                                  "chains: a tree's nodes would sum their keys in another order)")
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -309,10 +325,18 @@ class EngineConfig:
                              "(or auto)")
         if self.max_running_seqs < 1 or (self.max_prefill_tokens is not None and self.max_prefill_tokens < 1):
             raise ValueError("max_running_seqs and max_prefill_tokens must be >= 1")
-        if self.coupled_sampling and self.spec.head_topk > 1 and {"eagle", "mtp"} & set(self.spec.drafters):
+        if not 0 <= self.schedule_conservativeness <= 10:
+            raise ValueError("schedule_conservativeness must be in [0, 10]")
+        if self.batch_invariant and self.spec.head_topk > 1 and {"eagle", "mtp"} & set(self.spec.drafters):
             # a tree's node sits beside its siblings, not at its position, and attention would sum
             # its keys in another order than decoding that token does (kernels/triton_attention.py)
-            raise ValueError("coupled sampling verifies chains: --spec-head-topk must be 1")
+            raise ValueError("deterministic inference (and coupled sampling) verifies chains: --spec-head-topk must be 1")
+
+    @property
+    def batch_invariant(self) -> bool:
+        """A token's row is computed to the same bits in any step (--enable-deterministic-inference,
+        which coupled sampling implies): batch-invariant kernels, and drafts that are chains."""
+        return self.enable_deterministic_inference or self.coupled_sampling
 
     def replica(self, dp_rank: int) -> "EngineConfig":
         """The settings of replica `dp_rank`: one replica, on the GPU `dp_rank` past this server's first

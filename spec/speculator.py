@@ -56,8 +56,9 @@ class _Trees:
 
 
 class Speculator:
-    def __init__(self, cfg: SpecConfig, table: TokenTable, coupled: bool = False):
-        """`coupled`: samples draft from their earlier rollouts drawn with their keys (coupled sampling)."""
+    def __init__(self, cfg: SpecConfig, table: TokenTable, chains: bool = False, coupled: bool = False):
+        """`chains`: the index drafts one continuation a sequence (a batch-invariant engine's);
+        `coupled`: samples draft from their earlier rollouts drawn with their keys (coupled sampling)."""
         self.cfg = cfg
         self.enabled = cfg.enabled
         self.depth = cfg.tree_width
@@ -67,9 +68,9 @@ class Speculator:
         self.cycle: HeadCycle | None = None
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
-        # coupled: chains, one continuation each, as a tree's nodes would be computed in other bits
-        # than decoding computes them (batch-invariant attention sums a token's keys by position)
-        candidates = 1 if coupled else CANDIDATES
+        # chains, one continuation each, where a tree's nodes would be computed in other bits than
+        # decoding computes them (batch-invariant attention sums a token's keys by position)
+        candidates = 1 if chains or coupled else CANDIDATES
         self.draft = (DraftSettings(cfg.max_match, cfg.min_match, candidates, self.depth, self.index.scan, coupled)
                       if ngram else None)
         self.reset()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 # (consecutive cases of other row counts: each row's buffer halves alternate on their own)
 CASES = [(torch.bfloat16, 1, 4096), (torch.bfloat16, 7, 576), (torch.bfloat16, 16, 4096), (torch.bfloat16, 3, 5120),
-         (torch.float32, 1, 576), (torch.float32, 16, 4096)]
+         (torch.float16, 1, 4096), (torch.float16, 7, 576), (torch.float32, 1, 576), (torch.float32, 16, 4096)]
 
 
 def _rank(rank: int, size: int, port: int) -> None:

@@ -37,6 +37,20 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     assert len({seed for _, seed in seeds}) == 4  # (warm-ups too: no round's samples are another's)
 
 
+def test_the_mismatch_workload_tables_each_dtype_against_a_float32_trainer(default_model_dir, tmp_path):
+    main([
+        "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "mismatch", "--spec-modes", "off",
+        "--dtypes", "float32,float16", "--batch-sizes", "4", "--n", "2", "--output-len", "12", "--out", str(tmp_path),
+    ])
+    (result,) = tmp_path.glob("mismatch-*.json")
+    fp32, fp16 = json.loads(result.read_text())["rows"]
+    assert (fp32["dtype"], fp16["dtype"]) == ("float32", "float16") and fp32["samples"] == fp16["samples"] == 4
+    assert fp32["logprob_mismatch_max"] < 1e-4 < fp16["logprob_mismatch_mean"] < 0.02  # the CPU's fp32 is HF's to 1e-4
+    assert fp16["logprob_mismatch_mean"] <= fp16["logprob_mismatch_p99"] <= fp16["logprob_mismatch_max"]
+    assert all(r["tokens_per_s"] > 0 and r["kl_k3"] >= 0 for r in (fp32, fp16))
+    assert "vs fp32 trainer" in result.with_suffix(".md").read_text()
+
+
 def test_the_rl_workload_reports_its_long_tail_and_plots_its_timeline(default_model_dir, tmp_path):
     main([
         "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "rl", "--spec-modes", "off,ngram",
@@ -97,7 +111,7 @@ def test_engines_on_one_gpu_get_equal_pools_and_leave_room_for_their_graphs(monk
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_spread_weights_round_to_the_served_ones_from_anywhere_in_their_interval(dtype):
-    """--epoch-update-spread: the trainer's float32 weights serve exactly the weights the engine
+    """--epoch-update-start spread: the trainer's float32 weights serve exactly the weights the engine
     holds, yet sit off the rounding ties (powers of two, zero and negatives included)."""
     t = torch.cat([torch.randn(100_000) * 0.05, torch.tensor([0.5, -0.5, 1.0, -2.0, 0.0, 0.0078125])])
     served = t.to(dtype).float()

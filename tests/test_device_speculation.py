@@ -46,7 +46,8 @@ def same(a, b, atol: float = 1e-5) -> None:
 @pytest.mark.parametrize("spec", [FIXED, FEW_ROWS], ids=["every-draft", "best-drafts"])
 def test_greedy_spec_on_equals_spec_off_through_preemption(default_model_dir, default_engine, prompts, spec):
     params = SamplingParams(temperature=0, n=2, max_new_tokens=32, ignore_eos=True)
-    small = dict(device="cpu", kv_cache_tokens=180)  # the pool runs dry: sequences are preempted and recomputed
+    # the pool runs dry (admission keeps no room for growth): sequences are preempted and recomputed
+    small = dict(device="cpu", kv_cache_tokens=180, schedule_conservativeness=0)
     off = Engine(model=str(default_model_dir), spec="off", **small)
     on = Engine(model=str(default_model_dir), spec=spec, **small)
     same(outputs(off, prompts[:2], params), outputs(on, prompts[:2], params))

@@ -114,20 +114,22 @@ def test_spec_on_matches_spec_off_greedy_and_sampled(engines, prompts):
     assert engines["graphs_spec_on"].stats()["rollout/spec_accepted_tokens"] > 0
 
 
-def test_bf16_generates_finite_logprobs_close_to_fp32(default_model_dir, engines, prompts):
-    bf16 = Engine(model=str(default_model_dir), device="cuda", spec="ngram", kv_cache_tokens=100_000)
-    a = run(bf16, prompts, temperature=0)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_generates_finite_logprobs_close_to_fp32(default_model_dir, engines, prompts, dtype):
+    half = Engine(model=str(default_model_dir), device="cuda", spec="ngram", kv_cache_tokens=100_000, dtype=dtype)
+    a = run(half, prompts, temperature=0)
     b = run(engines["graphs_spec_off"], prompts, temperature=0)
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in a)
-    # bf16 rounding flips near-ties and 135M parameters diverge from there: compare the first tokens
+    # half-precision rounding flips near-ties and 135M parameters diverge from there: compare the first tokens
     assert sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b)) >= len(a) - 1
     assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)) < 0.1
 
 
-def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts, monkeypatch, dtype):
     """PDL only lets a kernel be launched early and wait on the device for the one before it:
-    tokens and logprobs are bitwise those of plain launches. bf16, with every product on the
-    Triton GEMM so that whole layers chain."""
+    tokens and logprobs are bitwise those of plain launches. Half precision, with every product on
+    the Triton GEMM so that whole layers chain."""
     from kernels import pdl, skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "_use_triton", {})
@@ -135,7 +137,8 @@ def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts
     before, outs = pdl.enabled(), {}
     try:
         for on in (False, True):
-            engine = Engine(model=str(default_model_dir), device="cuda", spec="off", kv_cache_tokens=100_000, pdl=on)
+            engine = Engine(model=str(default_model_dir), device="cuda", spec="off", kv_cache_tokens=100_000, pdl=on,
+                            dtype=dtype)
             assert pdl.enabled() == on
             outs[on] = run(engine, prompts, temperature=0) + run(engine, prompts, temperature=1.0, n=2, seed=3)
             del engine
@@ -145,12 +148,13 @@ def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
-def test_coupled_bf16_rollouts_compute_a_token_alike_in_any_step(default_model_dir, prompts):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_coupled_half_precision_rollouts_compute_a_token_alike_in_any_step(default_model_dir, prompts, dtype):
     """Coupled sampling makes the engine batch-invariant (products of one tile, keys split by
-    position): in bf16 a second rollout with the same weights equals the first and accepts every
-    coupled draft, and after a push speculation on equals off, tokens and logprobs bitwise."""
+    position): in half precision a second rollout with the same weights equals the first and accepts
+    every coupled draft, and after a push speculation on equals off, tokens and logprobs bitwise."""
     make = lambda spec: Engine(model=str(default_model_dir), device="cuda", kv_cache_tokens=100_000, spec=spec,
-                               coupled_sampling=True, spec_adaptive=False)
+                               coupled_sampling=True, spec_adaptive=False, dtype=dtype)
     on, off = make("ngram"), make("off")
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=256, ignore_eos=True)
     rollout = lambda engine: [(o.token_ids, o.logprobs) for g in engine.generate(prompts, params, return_logprob=True)

@@ -32,7 +32,7 @@ def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(de
         replicas = requests.get(server.url + "/server_info").json()["replicas"]
         assert [r["weight_version"] for r in replicas] == ["2", "2"]
         assert [r.weight_version for r in result.records] == [1, 2]
-        assert all(r.mismatch_mean < 1e-3 for r in result.records)  # fp32 on both sides
+        assert all(r.mismatch["logprob_mismatch_mean"] < 1e-3 for r in result.records)  # fp32 on both sides
 
         assert result.run_dir.is_relative_to(tmp_path / "wandb-dir"), result.run_dir
         rows = history(result.run_dir)
@@ -54,7 +54,8 @@ def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(de
 
 
 def test_the_recipes_figure_has_integer_steps_a_legend_clear_of_the_axes_and_names_the_drafters():
-    records = [grpo.StepRecord(step=k, reward=0.1 * k, mismatch_mean=0.0, mismatch_max=0.0, rollout_s=2.0 / k,
+    mismatch = {"logprob_mismatch_mean": 0.01, "logprob_mismatch_p99": 0.05, "logprob_mismatch_max": 0.2, "kl_k3": 1e-4}
+    records = [grpo.StepRecord(step=k, reward=0.1 * k, mismatch=mismatch, rollout_s=2.0 / k,
                                tokens_per_s=100.0, weight_version=k, weight_sync_s=0.1,
                                spec={"rollout/spec_accept_rate/ngram": 0.3, "rollout/spec_accept_rate/eagle": 0.2})
                for k in (1, 2)]
@@ -71,14 +72,25 @@ def test_the_recipes_figure_has_integer_steps_a_legend_clear_of_the_axes_and_nam
         assert not box.overlaps(ax.get_tightbbox(renderer)), "the legend covers an axis or its labels"
 
 
-def test_the_recipe_rolls_out_coupled_and_compares_with_a_spec_off_server(default_model_dir, tmp_path):
+def test_the_recipe_rolls_out_coupled_in_float16_with_tis_and_compares_with_a_spec_off_server(default_model_dir, tmp_path,
+                                                                                              monkeypatch):
     """--coupled-sampling --dataset-size: the second step meets the first step's prompts, drawn with
-    the same noise, and drafts from them; --compare-spec-off times the same rollout without speculation."""
+    the same noise, and drafts from them; --compare-spec-off times the same rollout without speculation.
+    --dtype float16 serves and pushes float16 (the trainer keeps float32), --tis 2.0 weights the loss;
+    every step logs the mismatch against the trainer."""
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     args = grpo.parse_args(["--model", str(default_model_dir), "--steps", "1", "--final-rollout", "--prompts", "2",
                             "--n", "2", "--max-new-tokens", "12", "--dataset-size", "2", "--device", "cpu",
                             "--spec", "ngram", "--spec-no-adaptive", "--coupled-sampling", "--compare-spec-off",
-                            "--out", str(tmp_path), "--lr", "1e-6"])
-    first, second = grpo.run(args).records
+                            "--dtype", "float16", "--tis", "2.0", "--out", str(tmp_path), "--lr", "1e-6"])
+    result = grpo.run(args)
+    first, second = result.records
     assert first.off_tokens_per_s > 0 and second.off_tokens_per_s > 0
     assert second.spec["rollout/spec_draft_tokens/coupled"] > 0
     assert second.spec["rollout/spec_accept_rate/coupled"] > 0.5
+    rows = history(result.run_dir)
+    assert [row["_step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 0 < row["grpo/logprob_mismatch_mean"] < 0.01  # float16 against the float32 trainer
+        assert row["grpo/logprob_mismatch_mean"] <= row["grpo/logprob_mismatch_p99"] <= row["grpo/logprob_mismatch_max"]
+        assert row["grpo/kl_k3"] >= 0

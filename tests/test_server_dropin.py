@@ -241,7 +241,7 @@ def _fuzz_table(tmp_path) -> list[tuple[str, str, object]]:
                 continue
             cases.append((g, f"sampling_params.{field}={v!r:.30}", {**base, "sampling_params": {field: v}}))
     cases += [(g, "seed and sampling_seed differ", {**base, "sampling_params": {"seed": 1, "sampling_seed": 2}}),
-              (g, "n x max_new_tokens over the pool", {**base, "sampling_params": {"n": 64, "max_new_tokens": 1000}})]
+              (g, "max_new_tokens over the context", {**base, "sampling_params": {"max_new_tokens": 1022}})]
     chat, cmpl = "/v1/chat/completions", "/v1/completions"
     msgs = [{"role": "user", "content": "hi"}]
     cases += [
@@ -318,7 +318,7 @@ def test_hopeless_requests_do_not_delay_an_ordinary_one(server):
         {"input_ids": [5], "sampling_params": {"n": 65}},
         {"input_ids": [5], "sampling_params": {"max_new_tokens": 10**9}},
         {"input_ids": [5] * 5000},
-        {"input_ids": [5], "sampling_params": {"n": 64, "max_new_tokens": 900}},
+        {"input_ids": [5] * 1000, "sampling_params": {"max_new_tokens": 100}},
         {"input_ids": [5], "sampling_params": {"seed": 2**64}},
         {"input_ids": [5], "rid": "\udc80"},
     ]

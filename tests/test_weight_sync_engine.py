@@ -199,7 +199,7 @@ def test_pause_keep_holds_requests_then_they_continue_under_new_weights(tiny, ap
 
 
 def test_pause_keep_with_flush_cache_false_keeps_the_kv(tiny, api, background):
-    n = 40
+    n = 400  # (still running when the server info, up to protocol.INFO_EVERY_S old, first shows 3 tokens)
     v0, start = int(api.weight_version()), api.output_tokens()
     running = background.submit(api.generate, [PROMPTS[2]], {"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
     wait_for(lambda: api.output_tokens() - start >= 3, what="generation")

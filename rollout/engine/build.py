@@ -96,14 +96,13 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
     backend_name = cfg.attention_backend
     if backend_name == "auto":
         backend_name = "triton" if device.type == "cuda" else "torch"
-    # coupled sampling's rollouts must compute a token alike in any step (a decode row, a verify tree)
-    batch_invariant = cfg.coupled_sampling
-    if batch_invariant:
+    # deterministic inference (and coupled sampling) computes a token alike in any step (a decode row, a verify chain)
+    if cfg.batch_invariant:
         model.make_batch_invariant()
-    backend = attention_backend(backend_name, device, batch_invariant)
+    backend = attention_backend(backend_name, device, cfg.batch_invariant)
     history = cfg.spec.history_rows if cfg.spec.enabled else 0
     table = TokenTable(cfg.max_running_seqs, history, pool.max_context, device)
-    spec = Speculator(cfg.spec, table, coupled=cfg.coupled_sampling)
+    spec = Speculator(cfg.spec, table, chains=cfg.batch_invariant, coupled=cfg.coupled_sampling)
     eagle = None if head is None else EagleDrafter(head, model, pool, cfg.spec.head_depth, cfg.spec.head_topk,
                                                    cfg.spec.head_nodes, cfg.max_running_seqs)
     runner = ModelRunner(model, pool, table, backend, device, Drafters(spec.draft, eagle))

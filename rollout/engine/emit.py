@@ -8,12 +8,15 @@ speculation counters are kept on the way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout.engine.detokenizer import final_text
 from rollout.engine.sequence import Request, Sequence, SpecCounters
 from rollout.engine.step import Emitted
+
+log = logging.getLogger("rollout")
 
 
 @dataclass
@@ -30,6 +33,7 @@ class Output:
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV this sample took from its request's prefill (its forks')
     top_logprobs: list[tuple[list[int], list[float]]] | None = field(default=None, repr=False)  # per token, if asked
+    finish_message: str | None = None  # why the engine aborted it (a forward that overflowed)
 
 
 def output(seq: Sequence, tokenizer) -> Output:
@@ -45,15 +49,19 @@ def output(seq: Sequence, tokenizer) -> Output:
         prompt_tokens=seq.num_prompt,
         cached_tokens=seq.cached_tokens,
         top_logprobs=list(seq.top_logprobs) if seq.request.top_logprobs_num else None,
+        finish_message=seq.finish_message,
     )
 
 
 class Emitter:
-    """`finish(seq, reason)`: the engine's end of a sequence (its KV row freed)."""
+    """`finish(seq, reason, message)`: the engine's end of a sequence (its KV row freed);
+    `overflow`: the message a sequence is aborted with when its forward overflowed."""
 
-    def __init__(self, tokenizer, finish: Callable[[Sequence, str], None]):
+    def __init__(self, tokenizer, finish: Callable[[Sequence, str, str | None], None], overflow: str):
         self.tokenizer = tokenizer
         self.finish = finish
+        self.overflow = overflow
+        self.overflowed = 0  # sequences aborted so
 
     def append(self, e: Emitted, updated: dict, version: int, totals: SpecCounters) -> tuple[int, dict[str, list[int]]]:
         """Append what a step emitted, up to each sequence's stop condition; a sequence that stopped
@@ -62,6 +70,8 @@ class Emitter:
         sequence of every step: it is kept lean, and a sequence that cannot stop in this step
         takes its tokens in three list extends.)"""
         top = e.top
+        if e.overflowed is not None:
+            self._abort_overflowed(e, updated)
         # the step's totals, recorded once after the loop (a call per sequence costs ~1 us at 512 of them)
         appended_all = plain = plain_appended = 0
         by_source: dict[str, list[int]] = {}
@@ -98,12 +108,26 @@ class Emitter:
                 plain += 1
                 plain_appended += k
             if reason is not None:
-                self.finish(seq, reason)
+                self.finish(seq, reason, None)
         totals.verify_steps += plain
         totals.emitted_tokens += plain_appended
         for source, (drafts, accepted, appended, seqs, _) in by_source.items():
             totals.record(source, drafts, accepted, appended, steps=seqs)
         return appended_all, by_source
+
+    def _abort_overflowed(self, e: Emitted, updated: dict) -> None:
+        """End every sample of a request one of whose forwards overflowed, its tokens of this step
+        dropped: nothing computed from an inf or a NaN is returned (its siblings share its prompt's KV,
+        and a trainer takes a group whole)."""
+        for i in e.overflowed:
+            req = e.seqs[i].request
+            updated[id(req)] = req
+            if not req.finished:
+                log.warning("request %s: %s", req.rid, self.overflow)
+            for seq in req.sequences:
+                if seq.finish_reason is None:
+                    self.overflowed += 1
+                    self.finish(seq, "abort", self.overflow)
 
     def _append_checked(self, seq: Sequence, tokens: list[int], logprobs: list[float], version: int) -> tuple[int, str | None]:
         """Append token by token while no stop condition holds: (tokens appended, why it stopped or None)."""

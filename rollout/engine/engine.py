@@ -106,8 +106,8 @@ class Engine:
         self.max_model_len, self.max_prefill_tokens = p.max_model_len, p.max_prefill_tokens
         self.model, self.pool, self.table, self.spec, self.runner = p.model, p.pool, p.table, p.spec, p.runner
         self.staged_weights = None  # a rank > 0's own copy of a pushed update, by version (set by its server)
-        self.scheduler = Scheduler(self.pool, cfg.max_running_seqs, self.max_prefill_tokens, self._released)
-        self.emitter = Emitter(self.tokenizer, self._finish)
+        self.scheduler = self._new_scheduler()
+        self.emitter = Emitter(self.tokenizer, self._finish, overflow_message(self.dtype))
         self.memory = DeviceMemory(self.device, self.model, self.pool, self.runner)
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
@@ -141,9 +141,14 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.pool.reset()
         self.table.lengths.zero_()
-        self.scheduler = Scheduler(self.pool, self.config.max_running_seqs, self.max_prefill_tokens, self._released)
+        self.scheduler = self._new_scheduler()
         self.spec.reset()
         return dropped
+
+    def _new_scheduler(self) -> Scheduler:
+        cfg = self.config
+        return Scheduler(self.pool, cfg.max_running_seqs, self.max_prefill_tokens, self._released,
+                         cfg.schedule_conservativeness)
 
     # ---------------- requests ----------------
     def add_request(
@@ -470,8 +475,9 @@ class Engine:
         self.spec.observe_head(head[3], head[4])
         return appended, head[1]
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, message: str | None = None) -> None:
         seq.finish_reason = reason
+        seq.finish_message = message
         seq.finished_at = time.perf_counter()
         self._ended[id(seq.request)] = seq.request
         self.scheduler.finish(seq)
@@ -649,6 +655,7 @@ class Engine:
             "rollout/num_waiting": len(self.scheduler.waiting),
             "rollout/kv_usage": self.pool.used_slots / (self.pool.num_slots - 1),
             "rollout/num_preempted": self.scheduler.num_preempted,
+            "rollout/num_overflowed": self.emitter.overflowed,  # samples aborted because a forward overflowed
         }
         out.update(self.spec.stats())
         for source, c in t.by_source.items():
@@ -658,6 +665,16 @@ class Engine:
                 c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0
             )
         return out
+
+
+def overflow_message(dtype: torch.dtype) -> str:
+    """Why a request whose forward overflowed ended (SGLang's abort message)."""
+    name = str(dtype).removeprefix("torch.")
+    why = (f"the forward pass overflowed {name} (an inf or NaN in the hidden state or the logits)")
+    if dtype == torch.float16:
+        return (f"{why}: this model's activations exceed float16's range (65,504); serve it in bfloat16 "
+                "(--dtype bfloat16), or push weights that keep it in range. No token of the failed step was returned")
+    return f"{why}: its weights may be broken (push sane ones). No token of the failed step was returned"
 
 
 def _without_finished(batch: Batch | None) -> Batch | None:

@@ -351,7 +351,8 @@ class ModelRunner:
                 seqs += [item.seq, *item.seq.forks]
                 counted += [item.decode] * (1 + len(item.seq.forks))
         return Emitted(seqs, [[t] for t in drawn], [[lp] for lp in logprobs], counted, [0] * len(seqs),
-                       top=[top_of([d]) for d in range(len(seqs))] if step.top else None)
+                       top=[top_of([d]) for d in range(len(seqs))] if step.top else None,
+                       overflowed=_nan_rows(host[0][1][:, None]))
 
     def _emit_decode(self, step: StepInFlight, host: list[np.ndarray]) -> Emitted:
         """Tokens by depth, and the nodes accepted (`step.accepted`, `step.first_row`: for
@@ -364,10 +365,12 @@ class ModelRunner:
         step.first_row = np.cumsum(counts) - counts
         if n == 1:  # plain decoding: one token each
             tokens, logprobs = ints[:, :1].tolist(), lps.tolist()
+            overflowed = _nan_rows(lps)
         else:
             lengths = ints[:, n].tolist()
             tokens = [row[:k] for row, k in zip(ints[:, :n].tolist(), lengths)]
             logprobs = [row[:k] for row, k in zip(lps.tolist(), lengths)]
+            overflowed = _nan_rows(np.where(np.arange(n) < ints[:, n, None], lps, 0.0))
         top = None
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
@@ -377,7 +380,7 @@ class ModelRunner:
         sources = [names[c] for c in codes.tolist()]
         misses, coupled = self.drafters.counts(codes, step.drafting)
         return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses,
-                       coupled=coupled)
+                       coupled=coupled, overflowed=overflowed)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -412,3 +415,10 @@ def _top_rows(top) -> callable:
         return lambda draws: None
     ids, values = top[0].tolist(), top[1].tolist()
     return lambda draws: [(ids[d], values[d]) for d in draws]
+
+
+def _nan_rows(logprobs: np.ndarray) -> list[int] | None:
+    """The rows of [S, N] emitted logprobs that hold a NaN (None if none): a forward that overflowed
+    (an inf in the hidden state is a NaN once normed, and a NaN logit a NaN log-softmax)."""
+    bad = np.isnan(logprobs).any(axis=1)
+    return np.flatnonzero(bad).tolist() if bad.any() else None

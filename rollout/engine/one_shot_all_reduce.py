@@ -119,13 +119,13 @@ class OneShotAllReduce:
         """Whether `x` (times `parts`: a gather's result) goes through the buffer."""
         small = x.numel() * x.element_size() * parts <= MAX_BYTES
         aligned = x.storage_offset() * x.element_size() % 16 == 0  # (the kernel's copy: as aligned as the buffer)
-        return x.is_contiguous() and small and aligned and x.dtype in (torch.bfloat16, torch.float32)
+        return x.is_contiguous() and small and aligned and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
     def fits_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether `all_reduce_norm(x, residual, ...)` takes the fused kernel (a program and a flag
         per rank for each row; x within a rank's slot of its buffer)."""
         return (all_reduce_norm.triton is not None and x.is_contiguous() and x.dim() == 2 and residual.is_contiguous()
-                and x.dtype in (torch.bfloat16, torch.float32) and x.shape[0] <= self._norm_rows
+                and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[0] <= self._norm_rows
                 and x.numel() * x.element_size() <= NORM_SLOT_BYTES)
 
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -74,6 +74,7 @@ class Sequence:
     output_counts: dict[int, int] = field(default_factory=dict)  # per output token, kept if the request edits logits
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort
+    finish_message: str | None = None  # why it was aborted, when the engine did it (an overflow)
     matched_stop: int | str | None = None
     spec: SpecCounters = field(default_factory=SpecCounters)
 

@@ -85,6 +85,7 @@ class Emitted:
     top: list[list[tuple[list[int], list[float]]]] | None = None  # per token: the most likely tokens and their logprobs
     index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
     coupled: int | None = None  # a drafting step: sequences that followed their earlier rollout (Source.COUPLED)
+    overflowed: list[int] | None = None  # sequences whose emitted logprobs are NaN: the forward overflowed (inf or NaN)
 
 
 class Source(IntEnum):

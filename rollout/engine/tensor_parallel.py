@@ -50,7 +50,7 @@ class RankGroup:
     small all-reduces and gathers go over symmetric memory (rollout/engine/one_shot_all_reduce.py)
     unless `custom_all_reduce` is off.
 
-    `ordered` (a batch-invariant engine's: coupled sampling): over more than 2 ranks every sum is
+    `ordered` (a batch-invariant engine's: deterministic inference): over more than 2 ranks every sum is
     the ranks' parts added in rank order in float32 and rounded once, so a row comes out the same
     bits whatever else its step holds. Otherwise the kernel depends on the step's size (gloo's
     ring and NCCL sum a row in an order set by where it falls; torch's one-shot kernel and the
@@ -162,7 +162,7 @@ class Leader:
             self._pipes.append(os.fdopen(write, "wb"))
         self._events: list = []
         self.group = RankGroup(0, self.size, device, self._store, not config.disable_custom_all_reduce,
-                               ordered=config.coupled_sampling)
+                               ordered=config.batch_invariant)
 
     def record(self, name: str, *args) -> None:
         """A call for the other ranks to replay (sent with the next `flush`)."""
@@ -258,4 +258,4 @@ def start_ranks(config, device: torch.device, follower: tuple | None, hooks: str
         return Leader(config, device, hooks)
     rank, port, pipe = follower
     return Follower(rank, config.tp_size, port, pipe, device, not config.disable_custom_all_reduce,
-                    config.coupled_sampling)
+                    config.batch_invariant)

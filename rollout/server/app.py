@@ -157,7 +157,8 @@ def finish_reason(s, max_new_tokens: int) -> dict | None:
     if kind == "length":
         return {"type": "length", "length": max_new_tokens, "matched": None, "message": None}
     # SGLang's words for a request stopped before it produced anything (AReaL resubmits those)
-    return {"type": "abort", "matched": None, "message": "Abort before prefill" if not s.ids else "aborted"}
+    message = s.finish.get("message") or ("Abort before prefill" if not s.ids else "aborted")
+    return {"type": "abort", "matched": None, "message": message}
 
 
 def meta_info(state: RequestState, i: int, start: int = 0, token_text=None) -> dict:
@@ -348,14 +349,13 @@ async def get_model_info(request: Request) -> Response:
 @native.get("/server_info", dependencies=[Depends(require_api_key)])  # (SGLang's newer name; sglang-router asks it)
 async def get_server_info(request: Request) -> Response:
     fe = frontend(request)
-    engine_info = await fe.engine.control("get_server_info", timeout=30)
-    return JSON({**fe.settings.public(), **engine_info, "frontend": fe.engine.counters()})
+    return JSON({**fe.settings.public(), **fe.engine.server_info(), "frontend": fe.engine.counters()})
 
 
 @native.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(request: Request) -> Response:
     fe = frontend(request)
-    stats = await fe.engine.stats(timeout=10)
+    stats = fe.engine.stats()
     return PlainTextResponse(render_metrics(stats, fe.engine), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

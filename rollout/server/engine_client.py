@@ -89,6 +89,7 @@ class RequestState:
 
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # delay before the k-th restart in a row
 STABLE_S = 60.0  # an engine that lived this long resets the back-off
+EXIT_POLL_S = 0.05  # how often the supervisor looks whether the engine process has exited
 
 
 class EngineClient:
@@ -97,7 +98,8 @@ class EngineClient:
         self.dp_rank = dp_rank  # (of the server's replicas: rollout.server.replicas)
         self.log_level = log_level
         self.restart = restart
-        self.info: dict = {}
+        self.info: dict = {}  # the engine's at start: its config, pool, process (rollout.server.protocol ServerInfo)
+        self.server_info: dict = {}  # the engine's latest ServerInfo (its numbers as of its latest info message)
         self.weight_version = "0"  # the engine's, as of its latest message (the label of `_version`)
         self._version = -1  # the engine's integer weight version behind `weight_version`
         self.busy_s = 0.0  # how long the engine loop had been busy with its current work, at its latest beat
@@ -170,7 +172,7 @@ class EngineClient:
     async def _wait_ready(self, timeout: float) -> None:
         """Until the engine process says it is ready (RuntimeError if it exits or takes too long)."""
         self._ready = asyncio.get_running_loop().create_future()
-        exited = asyncio.ensure_future(asyncio.to_thread(self.proc.wait))
+        exited = asyncio.ensure_future(self._exited())
         try:
             done, _ = await asyncio.wait({self._ready, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -185,7 +187,7 @@ class EngineClient:
         in_a_row = 0
         while True:
             started = time.monotonic()
-            code = await asyncio.to_thread(self.proc.wait)
+            code = await self._exited()
             if self._stopping:
                 return
             self._mark_dead(self.dead or f"the engine process exited with code {code}")
@@ -221,11 +223,11 @@ class EngineClient:
             self._outbox.append({"type": protocol.SHUTDOWN})
             self._flush()
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout)
+                await asyncio.wait_for(self._exited(), timeout)
             except asyncio.TimeoutError:
                 log.warning("the engine process did not exit in %.0f s; killing it", timeout)
                 self.proc.kill()
-                await asyncio.to_thread(self.proc.wait)
+                await self._exited()
         for task in self._tasks:
             task.cancel()
         self._send.close()
@@ -259,7 +261,17 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
+        """Whether the engine process serves: what /health, /generate and every other route read."""
         return self.dead is None and self.proc is not None and self.proc.poll() is None
+
+    async def _exited(self) -> int:
+        """The engine process's exit code, once it has exited. Polled, not waited for in a thread: a
+        thread blocked in Popen.wait holds the lock Popen.poll needs, and poll (so `alive`) would say
+        a dead process runs until that thread woke."""
+        proc = self.proc
+        while (code := proc.poll()) is None:
+            await asyncio.sleep(EXIT_POLL_S)
+        return code
 
     def silent_for(self) -> float:
         """Seconds since the engine last said anything (it beats every protocol.HEARTBEAT_S, steps or not)."""
@@ -401,8 +413,10 @@ class EngineClient:
         if kind == protocol.BEAT:
             self._note_version(msg["weight_version"], msg["version"])
             self.busy_s, self.load, self._beat_at = msg["busy_s"], msg["load"], self.last_heard
+        elif kind == protocol.INFO:
+            self.server_info = msg["info"]
         elif kind == protocol.READY:
-            self.info = msg["info"]
+            self.info = self.server_info = msg["info"]
             self._version, self.weight_version = -1, str(self.info["weight_version"])  # (a new process counts anew)
             self.busy_s, self.load = 0.0, {}
             self.dead = None

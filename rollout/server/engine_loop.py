@@ -6,7 +6,7 @@ The loop: take every message waiting on the socket (blocking only while there is
 to step), run one `engine.step()`, send what it produced in one `out` message (see
 rollout.server.protocol).
 
-Control calls (abort, stats, server info, pause, and the weight-update ops of
+Control calls (abort, pause, and the weight-update ops of
 rollout.server.weight_routes) all go through one dispatch: `EngineLoop.handlers` maps an op
 name to `handler(args: dict) -> result`. A handler raises to fail the call:
 `ValueError`/`TypeError`/`KeyError` answer 400, an exception with a `status` attribute
@@ -69,8 +69,6 @@ class EngineLoop:
         self.handlers: dict[str, Callable[[dict], Any]] = {
             "ping": self.op_ping,
             "abort_request": self.op_abort_request,
-            "stats": self.op_stats,
-            "get_server_info": self.op_get_server_info,
             "release_memory_occupation": lambda a: self.engine.release_memory(a.get("tags")),
             "resume_memory_occupation": lambda a: self.engine.resume_memory(a.get("tags")),
             "pause_generation": lambda a: self.gate.pause(**a),
@@ -81,6 +79,8 @@ class EngineLoop:
         }
         self.step_failures = 0
         self.busy_since: float | None = None  # time.monotonic() when the loop took up its current work
+        self._static_info = engine_info(engine)  # (what never changes: the config, the pool, the process)
+        self._info_at = 0.0  # time.monotonic() of the latest info message
 
     # ---------------- the loop ----------------
     def run(self) -> None:
@@ -96,6 +96,7 @@ class EngineLoop:
                 self._reply_finished_calls()
             if self._should_step():
                 self._step()
+            self.send_info()
 
     def _step(self) -> None:
         """One engine step. A step that raises fails the requests in flight (500) and the engine
@@ -213,7 +214,16 @@ class EngineLoop:
             if seqs:
                 reqs.append({"rid": req.rid, "seqs": seqs})
         if reqs:
+            if not self.engine.has_work:  # a client told its last request is done reads numbers that count it
+                self.send_info(force=True)
             self._emit(protocol.output(self.version_label(self.engine.weight_version), reqs))
+
+    def send_info(self, force: bool = False) -> None:
+        """The server info the front end answers /get_server_info and /metrics from (rollout.server.protocol)."""
+        now = time.monotonic()
+        if force or now - self._info_at >= protocol.INFO_EVERY_S:
+            self._info_at = now
+            self._emit(protocol.info(self.server_info()))
 
     def _emit(self, msg: dict) -> None:
         self.send.send(protocol.pack(msg))
@@ -253,6 +263,7 @@ class EngineLoop:
         self.reply(cid, error=f"{op}: {e}", status=status)
 
     def reply(self, cid: int, result: Any = None, error: str | None = None, status: int = 200) -> None:
+        self.send_info(force=True)  # (what the call changed is in the info its caller reads next)
         version = self.engine.weight_version
         self._emit(protocol.control_reply(cid, self.version_label(version), version, result, error, status))
 
@@ -284,7 +295,7 @@ class EngineLoop:
                                   "when the server is idle (continue or abort them first)", 400)
         return self.receiver.flush_cache()
 
-    def op_stats(self, args: dict) -> dict:
+    def stats(self) -> dict:
         stats = {**self.engine.stats(), **self.receiver.stats()}
         reqs = self.engine.requests.values()
         stats["rollout/num_requests"] = len(reqs)
@@ -294,8 +305,8 @@ class EngineLoop:
         stats["rollout/num_held"] = self.gate.num_held
         return stats
 
-    def op_get_server_info(self, args: dict) -> dict:
-        info = engine_info(self.engine)
+    def server_info(self) -> dict:
+        info = dict(self._static_info)
         info["weight_version"] = self.version_label(self.engine.weight_version)
         info["weight_sync"] = {
             "paused": self.gate.mode,
@@ -304,7 +315,8 @@ class EngineLoop:
             "last_update": self.receiver.last_update,
             "last_error": self.receiver.last_error,
         }
-        return {**info, "stats": self.op_stats(args)}
+        info["stats"] = self.stats()
+        return info
 
 
 class Heartbeat(threading.Thread):
@@ -336,7 +348,8 @@ class Heartbeat(threading.Thread):
 
 def _seq_out(seq: Sequence, start: int, label: Callable[[int], str]) -> dict:
     """A SeqOut (rollout.server.protocol) with the sample's tokens from `start` on; versions as `label` reports them."""
-    finish = {"type": seq.finish_reason or "abort", "matched": seq.matched_stop} if seq.finished else None
+    finish = ({"type": seq.finish_reason or "abort", "matched": seq.matched_stop, "message": seq.finish_message}
+              if seq.finished else None)
     return {
         "i": seq.sample_index,
         "ids": seq.output_ids[start:],
@@ -462,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if args.restore:
                 restore_weights(engine, loop.receiver, json.loads(args.restore))
-            info = {**engine_info(engine), "weight_version": loop.version_label(engine.weight_version)}
+            info = loop.server_info()
             send.send(protocol.pack(protocol.ready(info)))
             log.info("engine ready: %s on %s, weight version %s", engine.model_path, engine.device, info["weight_version"])
             heartbeat = Heartbeat(loop, ctx, args.send)

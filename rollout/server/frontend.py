@@ -266,7 +266,7 @@ def sse_response(fe: Frontend, states: list[RequestState], params: SamplingParam
                  opening: Iterable[Any] = (), closing: Callable[[], Iterable[Any]] = tuple) -> StreamingResponse:
     """A streamed answer: the `opening` chunks, `chunk_of(update)` for each of the requests' updates
     (None: nothing for that one), then the `closing()` chunks and [DONE]; an engine that dies or
-    refuses ends the stream with an error chunk."""
+    refuses ends the stream with an error chunk, then [DONE] (OpenAI clients read until it)."""
 
     async def events() -> AsyncIterator[str]:
         for chunk in opening:
@@ -279,9 +279,9 @@ def sse_response(fe: Frontend, states: list[RequestState], params: SamplingParam
                         yield sse_event(chunk)
         except (EngineDead, EngineRefused) as e:
             yield sse_event(error_body(getattr(e, "status", 503), str(e)))
-            return
-        for chunk in closing():
-            yield sse_event(chunk)
+        else:
+            for chunk in closing():
+                yield sse_event(chunk)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -95,10 +95,11 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int 
     return default
 
 
-def _room(fe: Frontend, prompts: list[list[int]], n: int) -> int:
-    """The most new tokens every prompt can take, within the context and the KV pool."""
+def _room(fe: Frontend, prompts: list[list[int]]) -> int:
+    """The most new tokens a sample of every prompt can take, within the context and the KV pool
+    (a group's samples need not fit the pool together: rollout.config.request_limit)."""
     kv = fe.engine.info["kv_cache_tokens"]
-    return max(1, min(min(fe.max_model_len - len(p), (kv - len(p)) // max(n, 1)) for p in prompts))
+    return max(1, min(min(fe.max_model_len, kv) - len(p) for p in prompts))
 
 
 def _finish(state: RequestState, i: int) -> str | None:
@@ -265,8 +266,7 @@ async def chat_completions(request: Request) -> Response:
     except Exception as e:  # the template's own checks (e.g. roles must alternate)
         raise ApiError(400, f"messages: the chat template refused them: {e}", "messages") from None
     prompt = await fe.encode(text, "messages", add_special_tokens=False)
-    n = body.get("n") if is_int(body.get("n")) and body["n"] >= 1 else 1
-    params = _params(body, _max_tokens(body, ("max_completion_tokens", "max_tokens"), _room(fe, [prompt], n)))
+    params = _params(body, _max_tokens(body, ("max_completion_tokens", "max_tokens"), _room(fe, [prompt])))
     stream = get_bool(body, "stream")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if top and not logprobs:

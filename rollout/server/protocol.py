@@ -14,7 +14,7 @@ front end -> engine
                "return_logprob": bool, "top_logprobs_num": int, "stream": bool}
 
 engine -> front end
-    ready      {"type": "ready", "info": {...}}          once, after the model has loaded
+    ready      {"type": "ready", "info": ServerInfo}     once, after the model has loaded
     out        {"type": "out", "weight_version": str, "reqs": [ReqOut, ...]}
                at most one per engine step, for every request that has something to say;
                weight_version: the engine's current version as reported (a string, as SGLang)
@@ -23,6 +23,11 @@ engine -> front end
                status: the HTTP status that fits; weight_version: the engine's as the reply leaves
                (a weight update's reply follows its swap: the front end knows the new version
                before its client does)
+    info       {"type": "info", "info": ServerInfo}
+               the engine's part of /get_server_info and /metrics, which the front end answers
+               from the latest one without asking the engine (a step may take seconds): sent
+               before every control reply, before the outputs that leave the engine idle, and
+               at most every INFO_EVERY_S as the loop goes round
     fatal      {"type": "fatal", "error": str}           the engine loop died; the process exits
     beat       {"type": "beat", "weight_version": str, "version": int, "busy_s": float, "load": Load}
                every HEARTBEAT_S from a thread of its own, during steps too: the front end's
@@ -35,6 +40,11 @@ engine -> front end
     Load    = {"num_running_reqs", "num_running_seqs", "num_waiting_seqs", "num_waiting_tokens",
                "num_used_tokens", "token_usage", "gen_throughput"}
 
+    ServerInfo = {"engine_config", "model_path", "max_model_len", "vocab_size", "kv_cache_tokens", "device",
+                  "dtype", "weight_version", "max_running_seqs", "tp_size", "engine_pid",
+                  "weight_sync": {"paused", "held_requests", "updates_in_flight", "last_update", "last_error"},
+                  "stats": {the engine's and the weight receiver's rollout/... numbers}}
+
     ReqOut  = {"rid": str, "error": str, "status": int}  the engine refused (400) or failed (500) the request
             | {"rid": str, "seqs": [SeqOut, ...]}
     SeqOut  = {"i": sample index,
@@ -42,7 +52,8 @@ engine -> front end
                                                  (wv: each token's weight version, as reported)
                "top": [[[int], [float]], ...] | None              per new token: the most likely
                                                  tokens and their logprobs (top_logprobs_num > 0)
-               "finish": None | {"type": "stop" | "length" | "abort", "matched": int | str | None},
+               "finish": None | {"type": "stop" | "length" | "abort", "matched": int | str | None,
+                                 "message": str | None},  (message: why the engine aborted it)
                "cached": int,                    prompt tokens taken from the request's prefill
                "spec": {SpecCounters.as_dict()}}        totals so far
 
@@ -58,8 +69,9 @@ import msgpack
 
 # message types
 BATCH, CTL, SHUTDOWN = "batch", "ctl", "shutdown"
-READY, OUT, CTL_REPLY, FATAL, BEAT = "ready", "out", "ctl_reply", "fatal", "beat"
+READY, OUT, CTL_REPLY, FATAL, BEAT, INFO = "ready", "out", "ctl_reply", "fatal", "beat", "info"
 HEARTBEAT_S = 0.5
+INFO_EVERY_S = 0.05  # how stale /get_server_info may be while the engine steps (~0.2 ms to build and send)
 
 
 def pack(msg: dict) -> bytes:
@@ -96,6 +108,10 @@ def ready(info: dict) -> dict:
 
 def output(weight_version: str, reqs: list[dict]) -> dict:
     return {"type": OUT, "weight_version": weight_version, "reqs": reqs}
+
+
+def info(server_info: dict) -> dict:
+    return {"type": INFO, "info": server_info}
 
 
 def fatal(error: str) -> dict:

@@ -2,7 +2,7 @@
 
 `Replicas` is what the routes talk to: `submit`, `abort`, `control` and the state `/health` and
 `/v1/loads` read, over M `EngineClient`s, each the handle on one engine process with its own
-device (replica i on `cuda:(base_gpu_id + i)`). With M = 1 it is one engine and nothing else.
+device (replica i's rank r on `cuda:(base_gpu_id + i * tp_size + r)`). With M = 1 it is one engine and nothing else.
 
 Routing keeps a prompt where its KV prefix, its siblings' n-gram index and its earlier rollouts
 are: all `n` samples of a request are one engine request, and a prompt's later requests go to
@@ -156,18 +156,13 @@ class Replicas:
         Raises the first failure, its dp rank named once there are several, without waiting for
         the others: a replica that refused a broadcast must not keep the trainer waiting on it."""
         args = args or {}
-        if len(self.clients) == 1 and op != "get_server_info":
+        if len(self.clients) == 1:
             return await self.clients[0].control(op, args, timeout)
         if op == "abort_request" and not args.get("abort_all"):
             client = self._owner.get(args.get("rid"))
             return await client.control(op, args, timeout) if client else {"aborted": []}
         if op == "get_weight_version":
             return await next((c for c in self.clients if c.alive), self.clients[0]).control(op, args, timeout)
-        if op == "get_server_info":
-            alive = [c for c in self.clients if c.alive] or self.clients[:1]
-            infos = await asyncio.gather(*(c.control(op, args, timeout) for c in alive))
-            return {**infos[0], "stats": summed_stats([i["stats"] for i in infos]), "dp_size": len(self.clients),
-                    "replicas": self.describe()}
         calls = {asyncio.ensure_future(c.control(op, self._args_for(op, args, i), timeout)): i
                  for i, c in enumerate(self.clients)}
         results: dict[int, Any] = {}
@@ -190,15 +185,21 @@ class Replicas:
             return {**args, "rank_offset": args["rank_offset"] + dp_rank * self.config.tp_size}
         return args
 
-    async def stats(self, timeout: float) -> list[dict | None]:
-        """Each replica's engine stats (None for one that is down or did not answer in time)."""
-        async def one(c: EngineClient) -> dict | None:
-            try:
-                return await c.control("stats", timeout=timeout) if c.alive else None
-            except (EngineDead, ControlError, asyncio.TimeoutError):
-                return None
+    def server_info(self) -> dict:
+        """The engines' info as of their latest info messages (rollout.server.protocol ServerInfo), the
+        replicas' stats summed: answered by the front end alone, so it is quick whatever the load."""
+        alive = [c for c in self.clients if c.alive]
+        if not alive:
+            raise EngineDead(self.dead or "no engine replica is running")
+        if len(self.clients) == 1:
+            return alive[0].server_info
+        infos = [c.server_info for c in alive]
+        return {**infos[0], "stats": summed_stats([i["stats"] for i in infos]), "dp_size": len(self.clients),
+                "replicas": self.describe()}
 
-        return list(await asyncio.gather(*(one(c) for c in self.clients)))
+    def stats(self) -> list[dict | None]:
+        """Each replica's engine stats as of its latest info message (None for one that is down)."""
+        return [c.server_info.get("stats") if c.alive else None for c in self.clients]
 
 
 def _on_rank(err: BaseException, dp_rank: int) -> BaseException:

@@ -6,6 +6,9 @@ Workloads (all requests submitted at once, timed from submission to the last tok
   rl        as grpo, the way RL rolls out: T = 1.0 and up to 2,048 new tokens by default, EOS
             stops, so outputs are long and their lengths vary (the long tail)
   sharegpt  B first-turn ShareGPT prompts
+  mismatch  the grpo prompts (arithmetic by default) rolled out once per serving dtype (--dtypes), each
+            sample's logprobs against an HF float32 trainer's on its tokens, with tokens/s
+            (rollout.tools.bench_mismatch)
 With `--url`, the workload goes over HTTP to running servers or a router (rollout.tools.bench_http).
 Each row is one (spec mode, batch size), medians over `--repeats` rounds that alternate the
 modes; `--baseline-hf` adds HF transformers `generate` on the same prompts in the same run.
@@ -71,6 +74,7 @@ class Row:
     steps: int = 0
     step_ms_median: float = 0.0
     draft_steps: int = 0  # steps that verified drafts
+    preempted: int = 0  # sequences preempted (their KV dropped and recomputed) when the KV pool ran dry
     tail_s: float = 0.0  # from the end of the 90th percentile sample to the end of the last one
     indexed: float = 0.0  # share of the samples' tokens found in the drafter's index at the end (history rows)
     gc_ms: float = 0.0  # time in Python's cyclic garbage collector during the run
@@ -119,10 +123,11 @@ def workload_prompts(args, tokenizer, batch_size: int) -> tuple[list[list[int]],
     if args.workload == "decode":
         vocab = min(tokenizer.vocab_size, 32000)
         return [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(batch_size)], 1
-    if args.workload in ("grpo", "rl"):
+    if args.workload in ("grpo", "rl", "mismatch"):
         n = min(args.n, batch_size)
         num_prompts = max(1, batch_size // n)
-        arithmetic = {"arithmetic": num_prompts, "humaneval": 0}.get(args.prompt_set, (num_prompts + 1) // 2)
+        prompt_set = args.prompt_set or ("arithmetic" if args.workload == "mismatch" else "mixed")
+        arithmetic = {"arithmetic": num_prompts, "humaneval": 0}.get(prompt_set, (num_prompts + 1) // 2)
         texts = [t.question for t in arithmetic_tasks(arithmetic, seed=args.seed)]
         texts += humaneval_prompts(num_prompts - arithmetic) if num_prompts > arithmetic else []
         return [chat_prompt_ids(tokenizer, t) for t in texts], n
@@ -147,6 +152,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
     if not keep_history:
         engine.clear_speculation_history()  # no drafting from the warm-up or from other batch sizes
     timeline = Timeline(spec, [], [], [])
+    preempted = engine.scheduler.num_preempted
     with GcTimer() as gc_time:
         start = time.perf_counter()
         reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -166,7 +172,8 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         workload=args.workload, system="rollout", spec=spec, batch_size=batch_size, prompts=len(prompts), n=n,
         temperature=args.temperature, output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
         steps=st["rollout/steps"], step_ms_median=statistics.median([r.wall_ms for r in engine.step_log] or [0.0]),
-        draft_steps=st["rollout/draft_steps"], tail_s=ends[-1] - ends[int(0.9 * (len(ends) - 1))],
+        draft_steps=st["rollout/draft_steps"], preempted=engine.scheduler.num_preempted - preempted,
+        tail_s=ends[-1] - ends[int(0.9 * (len(ends) - 1))],
         indexed=found / total if total else 0.0, gc_ms=gc_time.seconds * 1e3,
         accept_rate=st["rollout/spec_accept_rate"], accept_length=st["rollout/spec_accept_length"],
         coupled_share=st.get("rollout/spec_accepted_tokens/coupled", 0) / tokens if tokens else 0.0,
@@ -251,8 +258,8 @@ def _sync(device: torch.device) -> None:
 
 def markdown(rows: list[Row]) -> str:
     head = ("| system | spec | batch | prompts x n | temp | out tokens | wall s | tok/s | vs off | tail s | steps | step ms "
-            "| draft steps | indexed | gc ms | accept rate | accept len | coupled | shared prefix |")
-    lines = [head, "|" + "---|" * 19]
+            "| draft steps | preempted | indexed | gc ms | accept rate | accept len | coupled | shared prefix |")
+    lines = [head, "|" + "---|" * 20]
     off = {(r.batch_size, r.temperature): r for r in rows if r.system == "rollout" and r.spec == "off"}
     for r in rows:
         base = off.get((r.batch_size, r.temperature)) if r.system == "rollout" else None
@@ -264,7 +271,7 @@ def markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {r.system} | {r.spec} | {r.batch_size} | {r.prompts} x {r.n} | {r.temperature} | {r.output_tokens:.0f} | "
             f"{r.wall_s:.2f} | {speed} | {ratio} | {tail} | {r.steps:.0f} | {r.step_ms_median:.2f} | "
-            f"{r.draft_steps:.0f} | {r.indexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} | "
+            f"{r.draft_steps:.0f} | {r.preempted:.0f} | {r.indexed:.0%} | {r.gc_ms:.1f} | {r.accept_rate:.3f} | {r.accept_length:.2f} | "
             f"{r.coupled_share:.0%} | {r.prefix_share:.0%} (median {r.prefix_median:.0f}) |"
         )
     return "\n".join(lines) + "\n"
@@ -346,6 +353,13 @@ def bench_grid(args: argparse.Namespace) -> tuple[list[float], list[int]]:
 def cmd_bench(args: argparse.Namespace) -> None:
     from rollout.engine.engine import Engine, freeze_heap, thaw_heap
 
+    if args.workload == "mismatch":
+        if args.random_model:
+            raise ValueError("--workload mismatch compares against the model's own checkpoint; drop --random-model")
+        from rollout.tools import bench_mismatch
+
+        bench_mismatch.run(args, workload_prompts, write_table)
+        return
     if args.random_model:
         if args.baseline_hf:
             raise ValueError("--baseline-hf needs a real checkpoint; drop it with --random-model")
@@ -366,7 +380,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             config.kv_cache_memory_fraction = pool_share()
         engines[spec] = Engine(config=config)
     freeze_heap()  # as the server's engine process does
-    trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples, args.epoch_update_spread)
+    trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples, args.epoch_update_start)
                if args.epoch_update else None)
     for r in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
         # Each round draws its own samples (every mode the same seeds in it): on the GPU the modes'
@@ -432,18 +446,25 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def write_results(args, rows: list[Row], timelines: list[Timeline], batch_sizes: list[int]) -> None:
     """The rows as JSON, a Markdown table and a PNG (and for `rl` the timelines' PNG) under --out."""
+    path = write_table(args, markdown(rows), {"rows": [asdict(r) for r in rows]})
+    device = _device_name()
+    plot(rows, path.with_suffix(".png"), f"{args.workload} on {device}")
+    if args.workload == "rl" and timelines:
+        plot_timelines(timelines, path.parent / f"{path.stem}-timeline.png", f"rl, {batch_sizes[-1]} sequences, on {device}")
+    print(f"wrote {path.with_suffix('')}.{{json,md,png}}")
+
+
+def write_table(args, table: str, payload: dict) -> Path:
+    """A run's Markdown table (with its command and device) and JSON (`payload` and the same meta)
+    under --out, named by workload, model and time; prints the table, returns the .md's path."""
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"{args.workload}-{args.random_model or Path(args.model).name}-{stamp}"
+    name = f"{args.workload}-{args.random_model or Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     meta = {"command": args.command_line, "device": _device_name(), "torch": torch.__version__}
-    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
-    table = markdown(rows)
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, **payload}, indent=1))
     (out_dir / f"{name}.md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}")
-    plot(rows, out_dir / f"{name}.png", f"{args.workload} on {meta['device']}")
-    if args.workload == "rl" and timelines:
-        plot_timelines(timelines, out_dir / f"{name}-timeline.png", f"rl, {batch_sizes[-1]} sequences, on {meta['device']}")
-    print(f"\n{table}\nwrote {out_dir / name}.{{json,md,png}}")
+    print(f"\n{table}")
+    return out_dir / f"{name}.md"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -473,23 +494,32 @@ def expected_prefix(chances: torch.Tensor) -> float:
     return float(chances.double().cumprod(0).sum())
 
 
+EPOCH_STARTS = ("served", "checkpoint", "spread")  # where EpochUpdate's trainer starts its float32 weights
+
+
 class EpochUpdate:
     """A trainer between two epochs of `rl --keep-history`: one policy-gradient step (REINFORCE, the
     group-normalised advantage of a reward that prefers shorter samples) with AdamW at `lr` on the
     first epoch's samples, in fp32 on the engine's device; the result goes to the engines in their
-    dtype (bf16 on the GPU, as a trainer pushes it). Each round starts from the model's own weights
-    (`spread`: from float32 weights that round to the served ones, `spread_in_rounding`)."""
+    dtype (as a trainer pushes it). Each round starts the trainer's float32 weights from `start`
+    (EPOCH_STARTS): the served weights, as a trainer that loads the served checkpoint; the
+    checkpoint's own float32 values; or float32 values spread over each served weight's rounding
+    interval (`spread_in_rounding`), as after many steps of training."""
 
-    def __init__(self, engine, lr: float, samples: int, spread: bool = False):
+    def __init__(self, engine, lr: float, samples: int, start: str = "served"):
         from transformers import AutoModelForCausalLM
 
+        if start not in EPOCH_STARTS:
+            raise ValueError(f"epoch update start {start!r}: choose {', '.join(EPOCH_STARTS)}")
         self.lr, self.samples = lr, samples
         self.dtype = engine.dtype
         self.model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).to(engine.device)
-        if spread:
-            gen = torch.Generator(device=engine.device).manual_seed(0)
-            with torch.no_grad():
-                for p in self.model.parameters():
+        gen = torch.Generator(device=engine.device).manual_seed(0)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if start == "served":
+                    p.copy_(p.to(self.dtype).float())
+                elif start == "spread":
                     p.copy_(spread_in_rounding(p, self.dtype, gen))
         self.base = {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
@@ -543,12 +573,15 @@ def _device_name() -> str:
 
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="offline throughput benchmark (JSON + Markdown + PNG under bench/results)")
-    b.add_argument("--workload", choices=["decode", "grpo", "rl", "sharegpt"], default="grpo")
+    b.add_argument("--workload", choices=["decode", "grpo", "rl", "sharegpt", "mismatch"], default="grpo")
     b.add_argument("--spec-modes", default="off,ngram", help="comma-separated spec modes to compare")
     b.add_argument("--batch-sizes", default="1,8", help="comma-separated numbers of concurrent sequences")
     b.add_argument("--n", type=int, default=8, help="grpo: samples per prompt")
-    b.add_argument("--prompt-set", choices=["mixed", "arithmetic", "humaneval"], default="mixed",
-                   help="grpo: arithmetic and HumanEval prompts half and half, or one of them")
+    b.add_argument("--prompt-set", choices=["mixed", "arithmetic", "humaneval"], default=None,
+                   help="grpo: arithmetic and HumanEval prompts half and half, or one of them (default: mixed; "
+                        "mismatch: arithmetic)")
+    b.add_argument("--dtypes", default=None,
+                   help="mismatch: comma-separated serving dtypes (default: bfloat16,float16,float32 on CUDA)")
     b.add_argument("--temperature", default=None,
                    help="comma-separated sampling temperatures, each run in turn (default: 1.0 for rl, 0 otherwise)")
     b.add_argument("--output-len", type=int, default=None, help="max new tokens; default: 2048 for rl, 128 otherwise")
@@ -564,10 +597,11 @@ def add_bench_parser(sub) -> None:
                         "learning rate on the first epoch's samples, pushed to every mode's engine in its dtype")
     b.add_argument("--epoch-update-samples", type=int, default=64,
                    help="the first epoch's samples that step trains on (the first prompts' groups)")
-    b.add_argument("--epoch-update-spread", action="store_true",
-                   help="the trainer's float32 weights spread over each served weight's rounding interval, as "
-                        "after many steps of training, not the checkpoint's own (the default model's, dequantized "
-                        "from Q4_1, sit on bf16 rounding ties, and any step flips those)")
+    b.add_argument("--epoch-update-start", choices=EPOCH_STARTS, default="served",
+                   help="the trainer's float32 weights before its step: the served ones (a trainer that loads the "
+                        "checkpoint it serves), the checkpoint's own (the default model's, dequantized from Q4_1, sit "
+                        "on bf16 rounding ties, and any step flips those), or spread over each served weight's "
+                        "rounding interval, as after many steps of training")
     b.add_argument("--repeats", type=int, default=1,
                    help="rounds over the spec modes; the table reports medians and the tok/s spread")
     b.add_argument("--url", default=None, metavar="[LABEL=]URL,...",
