@@ -5,12 +5,12 @@ loop (rollout.server.engine_loop), the only thread that touches the engine. Ever
 returns a `concurrent.futures.Future` at once; the loop replies when it is done (result: a
 dict; failure: `WeightSyncError`, whose `.status` is the HTTP status to answer) and calls
 `at_step_boundary()` between steps, where finished receives are swapped in through
-`Engine.update_weights`.
+`Engine.update_weights_staged`.
 
 What blocks where:
 - The loop thread validates each update whole (names, shapes, dtypes against the model;
   version monotone) before anything is received, and later applies staged tensors with
-  `engine.update_weights` between two steps. Only the apply pauses generation: a memcpy of
+  `engine.update_weights_staged` between two steps. Only the apply pauses generation: a memcpy of
   the model (device to device, or host to device with host staging).
 - One worker thread per group rendezvouses and receives broadcasts into staging buffers;
   a single I/O thread reads safetensors and opens IPC handles. They never touch the engine,
