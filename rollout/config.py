@@ -16,6 +16,15 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what release_memory lets 
 GREEDY_BELOW = 1e-6  # a temperature below this is greedy (SGLang's rule): logits / T would overflow
 
 
+def param(default, json: str, help: str, **kw):
+    """A SamplingParams field: its JSON kind (`int`, `number`, `flag`, `strings`, `ids`, `bias`),
+    which the HTTP front end checks (rollout.server.guard), and its help, which `rollout generate`'s
+    flags show (`SamplingParams.add_args`): the one list of sampling parameters and their defaults."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"json": json, "help": help, **kw})
+    return field(default=default, metadata={"json": json, "help": help, **kw})
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling; names and meanings follow SGLang's `sampling_params`.
@@ -28,24 +37,24 @@ class SamplingParams:
     processed logits) for greedy.
     """
 
-    n: int = 1
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 = off
-    min_p: float = 0.0
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0  # no stop (token or string) ends a sample before this many tokens
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    frequency_penalty: float = 0.0  # [-2, 2], times each output token's count
-    presence_penalty: float = 0.0  # [-2, 2], once for every token in the output
-    repetition_penalty: float = 1.0  # (0, 2], for every token in the prompt or the output
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False  # keep a matched stop string at the end of the text
+    n: int = param(1, "int", "samples of the prompt")
+    temperature: float = param(1.0, "number", "0 = greedy")
+    top_p: float = param(1.0, "number", "nucleus: the likeliest tokens whose mass reaches this, in (0, 1]")
+    top_k: int = param(-1, "int", "the k likeliest tokens (-1 or 0: off)")
+    min_p: float = param(0.0, "number", "tokens at least this share of the likeliest one's probability")
+    max_new_tokens: int = param(128, "int", "new tokens at most")
+    min_new_tokens: int = param(0, "int", "no stop (token or string) ends a sample before this many tokens")
+    stop: list[str] | str | None = param(None, "strings", "a string that ends a sample (repeatable)")
+    stop_token_ids: list[int] | None = param(None, "ids", "a token id that ends a sample (repeatable)")
+    seed: int | None = param(None, "int", "the request's seed (sample i draws with a key of it and i)", flag="sample-seed")
+    ignore_eos: bool = param(False, "flag", "keep going past the end-of-sequence token")
+    frequency_penalty: float = param(0.0, "number", "[-2, 2], times each output token's count")
+    presence_penalty: float = param(0.0, "number", "[-2, 2], once for every token in the output")
+    repetition_penalty: float = param(1.0, "number", "(0, 2], for every token in the prompt or the output")
+    logit_bias: dict[int, float] | None = param(None, "bias", "token id -> added to its logit, in [-100, 100]", flag=None)
+    skip_special_tokens: bool = param(True, "flag", "leave special tokens out of the text")
+    spaces_between_special_tokens: bool = param(True, "flag", "put spaces between special tokens in the text")
+    no_stop_trim: bool = param(False, "flag", "keep a matched stop string at the end of the text")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +128,31 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling_params field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**raw)
+
+    @staticmethod
+    def add_args(group) -> None:
+        """`rollout generate`'s sampling flags, one a field (`--<name>`, `--no-<name>` for a flag that is on;
+        stored as `sampling_<name>`, apart from the engine's flags)."""
+        for f in fields(SamplingParams):
+            flag = f.metadata.get("flag", f.name.replace("_", "-"))
+            if flag is None:
+                continue
+            default, kind, dest = f.default, f.metadata["json"], f"sampling_{f.name}"
+            if kind == "flag":
+                group.add_argument(f"--no-{flag}" if default else f"--{flag}", dest=dest,
+                                   action="store_false" if default else "store_true",
+                                   help=f"do not {f.metadata['help']}" if default else f.metadata["help"])
+            elif kind in ("strings", "ids"):
+                group.add_argument(f"--{flag}", dest=dest, action="append", type=str if kind == "strings" else int,
+                                   metavar=f.name.upper(), help=f.metadata["help"])
+            else:
+                group.add_argument(f"--{flag}", dest=dest, type=int if kind == "int" else float, default=default,
+                                   metavar=f.name.upper(), help=f"{f.metadata['help']} (default: {default})")
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> "SamplingParams":
+        return SamplingParams(**{f.name: getattr(args, f"sampling_{f.name}") for f in fields(SamplingParams)
+                                 if hasattr(args, f"sampling_{f.name}")})
 
 
 def request_limit(prompt_len: int, params: SamplingParams, max_model_len: int, max_running_seqs: int,

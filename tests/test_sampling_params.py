@@ -20,3 +20,23 @@ def test_unknown_fields_are_rejected_by_name():
 
 def test_stop_string_becomes_a_list():
     assert SamplingParams(stop="\n").stop == ["\n"]
+
+
+def test_every_list_of_sampling_parameters_comes_from_sampling_params():
+    """One list per meaning: the server's checks, OpenAI's fields and `rollout generate`'s flags (with
+    SamplingParams' defaults) are made from its fields."""
+    from dataclasses import fields
+
+    from rollout.server.guard import _SAMPLING_TYPES
+    from rollout.server.openai_routes import SAMPLING
+    from rollout.tools.cli import build_parser
+
+    names = {f.name for f in fields(SamplingParams)}
+    assert names <= set(_SAMPLING_TYPES)
+    assert SAMPLING == names - {"max_new_tokens", "min_new_tokens"} | {"min_tokens"}
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert SamplingParams.from_args(args) == SamplingParams()
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--sample-seed", "5", "--stop", "a", "--stop", "b",
+                                      "--no-skip-special-tokens", "--top-k", "3", "--seed", "9"])
+    assert SamplingParams.from_args(args) == SamplingParams(seed=5, stop=["a", "b"], skip_special_tokens=False, top_k=3)
+    assert args.seed == 9  # (the engine's --seed stays the engine's)

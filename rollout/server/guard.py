@@ -24,7 +24,7 @@ import ipaddress
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from fastapi import Request
@@ -204,16 +204,16 @@ _int64 = (is_int64, "a 64-bit integer")
 _number = (is_number, "a number")
 _flag = (lambda v: isinstance(v, bool), "true or false")
 
+# each JSON kind of a SamplingParams field (rollout.config.param): (check, what it must be)
+_JSON_KINDS = {
+    "int": _int64, "number": _number, "flag": _flag, "strings": (_strings, "a string or a list of strings"),
+    "ids": (lambda v: isinstance(v, list) and all(is_int64(t) for t in v), "a list of integers"),
+    "bias": (_logit_bias, "an object mapping token ids to numbers"),
+}  # fmt: skip
 # SGLang's sampling_params: name -> (check, what it must be). null means the default for every one.
 _SAMPLING_TYPES = {
-    "n": _int64, "temperature": _number, "top_p": _number, "top_k": _int64, "min_p": _number,
-    "max_new_tokens": _int64, "min_new_tokens": _int64,
-    "stop": (_strings, "a string or a list of strings"),
-    "stop_token_ids": (lambda v: isinstance(v, list) and all(is_int64(t) for t in v), "a list of integers"),
-    "seed": _int64, "sampling_seed": _int64,
-    "ignore_eos": _flag, "skip_special_tokens": _flag, "spaces_between_special_tokens": _flag, "no_stop_trim": _flag,
-    "frequency_penalty": _number, "presence_penalty": _number, "repetition_penalty": _number,
-    "logit_bias": (_logit_bias, "an object mapping token ids to numbers"),
+    **{f.name: _JSON_KINDS[f.metadata["json"]] for f in fields(SamplingParams)},
+    "sampling_seed": _int64,  # (SGLang's name for the seed)
     "stream_interval": (lambda v: is_int(v) and 1 <= v <= 2**31, "an integer >= 1"),
     "custom_params": (lambda v: isinstance(v, dict), "an object"),  # input to a custom logit processor: none here
 }  # fmt: skip

@@ -16,12 +16,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
-from rollout.config import SamplingParams
+from rollout.config import MAX_TOP_LOGPROBS, SamplingParams
 from rollout.server.engine_client import RequestState
 from rollout.server.frontend import JSON, Frontend, frontend, sse_response
 from rollout.server.guard import (
@@ -37,9 +38,8 @@ from rollout.server.guard import (
 
 openai_router = APIRouter(dependencies=[Depends(require_api_key)])
 
-SAMPLING = {"temperature", "top_p", "n", "stop", "seed", "top_k", "min_p", "ignore_eos", "stop_token_ids",
-            "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+# SamplingParams' fields as OpenAI's routes take them (max_new_tokens is max_tokens, min_new_tokens min_tokens)
+SAMPLING = {f.name for f in fields(SamplingParams)} - {"max_new_tokens", "min_new_tokens"} | {"min_tokens"}
 COMMON = SAMPLING | {"model", "max_tokens", "stream", "stream_options", "user", "return_hidden_states"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
 # SGLang's chat extensions that sglang-router adds to every request: with no reasoning parser here,
@@ -167,8 +167,8 @@ async def completions(request: Request) -> Response:
     if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
         raise ApiError(400, "best_of is not supported (only best_of == n)", "best_of")
     logprobs = body.get("logprobs")
-    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= 20):
-        raise ApiError(400, "logprobs must be an integer in [0, 20]", "logprobs")
+    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", "prompt")
     prompts = await _completion_prompts(fe, body["prompt"])
@@ -254,8 +254,8 @@ async def chat_completions(request: Request) -> Response:
     _check_common(fe, body, CHAT_FIELDS)
     logprobs = get_bool(body, "logprobs")
     top = body.get("top_logprobs")
-    if top is not None and not (is_int(top) and 0 <= top <= 20):
-        raise ApiError(400, "top_logprobs must be an integer in [0, 20]", "top_logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     if "messages" not in body:
         raise ApiError(400, "messages is required", "messages")
     messages = _messages(body["messages"])

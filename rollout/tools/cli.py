@@ -16,15 +16,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     eng = Engine(config=EngineConfig.from_args(args))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     inputs = [chat_prompt_ids(eng.tokenizer, p) for p in prompts] if args.chat else prompts
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        stop=args.stop,
-        seed=args.sample_seed,
-    )
+    params = SamplingParams.from_args(args)
     outs = eng.generate(inputs, params, return_logprob=args.json)
     for prompt, group in zip(prompts, outs):
         for i, o in enumerate(group):
@@ -45,14 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate completions for prompts (arguments or stdin lines)")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: one per stdin line")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--sample-seed", type=int, default=None)
     g.add_argument("--json", action="store_true", help="one JSON object per output, logprobs included")
+    SamplingParams.add_args(g.add_argument_group("sampling"))
     EngineConfig.add_args(g)
     g.set_defaults(func=cmd_generate)
 
