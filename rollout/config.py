@@ -129,6 +129,16 @@ class SamplingParams:
             raise ValueError(f"unknown sampling_params field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**raw)
 
+    @classmethod
+    def validated(cls, raw: dict) -> "SamplingParams":
+        """Params from the fields of ones already validated (`dataclasses.asdict` of them, through JSON:
+        another rank's), not checked again."""
+        params = object.__new__(cls)
+        params.__dict__.update(raw)
+        if params.logit_bias:  # (JSON object keys are strings)
+            params.logit_bias = {int(k): v for k, v in params.logit_bias.items()}
+        return params
+
     @staticmethod
     def add_args(group) -> None:
         """`rollout generate`'s sampling flags, one a field (`--<name>`, `--no-<name>` for a flag that is on;

@@ -399,7 +399,7 @@ def test_serve_without_the_server_packages_names_the_missing_one_whatever_the_ar
 
 
 def test_the_engine_loop_fails_the_request_a_step_raised_on_and_goes_on(model_dir, monkeypatch):
-    from rollout import Engine
+    from rollout import Engine, SamplingParams
     from rollout.server import protocol
     from rollout.server.engine_loop import EngineLoop
 
@@ -413,19 +413,19 @@ def test_the_engine_loop_fails_the_request_a_step_raised_on_and_goes_on(model_di
     engine = Engine(model=str(model_dir), device="cpu", spec="off")
     pipe = Pipe()
     loop = EngineLoop(engine, recv=None, send=pipe)
-    add = lambda rid: protocol.add_request(rid, [5, 6, 7], {"max_new_tokens": 3}, False, 0, False)  # noqa: E731
+    add = lambda rid: protocol.AddRequest(rid, [5, 6, 7], SamplingParams(max_new_tokens=3), False, 0, False)  # noqa: E731
     loop.take_batch([add("doomed")], [])
     launch = engine.runner.launch_prefill
     monkeypatch.setattr(engine.runner, "launch_prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     loop._step()
     monkeypatch.setattr(engine.runner, "launch_prefill", launch)
-    failed = [r for m in pipe.messages if m["type"] == protocol.OUT for r in m["reqs"]]
-    assert failed == [{"rid": "doomed", "error": failed[0]["error"], "status": 500}] and "boom" in failed[0]["error"]
+    failed = [r for m in pipe.messages if isinstance(m, protocol.Outputs) for r in m.requests]
+    assert [(r.rid, r.status, r.samples) for r in failed] == [("doomed", 500, [])] and "boom" in failed[0].error
     loop.take_batch([add("fine")], [])
     while engine.has_work:
         loop._step()
-    done = [r for m in pipe.messages if m["type"] == protocol.OUT for r in m["reqs"] if r["rid"] == "fine"]
-    assert done and len(done[-1]["seqs"][0]["ids"]) == 3
+    done = [r for m in pipe.messages if isinstance(m, protocol.Outputs) for r in m.requests if r.rid == "fine"]
+    assert done and len(done[-1].samples[0].token_ids) == 3
     assert engine.pool.used_slots == 0 and loop.step_failures == 1
 
 

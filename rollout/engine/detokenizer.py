@@ -39,10 +39,11 @@ class StreamDetokenizer:
         self.text = ""  # decoded so far
         self.sent = 0  # characters of `text` handed out
 
-    def update(self, ids: list[int], finish: dict | None = None) -> str:
-        """The new text after `ids` (the whole output so far); `finish` from the last update."""
+    def update(self, ids: list[int], finish=None) -> str:
+        """The new text after `ids` (the whole output so far); `finish` (its `.matched`: the stop that
+        ended it) from the last update."""
         if finish is not None:
-            full = final_text(self.tokenizer, ids, finish.get("matched"), self.params)
+            full = final_text(self.tokenizer, ids, finish.matched, self.params)
             delta = full[self.sent :] if full.startswith(self.text[: self.sent]) else ""
             self.sent = len(full)
             return delta

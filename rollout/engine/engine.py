@@ -184,7 +184,7 @@ class Engine:
                top_logprobs_num: int) -> Request:
         """A checked request into the scheduler (what a tensor-parallel rank > 0 replays, `params` as a dict)."""
         if isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
+            params = SamplingParams.validated(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(rid, prompt_ids, params, seed, return_logprob, top_logprobs_num, stop_ids=stop_ids,
                       max_len=len(prompt_ids) + params.max_new_tokens)  # within max_model_len, checked above

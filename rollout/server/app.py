@@ -151,13 +151,13 @@ def finish_reason(s, max_new_tokens: int) -> dict | None:
     """SGLang's finish_reason object: type, matched (stop) and message; length also says the limit."""
     if s.finish is None:
         return None
-    kind = s.finish["type"]
+    kind = s.finish.type
     if kind == "stop":
-        return {"type": "stop", "matched": s.finish["matched"], "message": None}
+        return {"type": "stop", "matched": s.finish.matched, "message": None}
     if kind == "length":
         return {"type": "length", "length": max_new_tokens, "matched": None, "message": None}
     # SGLang's words for a request stopped before it produced anything (AReaL resubmits those)
-    message = s.finish.get("message") or ("Abort before prefill" if not s.ids else "aborted")
+    message = s.finish.message or ("Abort before prefill" if not s.ids else "aborted")
     return {"type": "abort", "matched": None, "message": message}
 
 
@@ -304,13 +304,13 @@ def engine_loads(fe: Frontend) -> list[dict]:
     for eng in fe.engine.clients:
         load = eng.load
         total = len(eng.requests)
-        running = min(total, load.get("num_running_reqs", 0))
+        running = min(total, load.num_running_reqs)
         out.append({
             "dp_rank": eng.dp_rank, "num_running_reqs": running, "num_waiting_reqs": total - running,
-            "num_total_reqs": total, "num_used_tokens": load.get("num_used_tokens", 0),
-            "num_waiting_tokens": load.get("num_waiting_tokens", 0),
-            "max_total_num_tokens": eng.info.get("kv_cache_tokens", 0), "token_usage": load.get("token_usage", 0.0),
-            "gen_throughput": load.get("gen_throughput", 0.0),
+            "num_total_reqs": total, "num_used_tokens": load.num_used_tokens,
+            "num_waiting_tokens": load.num_waiting_tokens,
+            "max_total_num_tokens": eng.info.get("kv_cache_tokens", 0), "token_usage": load.token_usage,
+            "gen_throughput": load.gen_throughput,
         })  # fmt: skip
     return out
 

@@ -2,8 +2,8 @@
 
 `EngineClient` owns the subprocess (`python -m rollout.server.engine_loop`) and the two ZMQ pipes
 (rollout.server.protocol). Requests are queued with `submit()` and go out together at the end of
-the event-loop tick; one receive task turns `out` messages into `RequestState` updates and
-`ctl_reply` messages into the results of `control()` calls, and notes when it last heard
+the event-loop tick; one receive task turns `Outputs` messages into `RequestState` updates and
+`ControlReply` messages into the results of `control()` calls, and notes when it last heard
 from the engine (it beats while idle), which is what `/health` reads.
 
 When the process exits, every waiting request and control call fails at once with
@@ -31,8 +31,23 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from rollout.config import EngineConfig
+from rollout.config import EngineConfig, SamplingParams
 from rollout.server import protocol
+from rollout.server.protocol import (
+    AddRequest,
+    Beat,
+    Control,
+    ControlReply,
+    Fatal,
+    Finish,
+    Info,
+    Load,
+    Outputs,
+    Ready,
+    RequestBatch,
+    RequestOut,
+    Shutdown,
+)
 
 log = logging.getLogger("rollout.server")
 
@@ -62,7 +77,7 @@ class SampleState:
     logprobs: list[float] | None = None
     versions: list[str] = field(default_factory=list)  # per token, as reported (weight_version labels)
     top: list | None = None  # per token: ([ids], [logprobs]) of the most likely tokens (top_logprobs_num > 0)
-    finish: dict | None = None  # {"type": stop|length|abort, "matched": ...} once finished
+    finish: Finish | None = None  # once finished
     spec: dict = field(default_factory=dict)
     cached_tokens: int = 0
     weight_version: str = "0"  # the engine's version (as reported) at this sample's latest update
@@ -104,7 +119,7 @@ class EngineClient:
         self._version = -1  # the engine's integer weight version behind `weight_version`
         self.busy_s = 0.0  # how long the engine loop had been busy with its current work, at its latest beat
         self._beat_at = 0.0  # time.monotonic() of that beat
-        self.load: dict = {}  # the engine's load at its latest beat (rollout.server.protocol Load)
+        self.load = Load()  # the engine's load at its latest beat
         self.requests: dict[str, RequestState] = {}
         self.dead: str | None = None  # why, while no engine answers
         self.proc: subprocess.Popen | None = None
@@ -119,7 +134,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves, once started
         self._controls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count()
-        self._outbox: list[dict] = []  # messages waiting for the end of this tick
+        self._outbox: list = []  # messages waiting for the end of this tick
         self._flush_scheduled = False
         self._tasks: list[asyncio.Task] = []
         self._num_requests = 0
@@ -220,7 +235,7 @@ class EngineClient:
         self._stopping = True
         self._mark_dead("the server is shutting down")
         if self.proc is not None and self.proc.poll() is None:
-            self._outbox.append({"type": protocol.SHUTDOWN})
+            self._outbox.append(Shutdown())
             self._flush()
             try:
                 await asyncio.wait_for(self._exited(), timeout)
@@ -306,7 +321,7 @@ class EngineClient:
         self,
         rid: str,
         input_ids: list[int],
-        params: dict,
+        params: SamplingParams,
         return_logprob: bool,
         stream: asyncio.Queue | None = None,
         top_logprobs_num: int = 0,
@@ -318,13 +333,12 @@ class EngineClient:
             raise ValueError(f"rid: request id {rid!r} is already in flight")
         done = asyncio.get_running_loop().create_future()
         done.add_done_callback(_retrieve)
-        n = params.get("n", 1)
         state = RequestState(
-            rid, n, len(input_ids), params.get("max_new_tokens", 0), return_logprob, top_logprobs_num, stream, done,
+            rid, params.n, len(input_ids), params.max_new_tokens, return_logprob, top_logprobs_num, stream, done,
             [SampleState(logprobs=[] if return_logprob else None, top=[] if top_logprobs_num else None,
-                         weight_version=self.weight_version) for _ in range(n)],
+                         weight_version=self.weight_version) for _ in range(params.n)],
         )  # fmt: skip
-        add = protocol.add_request(rid, input_ids, params, return_logprob, top_logprobs_num, stream is not None)
+        add = AddRequest(rid, input_ids, params, return_logprob, top_logprobs_num, stream is not None)
         try:
             protocol.pack(add)  # what cannot cross the pipe is refused here, not lost on the way
         except (TypeError, ValueError, OverflowError) as e:
@@ -345,7 +359,7 @@ class EngineClient:
         if not self.alive:
             raise EngineDead(self.dead or "the engine is not running")
         cid = next(self._cids)
-        msg = protocol.control(cid, op, args)
+        msg = Control(cid, op, args or {})
         try:
             protocol.pack(msg)
         except (TypeError, ValueError, OverflowError) as e:
@@ -358,10 +372,10 @@ class EngineClient:
             reply = await asyncio.wait_for(fut, timeout)
         finally:
             self._controls.pop(cid, None)
-        if not reply["ok"]:
-            raise ControlError(reply["error"], reply["status"])
-        self._note_weights(op, args or {}, reply["result"])
-        return reply["result"]
+        if not reply.ok:
+            raise ControlError(reply.error, reply.status)
+        self._note_weights(op, args or {}, reply.result)
+        return reply.result
 
     def _note_weights(self, op: str, args: dict, result: Any) -> None:
         """Remember what a restarted engine should load (see the module docstring), and whether it could."""
@@ -372,15 +386,15 @@ class EngineClient:
         if not self._in_memory:
             self._restore = {"model_path": args["model_path"], "weight_version": result["weight_version"]}
 
-    def _queue_batch(self, add: dict | None = None, abort: str | None = None) -> None:
+    def _queue_batch(self, add: AddRequest | None = None, abort: str | None = None) -> None:
         last = self._outbox[-1] if self._outbox else None
-        if last is None or last["type"] != protocol.BATCH or (add is not None and last["abort"]):
-            last = protocol.batch([], [])  # keep order: an add never overtakes an earlier abort
+        if not isinstance(last, RequestBatch) or (add is not None and last.abort):
+            last = RequestBatch()  # keep order: an add never overtakes an earlier abort
             self._outbox.append(last)
         if add is not None:
-            last["add"].append(add)
+            last.add.append(add)
         if abort is not None:
-            last["abort"].append(abort)
+            last.abort.append(abort)
         self._schedule_flush()
 
     def _schedule_flush(self) -> None:
@@ -408,60 +422,59 @@ class EngineClient:
             except Exception:  # a bug here must not leave every later request hanging
                 log.exception("failed to handle a message from the engine")
 
-    def _on_message(self, msg: dict) -> None:
-        kind = msg["type"]
-        if kind == protocol.BEAT:
-            self._note_version(msg["weight_version"], msg["version"])
-            self.busy_s, self.load, self._beat_at = msg["busy_s"], msg["load"], self.last_heard
-        elif kind == protocol.INFO:
-            self.server_info = msg["info"]
-        elif kind == protocol.READY:
-            self.info = self.server_info = msg["info"]
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, Beat):
+            self._note_version(msg.weight_version, msg.version)
+            self.busy_s, self.load, self._beat_at = msg.busy_s, msg.load, self.last_heard
+        elif isinstance(msg, Info):
+            self.server_info = msg.info
+        elif isinstance(msg, Ready):
+            self.info = self.server_info = msg.info
             self._version, self.weight_version = -1, str(self.info["weight_version"])  # (a new process counts anew)
-            self.busy_s, self.load = 0.0, {}
+            self.busy_s, self.load = 0.0, Load()
             self.dead = None
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
-        elif kind == protocol.OUT:
-            for out in msg["reqs"]:
-                self._on_output(out, msg["weight_version"])
-        elif kind == protocol.CTL_REPLY:
-            self._note_version(msg["weight_version"], msg["version"])
-            fut = self._controls.get(msg["cid"])
+        elif isinstance(msg, Outputs):
+            for out in msg.requests:
+                self._on_output(out, msg.weight_version)
+        elif isinstance(msg, ControlReply):
+            self._note_version(msg.weight_version, msg.version)
+            fut = self._controls.get(msg.cid)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif kind == protocol.FATAL:
-            self._mark_dead(f"the engine process crashed: {msg['error']}")
+        elif isinstance(msg, Fatal):
+            self._mark_dead(f"the engine process crashed: {msg.error}")
             if self._ready is not None and not self._ready.done():
-                self._ready.set_exception(RuntimeError(f"the engine process failed to start: {msg['error']}"))
+                self._ready.set_exception(RuntimeError(f"the engine process failed to start: {msg.error}"))
         else:
-            log.error("dropping a message of unknown type %r from the engine", kind)
+            log.error("dropping a message of unexpected type %s from the engine", type(msg).__name__)
 
-    def _on_output(self, out: dict, weight_version: str) -> None:
-        state = self.requests.get(out["rid"])
+    def _on_output(self, out: RequestOut, weight_version: str) -> None:
+        state = self.requests.get(out.rid)
         if state is None:
             return
-        if "error" in out:
+        if out.error is not None:
             del self.requests[state.rid]
-            _fail(state, EngineRefused(out["error"], out.get("status", 400)))
+            _fail(state, EngineRefused(out.error, out.status))
             return
-        for seq in out["seqs"]:
-            s = state.samples[seq["i"]]
-            s.ids.extend(seq["ids"])
-            s.versions.extend(seq["wv"])
-            if seq["lp"] is not None:
-                s.logprobs.extend(seq["lp"])
-            if seq["top"] is not None:
-                s.top.extend(seq["top"])
-            s.spec = seq["spec"]
-            s.cached_tokens = seq["cached"]
+        for new in out.samples:
+            s = state.samples[new.index]
+            s.ids.extend(new.token_ids)
+            s.versions.extend(new.weight_versions)
+            if new.logprobs is not None:
+                s.logprobs.extend(new.logprobs)
+            if new.top_logprobs is not None:
+                s.top.extend(new.top_logprobs)
+            s.spec = new.spec
+            s.cached_tokens = new.cached_tokens
             s.weight_version = weight_version
-            if seq["finish"] is not None:
-                s.finish = seq["finish"]
-                self._finished[s.finish["type"]] = self._finished.get(s.finish["type"], 0) + 1
+            if new.finish is not None:
+                s.finish = new.finish
+                self._finished[s.finish.type] = self._finished.get(s.finish.type, 0) + 1
                 self._generation_tokens += len(s.ids)
             if state.stream is not None:
-                state.stream.put_nowait((state, seq["i"]))
+                state.stream.put_nowait((state, new.index))
         if all(s.finish is not None for s in state.samples):
             del self.requests[state.rid]
             state.done.set_result(state)

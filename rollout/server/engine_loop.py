@@ -3,7 +3,7 @@
     python -m rollout.server.engine_loop --config '<EngineConfig as JSON>' --recv ipc://... --send ipc://...
 
 The loop: take every message waiting on the socket (blocking only while there is nothing
-to step), run one `engine.step()`, send what it produced in one `out` message (see
+to step), run one `engine.step()`, send what it produced in one `Outputs` message (see
 rollout.server.protocol).
 
 Control calls (abort, pause, and the weight-update ops of
@@ -39,10 +39,26 @@ from typing import Any
 
 import zmq
 
-from rollout.config import EngineConfig, SamplingParams
+from rollout.config import EngineConfig
 from rollout.engine.engine import Engine, freeze_heap
 from rollout.engine.sequence import Request, Sequence, Status
 from rollout.server import protocol
+from rollout.server.protocol import (
+    AddRequest,
+    Beat,
+    Control,
+    ControlReply,
+    Fatal,
+    Finish,
+    Info,
+    Load,
+    Outputs,
+    Ready,
+    RequestBatch,
+    RequestOut,
+    SampleOut,
+    Shutdown,
+)
 from rollout.server.pause import PauseGate
 from weight_sync.errors import WeightSyncError
 from weight_sync.receiver import WeightReceiver
@@ -112,24 +128,24 @@ class EngineLoop:
             dropped = self.engine.recover()
             self.streams.clear()
             label = self.version_label(self.engine.weight_version)
-            self._emit(protocol.output(label, [protocol.refused(r.rid, why, 500) for r in dropped]))
+            self._emit(Outputs(label, [RequestOut(r.rid, error=why, status=500) for r in dropped]))
             return
         self._publish(updated)
 
-    def beat(self) -> dict:
-        """A beat message (rollout.server.protocol): read from the heartbeat thread while the loop runs,
-        so it only reads (numbers, and a copy of the running list, each taken under the GIL)."""
+    def beat(self) -> Beat:
+        """A Beat: read from the heartbeat thread while the loop runs, so it only reads (numbers, and a
+        copy of the running list, each taken under the GIL)."""
         eng = self.engine
         running, waiting = list(eng.scheduler.running), list(eng.scheduler.waiting)
         used = eng.pool.used_slots
-        load = {
-            "num_running_reqs": len({id(seq.request) for seq in running}), "num_running_seqs": len(running),
-            "num_waiting_seqs": len(waiting), "num_waiting_tokens": sum(len(seq.tokens) - seq.num_cached for seq in waiting),
-            "num_used_tokens": used, "token_usage": used / (eng.pool.num_slots - 1), "gen_throughput": eng.tokens_per_s,
-        }  # fmt: skip
+        load = Load(
+            num_running_reqs=len({id(seq.request) for seq in running}), num_running_seqs=len(running),
+            num_waiting_seqs=len(waiting), num_waiting_tokens=sum(len(seq.tokens) - seq.num_cached for seq in waiting),
+            num_used_tokens=used, token_usage=used / (eng.pool.num_slots - 1), gen_throughput=eng.tokens_per_s,
+        )
         busy = self.busy_since
         version = eng.weight_version
-        return protocol.beat(self.version_label(version), version, 0.0 if busy is None else time.monotonic() - busy, load)
+        return Beat(self.version_label(version), version, 0.0 if busy is None else time.monotonic() - busy, load)
 
     def close(self) -> None:
         """Tear down the weight-update groups and fail updates still in flight."""
@@ -139,23 +155,21 @@ class EngineLoop:
         """False while a `keep` pause holds generation in place; aborted requests still report."""
         return self.gate.may_step or not self.engine.scheduler.has_work
 
-    def admit(self, add: dict) -> dict | None:
-        """Queue one request (an Add of rollout.server.protocol), or hold it while paused; returns a ReqOut
-        error if the engine refuses it."""
+    def admit(self, add: AddRequest) -> RequestOut | None:
+        """Queue one request, or hold it while paused; returns its refusal if the engine refuses it."""
         if self.gate.paused:
             self.gate.hold(add)
             return None
-        rid = add["rid"]
+        rid = add.rid
         try:
-            params = SamplingParams.from_dict(add["params"])
-            req = self.engine.add_request(add["input_ids"], params, rid=rid, return_logprob=add["return_logprob"],
-                                          top_logprobs_num=add.get("top_logprobs_num", 0))
+            req = self.engine.add_request(add.input_ids, add.params, rid=rid, return_logprob=add.return_logprob,
+                                          top_logprobs_num=add.top_logprobs_num)
         except (ValueError, TypeError) as e:
-            return protocol.refused(rid, str(e))
+            return RequestOut(rid, error=str(e), status=400)
         except Exception as e:  # a check that should have caught it did not: refuse, never die
             log.exception("admitting request %s failed", rid)
-            return protocol.refused(rid, f"the engine could not take this request ({type(e).__name__}: {e})", 500)
-        if add["stream"]:
+            return RequestOut(rid, error=f"the engine could not take this request ({type(e).__name__}: {e})", status=500)
+        if add.stream:
             self.streams[rid] = [0] * len(req.sequences)
         return None
 
@@ -163,13 +177,13 @@ class EngineLoop:
         """Stop one request (held or running); it reports on the next step, finished by abort. False if unknown."""
         return self.gate.cancel(rid) or self.engine.abort(rid)
 
-    def take_batch(self, adds: list[dict], aborts: list[str]) -> None:
+    def take_batch(self, adds: list[AddRequest], aborts: list[str]) -> None:
         """Admit new requests (answering refusals at once), then abort others: one batch message."""
         refused = [r for r in map(self.admit, adds) if r is not None]
         for rid in aborts:
             self.abort(rid)
         if refused:
-            self._emit(protocol.output(self.version_label(self.engine.weight_version), refused))
+            self._emit(Outputs(self.version_label(self.engine.weight_version), refused))
 
     def _should_step(self) -> bool:
         return self.engine.has_work and self.may_step() and not self.engine.released
@@ -184,16 +198,15 @@ class EngineLoop:
             self.running = False
             self.orphaned = True
 
-    def _handle(self, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == protocol.BATCH:
-            self.take_batch(msg["add"], msg["abort"])
-        elif kind == protocol.CTL:
+    def _handle(self, msg) -> None:
+        if isinstance(msg, RequestBatch):
+            self.take_batch(msg.add, msg.abort)
+        elif isinstance(msg, Control):
             self._control(msg)
-        elif kind == protocol.SHUTDOWN:
+        elif isinstance(msg, Shutdown):
             self.running = False
         else:
-            log.error("dropping a message of unknown type %r", kind)
+            log.error("dropping a message of unexpected type %s", type(msg).__name__)
 
     def _publish(self, updated: list[Request]) -> None:
         reqs = []
@@ -201,42 +214,42 @@ class EngineLoop:
             sent = self.streams.get(req.rid)
             if sent is None:  # not streaming: everything at once, when the whole request is done
                 if req.finished:
-                    reqs.append({"rid": req.rid, "seqs": [_seq_out(seq, 0, self.version_label) for seq in req.sequences]})
+                    reqs.append(RequestOut(req.rid, [sample_out(seq, 0, self.version_label) for seq in req.sequences]))
                 continue
             seqs = []
             for seq in req.sequences:
                 start = sent[seq.sample_index]
                 if start >= 0 and (seq.finished or seq.num_output > start):
-                    seqs.append(_seq_out(seq, start, self.version_label))
+                    seqs.append(sample_out(seq, start, self.version_label))
                     sent[seq.sample_index] = -1 if seq.finished else seq.num_output  # -1: finish sent
             if req.finished:
                 del self.streams[req.rid]
             if seqs:
-                reqs.append({"rid": req.rid, "seqs": seqs})
+                reqs.append(RequestOut(req.rid, seqs))
         if reqs:
             if not self.engine.has_work:  # a client told its last request is done reads numbers that count it
                 self.send_info(force=True)
-            self._emit(protocol.output(self.version_label(self.engine.weight_version), reqs))
+            self._emit(Outputs(self.version_label(self.engine.weight_version), reqs))
 
     def send_info(self, force: bool = False) -> None:
         """The server info the front end answers /get_server_info and /metrics from (rollout.server.protocol)."""
         now = time.monotonic()
         if force or now - self._info_at >= protocol.INFO_EVERY_S:
             self._info_at = now
-            self._emit(protocol.info(self.server_info()))
+            self._emit(Info(self.server_info()))
 
-    def _emit(self, msg: dict) -> None:
+    def _emit(self, msg) -> None:
         self.send.send(protocol.pack(msg))
 
     # ---------------- control ----------------
-    def _control(self, msg: dict) -> None:
-        cid, op = msg["cid"], msg["op"]
+    def _control(self, msg: Control) -> None:
+        cid, op = msg.cid, msg.op
         handler = self.handlers.get(op)
         if handler is None:
             self.reply(cid, error=f"unknown control op {op!r}; known: {', '.join(sorted(self.handlers))}", status=404)
             return
         try:
-            result = handler(msg.get("args") or {})
+            result = handler(msg.args or {})
         except Exception as e:  # a failed call must not kill the loop
             self._reply_error(cid, op, e)
             return
@@ -265,7 +278,7 @@ class EngineLoop:
     def reply(self, cid: int, result: Any = None, error: str | None = None, status: int = 200) -> None:
         self.send_info(force=True)  # (what the call changed is in the info its caller reads next)
         version = self.engine.weight_version
-        self._emit(protocol.control_reply(cid, self.version_label(version), version, result, error, status))
+        self._emit(ControlReply(cid, result, error, status, self.version_label(version), version))
 
     def op_ping(self, args: dict) -> dict:
         return {"weight_version": self.version_label(self.engine.weight_version)}
@@ -346,20 +359,19 @@ class Heartbeat(threading.Thread):
             sock.close()
 
 
-def _seq_out(seq: Sequence, start: int, label: Callable[[int], str]) -> dict:
-    """A SeqOut (rollout.server.protocol) with the sample's tokens from `start` on; versions as `label` reports them."""
-    finish = ({"type": seq.finish_reason or "abort", "matched": seq.matched_stop, "message": seq.finish_message}
-              if seq.finished else None)
-    return {
-        "i": seq.sample_index,
-        "ids": seq.output_ids[start:],
-        "lp": seq.logprobs[start:] if seq.request.return_logprob else None,
-        "wv": [label(v) for v in seq.weight_versions[start:]],
-        "top": seq.top_logprobs[start:] if seq.request.top_logprobs_num else None,
-        "finish": finish,
-        "cached": seq.cached_tokens,
-        "spec": seq.spec.as_dict(),
-    }
+def sample_out(seq: Sequence, start: int, label: Callable[[int], str]) -> SampleOut:
+    """A sample's output from token `start` on; weight versions as `label` reports them."""
+    finish = Finish(seq.finish_reason or "abort", seq.matched_stop, seq.finish_message) if seq.finished else None
+    return SampleOut(
+        index=seq.sample_index,
+        token_ids=seq.output_ids[start:],
+        logprobs=seq.logprobs[start:] if seq.request.return_logprob else None,
+        weight_versions=[label(v) for v in seq.weight_versions[start:]],
+        top_logprobs=seq.top_logprobs[start:] if seq.request.top_logprobs_num else None,
+        finish=finish,
+        cached_tokens=seq.cached_tokens,
+        spec=seq.spec.as_dict(),
+    )
 
 
 def engine_info(engine: Engine) -> dict:
@@ -476,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.restore:
                 restore_weights(engine, loop.receiver, json.loads(args.restore))
             info = loop.server_info()
-            send.send(protocol.pack(protocol.ready(info)))
+            send.send(protocol.pack(Ready(info)))
             log.info("engine ready: %s on %s, weight version %s", engine.model_path, engine.device, info["weight_version"])
             heartbeat = Heartbeat(loop, ctx, args.send)
             heartbeat.start()
@@ -495,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as e:  # tell the front end why, then die: it fails requests and /health
         log.exception("the engine process failed")
         try:
-            send.send(protocol.pack(protocol.fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")))
+            send.send(protocol.pack(Fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")))
         except zmq.ZMQError:
             pass
         code = 1

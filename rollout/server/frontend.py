@@ -154,12 +154,11 @@ class Frontend:
                     prompt_param if len(prompts) == 1 else f"{prompt_param}[{k}]")
                 raise ApiError(400, f"{param}: {why}", param)
         queue = asyncio.Queue() if stream else None
-        raw = asdict(params)
         states: list[RequestState] = []
         try:
             for k, ids in enumerate(prompts):
                 rid = rids[k] if rids else uuid.uuid4().hex
-                states.append(self.engine.submit(rid, ids, raw, return_logprob, queue, top_logprobs_num))
+                states.append(self.engine.submit(rid, ids, params, return_logprob, queue, top_logprobs_num))
         except ValueError as e:  # a rid already in flight
             self.abort(states)
             raise ApiError(400, str(e), "rid") from None
@@ -220,7 +219,7 @@ class Frontend:
         )
         out, k = [], 0
         for st in states:
-            out.append([trim_at_stop(decoded[k + i], (flat[k + i].finish or {}).get("matched"), params)
+            out.append([trim_at_stop(decoded[k + i], flat[k + i].finish.matched, params)
                         for i in range(st.n)])
             k += st.n
         return out

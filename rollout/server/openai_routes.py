@@ -104,7 +104,7 @@ def _room(fe: Frontend, prompts: list[list[int]]) -> int:
 
 def _finish(state: RequestState, i: int) -> str | None:
     f = state.samples[i].finish
-    return None if f is None else f["type"]
+    return None if f is None else f.type
 
 
 def _usage(states: list[RequestState]) -> dict:

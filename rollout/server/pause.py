@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from rollout.server.protocol import AddRequest
 from weight_sync.errors import WeightSyncError
 
 MODES = ("abort", "wait", "keep")
@@ -26,7 +27,7 @@ class PauseGate:
     def __init__(self, engine):
         self.engine = engine
         self.mode: str | None = None
-        self._held: list[dict] = []  # Adds of rollout.server.protocol, in arrival order
+        self._held: list[AddRequest] = []  # in arrival order
         self._cancelled: set[str] = set()  # rids of held requests aborted meanwhile
         self._waiters: list[tuple[Future, int]] = []  # (future, requests it aborted)
 
@@ -43,21 +44,21 @@ class PauseGate:
     def num_held(self) -> int:
         return len(self._held)
 
-    def hold(self, add: dict) -> None:
+    def hold(self, add: AddRequest) -> None:
         if not self.paused:
             raise RuntimeError("hold() while not paused: admit the request instead")
         self._held.append(add)
 
     def cancel(self, rid: str) -> bool:
         """Abort a held request; False if none is held under `rid`."""
-        if all(add["rid"] != rid for add in self._held):
+        if all(add.rid != rid for add in self._held):
             return False
         self._cancelled.add(rid)
         return True
 
     def cancel_all(self) -> list[str]:
         """Abort every held request; returns the rids not cancelled before."""
-        rids = [add["rid"] for add in self._held if add["rid"] not in self._cancelled]
+        rids = [add.rid for add in self._held if add.rid not in self._cancelled]
         self._cancelled.update(rids)
         return rids
 
@@ -73,7 +74,7 @@ class PauseGate:
         self.tick()
         return fut
 
-    def resume(self) -> tuple[list[dict], list[str]]:
+    def resume(self) -> tuple[list[AddRequest], list[str]]:
         """Leave the pause; returns the held requests in arrival order and the rids of those cancelled."""
         self.mode = None
         for fut, aborted in self._waiters:

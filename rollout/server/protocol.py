@@ -1,126 +1,215 @@
-"""Messages between the HTTP front end and the engine process: msgpack maps, never pickle.
+"""Messages between the HTTP front end and the engine process: one dataclass each, sent as msgpack
+(never pickle).
 
-Two ZMQ PUSH/PULL pipes over ipc:// sockets in a private (0700) directory; the front end
-binds both, the engine process connects. Every message is a map with a "type".
+Two ZMQ PUSH/PULL pipes over ipc:// sockets in a private (0700) directory; the front end binds
+both, the engine process connects. `pack` writes a message as its tag and its fields in order
+(nested messages likewise); `unpack` builds the dataclass back from the fields' types. Nothing is
+checked twice on the way: a `SamplingParams` the front end validated arrives as that object.
 
 front end -> engine
-    batch     {"type": "batch", "add": [Add, ...], "abort": [rid, ...]}
-              everything the front end queued in one event-loop tick; adds before aborts
-    ctl       {"type": "ctl", "cid": int, "op": str, "args": {...}}
-              a control call; the engine answers with one ctl_reply carrying the same cid
-    shutdown  {"type": "shutdown"}
-
-    Add     = {"rid": str, "input_ids": [int], "params": {SamplingParams fields},
-               "return_logprob": bool, "top_logprobs_num": int, "stream": bool}
+    RequestBatch  what the front end queued in one event-loop tick: adds, then aborts
+    Control       a control call (an op of EngineLoop.handlers); answered by one ControlReply, same cid
+    Shutdown
 
 engine -> front end
-    ready      {"type": "ready", "info": ServerInfo}     once, after the model has loaded
-    out        {"type": "out", "weight_version": str, "reqs": [ReqOut, ...]}
-               at most one per engine step, for every request that has something to say;
-               weight_version: the engine's current version as reported (a string, as SGLang)
-    ctl_reply  {"type": "ctl_reply", "cid": int, "ok": bool, "result": any,
-                "error": str | None, "status": int, "weight_version": str, "version": int}
-               status: the HTTP status that fits; weight_version: the engine's as the reply leaves
-               (a weight update's reply follows its swap: the front end knows the new version
-               before its client does)
-    info       {"type": "info", "info": ServerInfo}
-               the engine's part of /get_server_info and /metrics, which the front end answers
-               from the latest one without asking the engine (a step may take seconds): sent
-               before every control reply, before the outputs that leave the engine idle, and
-               at most every INFO_EVERY_S as the loop goes round
-    fatal      {"type": "fatal", "error": str}           the engine loop died; the process exits
-    beat       {"type": "beat", "weight_version": str, "version": int, "busy_s": float, "load": Load}
-               every HEARTBEAT_S from a thread of its own, during steps too: the front end's
-               /health reads how long ago it heard and how long the loop has been busy with
-               one step or message (busy_s, 0 while it waits for work); /v1/loads and /get_load
-               answer from the latest load, without asking the engine. version: the engine's
-               integer weight version, so that a beat sent before a swap and read after the
-               swap's reply never takes the front end's version back.
+    Ready         once, after the model has loaded: the engine's server info
+    Outputs       at most one per engine step, for every request that has something to say
+    ControlReply  the answer to a Control, sent after the call's effect (a weight update's reply
+                  follows its swap: the front end knows the new version before its client does)
+    Info          the engine's part of /get_server_info and /metrics, which the front end answers
+                  from the latest one without asking the engine (a step may take seconds): sent before
+                  every control reply, before the outputs that leave the engine idle, and at most every
+                  INFO_EVERY_S as the loop goes round
+    Beat          every HEARTBEAT_S from a thread of its own, during steps too: /health reads how long
+                  ago the front end heard and how long the loop has been busy with one step or message;
+                  /v1/loads and /get_load answer from its Load
+    Fatal         the engine loop died; the process exits
 
-    Load    = {"num_running_reqs", "num_running_seqs", "num_waiting_seqs", "num_waiting_tokens",
-               "num_used_tokens", "token_usage", "gen_throughput"}
-
-    ServerInfo = {"engine_config", "model_path", "max_model_len", "vocab_size", "kv_cache_tokens", "device",
-                  "dtype", "weight_version", "max_running_seqs", "tp_size", "engine_pid",
-                  "weight_sync": {"paused", "held_requests", "updates_in_flight", "last_update", "last_error"},
-                  "stats": {the engine's and the weight receiver's rollout/... numbers}}
-
-    ReqOut  = {"rid": str, "error": str, "status": int}  the engine refused (400) or failed (500) the request
-            | {"rid": str, "seqs": [SeqOut, ...]}
-    SeqOut  = {"i": sample index,
-               "ids": [int], "lp": [float] | None, "wv": [str],   new since the last SeqOut
-                                                 (wv: each token's weight version, as reported)
-               "top": [[[int], [float]], ...] | None              per new token: the most likely
-                                                 tokens and their logprobs (top_logprobs_num > 0)
-               "finish": None | {"type": "stop" | "length" | "abort", "matched": int | str | None,
-                                 "message": str | None},  (message: why the engine aborted it)
-               "cached": int,                    prompt tokens taken from the request's prefill
-               "spec": {SpecCounters.as_dict()}}        totals so far
-
-Streaming requests get a SeqOut after every step that produced tokens; the others get a
-single SeqOut per sample, when the whole request has finished.
+Streaming requests get a SampleOut after every step that produced tokens; the others get one per
+sample, when the whole request has finished.
 """
 
 from __future__ import annotations
 
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from functools import cache
 from typing import Any
 
 import msgpack
 
-# message types
-BATCH, CTL, SHUTDOWN = "batch", "ctl", "shutdown"
-READY, OUT, CTL_REPLY, FATAL, BEAT, INFO = "ready", "out", "ctl_reply", "fatal", "beat", "info"
+from rollout.config import SamplingParams
+
 HEARTBEAT_S = 0.5
 INFO_EVERY_S = 0.05  # how stale /get_server_info may be while the engine steps (~0.2 ms to build and send)
 
 
-def pack(msg: dict) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
+# ---------------- front end -> engine ----------------
+@dataclass
+class AddRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    top_logprobs_num: int  # the most likely tokens reported with each output token (return_logprob)
+    stream: bool
 
 
-def unpack(data: bytes) -> dict:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)  # (logit_bias maps token ids)
+@dataclass
+class RequestBatch:
+    add: list[AddRequest] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
 
 
-def batch(add: list[dict], abort: list[str]) -> dict:
-    return {"type": BATCH, "add": add, "abort": abort}
+@dataclass
+class Control:
+    cid: int
+    op: str
+    args: dict
 
 
-def add_request(rid: str, input_ids: list[int], params: dict, return_logprob: bool, top_logprobs_num: int,
-                stream: bool) -> dict:
-    return {"rid": rid, "input_ids": input_ids, "params": params, "return_logprob": return_logprob,
-            "top_logprobs_num": top_logprobs_num, "stream": stream}
+@dataclass
+class Shutdown:
+    pass
 
 
-def control(cid: int, op: str, args: dict | None = None) -> dict:
-    return {"type": CTL, "cid": cid, "op": op, "args": args or {}}
+# ---------------- engine -> front end ----------------
+@dataclass
+class Ready:
+    info: dict  # the engine's ServerInfo: engine_config, model_path, max_model_len, vocab_size, kv_cache_tokens,
+    # device, dtype, weight_version, max_running_seqs, tp_size, engine_pid, weight_sync, stats
 
 
-def control_reply(cid: int, weight_version: str, version: int, result: Any = None, error: str | None = None,
-                  status: int = 200) -> dict:
-    return {"type": CTL_REPLY, "cid": cid, "ok": error is None, "result": result, "error": error, "status": status,
-            "weight_version": weight_version, "version": version}
+@dataclass
+class Finish:
+    type: str  # stop | length | abort
+    matched: int | str | None = None  # the stop token or string that ended it
+    message: str | None = None  # why the engine aborted it (a forward that overflowed)
 
 
-def ready(info: dict) -> dict:
-    return {"type": READY, "info": info}
+@dataclass
+class SampleOut:
+    """New output of one sample since the last SampleOut; `spec`: its speculation totals so far."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # (return_logprob)
+    weight_versions: list[str]  # each token's weight version, as reported
+    top_logprobs: list | None  # per token: ([ids], [logprobs]) of the most likely tokens (top_logprobs_num > 0)
+    finish: Finish | None
+    cached_tokens: int  # prompt tokens taken from the request's prefill
+    spec: dict  # SpecCounters.as_dict()
 
 
-def output(weight_version: str, reqs: list[dict]) -> dict:
-    return {"type": OUT, "weight_version": weight_version, "reqs": reqs}
+@dataclass
+class RequestOut:
+    """A request's new samples' output, or why the engine refused it (400) or failed it (500)."""
+
+    rid: str
+    samples: list[SampleOut] = field(default_factory=list)
+    error: str | None = None
+    status: int = 200
 
 
-def info(server_info: dict) -> dict:
-    return {"type": INFO, "info": server_info}
+@dataclass
+class Outputs:
+    weight_version: str  # the engine's current version, as reported (a string, as SGLang)
+    requests: list[RequestOut]
 
 
-def fatal(error: str) -> dict:
-    return {"type": FATAL, "error": error}
+@dataclass
+class ControlReply:
+    cid: int
+    result: Any = None
+    error: str | None = None
+    status: int = 200  # the HTTP status that fits
+    weight_version: str = "0"  # the engine's as the reply leaves
+    version: int = 0  # the integer behind it
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
-def beat(weight_version: str, version: int, busy_s: float, load: dict) -> dict:
-    return {"type": BEAT, "weight_version": weight_version, "version": version, "busy_s": busy_s, "load": load}
+@dataclass
+class Info:
+    info: dict  # as Ready's
 
 
-def refused(rid: str, error: str, status: int = 400) -> dict:
-    return {"rid": rid, "error": error, "status": status}
+@dataclass
+class Load:
+    num_running_reqs: int = 0
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    num_waiting_tokens: int = 0
+    num_used_tokens: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+
+
+@dataclass
+class Beat:
+    weight_version: str
+    version: int  # the integer weight version: a beat sent before a swap, read after its reply, never takes the version back
+    busy_s: float  # how long the loop has been busy with its current step or message (0 while it waits)
+    load: Load
+
+
+@dataclass
+class Fatal:
+    error: str
+
+
+MESSAGES = (AddRequest, RequestBatch, Control, Shutdown, Ready, Outputs, ControlReply, Info, Beat, Fatal)
+_TAGS = {cls: tag for tag, cls in enumerate(MESSAGES)}
+
+
+def pack(msg) -> bytes:
+    """A message as msgpack: [its tag, its fields in order]. TypeError or ValueError for what cannot
+    cross (a value msgpack cannot write)."""
+    return msgpack.packb([_TAGS[type(msg)], _fields_of(msg)], use_bin_type=True)
+
+
+def unpack(data: bytes):
+    tag, body = msgpack.unpackb(data, raw=False, strict_map_key=False)  # (logit_bias maps token ids)
+    return _build(MESSAGES[tag], body)
+
+
+def _fields_of(obj) -> list:
+    return [_encode(getattr(obj, f.name)) for f in fields(obj)]
+
+
+def _encode(v):
+    if is_dataclass(v):
+        return _fields_of(v)
+    if isinstance(v, (list, tuple)):
+        return [_encode(x) for x in v]
+    return v
+
+
+@cache
+def _hints(cls) -> list[tuple[str, Any]]:
+    types = typing.get_type_hints(cls)
+    return [(f.name, types[f.name]) for f in fields(cls)]
+
+
+def _build(cls, values: list):
+    """`cls` from its fields' values, without __init__ or __post_init__ (each was checked where it was made)."""
+    obj = object.__new__(cls)
+    for (name, hint), v in zip(_hints(cls), values):
+        object.__setattr__(obj, name, _decode(hint, v))
+    return obj
+
+
+def _decode(hint, v):
+    if v is None:
+        return None
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union or type(hint).__name__ == "UnionType":  # X | None
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    if isinstance(hint, type) and is_dataclass(hint):
+        return _build(hint, v)
+    if typing.get_origin(hint) is list and args and isinstance(args[0], type) and is_dataclass(args[0]):
+        return [_build(args[0], x) for x in v]
+    return v

@@ -27,7 +27,7 @@ import hashlib
 from collections import Counter, OrderedDict
 from typing import Any
 
-from rollout.config import EngineConfig
+from rollout.config import EngineConfig, SamplingParams
 from rollout.server.engine_client import ControlError, EngineClient, EngineDead, RequestState
 
 OVERLOAD_SLACK = 0.5  # of a replica's max_running_seqs: how far past twice the least load a prompt's home may be
@@ -105,7 +105,7 @@ class Replicas:
                 for c in self.clients]
 
     # ---------------- requests ----------------
-    def submit(self, rid: str, input_ids: list[int], params: dict, return_logprob: bool,
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams, return_logprob: bool,
                stream: asyncio.Queue | None = None, top_logprobs_num: int = 0) -> RequestState:
         if rid in self._owner:
             raise ValueError(f"rid: request id {rid!r} is already in flight")
