@@ -160,7 +160,7 @@ def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
 def steps(args: argparse.Namespace) -> None:
     import statistics
 
-    from rollout.engine.step import bucket
+    from spec.step import bucket
 
     def run(mode, engine, prompts, params) -> None:
         emitted, complete = [], engine._complete
@@ -341,7 +341,7 @@ def headcost(args: argparse.Namespace) -> None:
     the pass and its tree for the next step (HeadWork), in the hybrid's CUDA graphs (replayed,
     device time) and eager (kernels launched and their device time)."""
     from rollout import Engine
-    from rollout.engine.step import HeadWork
+    from spec.step import HeadWork
 
     engine = Engine(model="default", spec="auto", spec_draft_model=args.head, spec_head_steps=args.head_steps,
                     spec_head_topk=args.head_topk, device="cuda", max_running_seqs=max(args.seqs),
@@ -533,7 +533,7 @@ def budget(args: argparse.Namespace) -> None:
 
     import numpy as np
 
-    from rollout.engine.step import bucket
+    from spec.step import bucket
     from spec.budget import FRACTIONS, SHADOW_EVERY, DraftBudget
     from spec.speculator import _Trees, score_trees
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout.engine.step import HeadWork, bucket
+from spec.step import HeadWork, bucket
 
 SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance statistics
 COST_WINDOW = 5  # periods kept per bucket (plain) and per (bucket, draft rows)

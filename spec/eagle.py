@@ -33,13 +33,13 @@ import torch
 
 from kernels.attention import AttentionMetadata
 from kernels.ngram_draft import KEY_SCALE, PADDING
-from rollout.engine.kv_pool import KVPool
 from rollout.models.llama import CausalLM, ForwardContext
 from spec.draft_head import DraftHead
+from spec.step import KVCache
 
 
 class EagleDrafter:
-    def __init__(self, head: DraftHead, model: CausalLM, pool: KVPool, depth: int, topk: int, width: int, max_rows: int):
+    def __init__(self, head: DraftHead, model: CausalLM, pool: KVCache, depth: int, topk: int, width: int, max_rows: int):
         device = pool.device
         self.head, self.model, self.pool = head, model, pool
         self.depth, self.topk = depth, topk  # levels of a tree, and the head's top k at each

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rollout.engine.sequence import Sequence
-from rollout.engine.step import to_device
-from rollout.engine.token_table import TokenTable
+from spec.step import Drafted, to_device
+from spec.token_table import TokenTable
 
 
 @dataclass(eq=False)
@@ -55,7 +54,7 @@ class NgramIndex:
         self._key: dict[int, Hashable] = {}  # seq_id -> its group's key while it is live
 
     # ---- membership ----
-    def join(self, seq: Sequence) -> None:
+    def join(self, seq: Drafted) -> None:
         """`seq` runs (its prefill is done): its row joins its prompt's group."""
         key = tuple(seq.request.prompt_ids) if self.share else ("own", seq.seq_id)
         group = self._groups.pop(key, None) or _Group()
@@ -67,7 +66,7 @@ class NgramIndex:
         seq.group = group.gid
         self._publish(group)
 
-    def leave(self, seq: Sequence, keep: bool) -> None:
+    def leave(self, seq: Drafted, keep: bool) -> None:
         """`seq` stops running (finished, aborted or preempted); `keep`: its tokens become history."""
         key = self._key.pop(seq.seq_id, None)
         if key is None:

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout.config import SpecConfig
-from rollout.engine.sequence import Sequence
-from rollout.engine.step import DraftSettings, HeadWork, bucket
-from rollout.engine.token_table import TokenTable
 from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
 from spec.head_watch import HeadCycle, HeadWatch
 from spec.index import NgramIndex
+from spec.step import Drafted, DraftSettings, HeadWork, bucket
+from spec.token_table import TokenTable
 
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
 CANDIDATES = 8  # continuations a tree is built from (the most recent of the longest matches)
@@ -46,7 +45,7 @@ COUPLED_MEMORY = 256  # coupled drafts verified over which their measured accept
 class _Trees:
     """Trees that came back from a step, waiting for the tokens they guessed."""
 
-    seqs: list[Sequence]
+    seqs: list[Drafted]
     roots: np.ndarray  # [S]: each sequence's length when the tree was drafted (its root is the last token)
     tokens: np.ndarray  # [S, N]
     depths: np.ndarray  # [S, N]
@@ -136,11 +135,11 @@ class Speculator:
             return [(False, none), (False, pass_), (True, chain)]
         return [(False, none), (True, none), (False, pass_), (True, pass_), (True, chain)]
 
-    def join(self, seq: Sequence) -> None:
+    def join(self, seq: Drafted) -> None:
         if self.enabled:
             self.index.join(seq)
 
-    def leave(self, seq: Sequence, keep: bool) -> None:
+    def leave(self, seq: Drafted, keep: bool) -> None:
         if self.enabled:
             self.index.leave(seq, keep)
             self.budget.forget(seq.row)
@@ -196,7 +195,7 @@ class Speculator:
             plan = StepPlan(rows, drafting, shadow, head)
         return plan
 
-    def observe(self, seqs: list[Sequence], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
+    def observe(self, seqs: list[Drafted], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
                 draft_rows: int, seconds: float) -> None:
         """A decode or verify step was collected and its tokens appended, `seconds` after the step
         before it; `trees`: the drafter's (tokens, depths, ancestors, keys), if they came back, and

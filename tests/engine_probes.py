@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 from rollout import Engine
-from rollout.engine.step import HeadWork
 from spec.budget import StepPlan
+from spec.step import HeadWork
 
 
 def count_chained(engine: Engine) -> list[int]:

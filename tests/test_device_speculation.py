@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from rollout import Engine, SamplingParams, SpecConfig
-from rollout.tools.datasets import chat_prompt_ids
 from kernels.draft_rows import lay_out_drafts_ref
 from kernels.ngram_draft import PADDING
+from rollout import Engine, SamplingParams, SpecConfig
+from rollout.tools.datasets import chat_prompt_ids
 from spec.budget import FRACTIONS, MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, DraftBudget
 from spec.speculator import _Trees, kept_drafts, score_trees
 
@@ -126,9 +126,9 @@ def test_coupled_chains_the_budget_can_count_on_are_verified_at_once_while_they_
 def test_the_speculator_counts_on_coupled_chains_at_their_measured_acceptance():
     """What the budget is told it can count on (`sure`) follows the coupled drafts' acceptance as
     verified, a running mean over the last few hundred, from 0.9 before any was verified."""
-    from rollout.engine.token_table import TokenTable
     from spec.budget import StepPlan
     from spec.speculator import Speculator
+    from spec.token_table import TokenTable
 
     spec = Speculator(SpecConfig(method="ngram"), TokenTable(16, 8, 64, torch.device("cpu")), coupled=True)
     told = []

@@ -15,9 +15,9 @@ from tiny_models import make_tiny_model
 from rollout import Engine, SamplingParams
 from rollout.config import SpecConfig
 from rollout.models.weights import WeightError
-from rollout.engine.step import HeadWork
-from spec.budget import SHADOW_EVERY, StepPlan
 from rollout.tools.datasets import arithmetic_tasks
+from spec.budget import SHADOW_EVERY, StepPlan
+from spec.step import HeadWork
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import train_eagle  # noqa: E402

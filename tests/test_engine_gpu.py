@@ -13,9 +13,9 @@ import torch
 from engine_probes import count_chained, draft_every_other_step
 
 from rollout import Engine, SamplingParams
-from rollout.engine.step import to_device
-from rollout.engine.token_table import TokenTable
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids
+from spec.step import to_device
+from spec.token_table import TokenTable
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

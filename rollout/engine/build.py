@@ -17,11 +17,10 @@ from transformers import AutoTokenizer
 from kernels import pdl
 from kernels.attention import AttentionBackend
 from rollout.config import EngineConfig
-from rollout.engine.kv_pool import KVPool
 from rollout.engine.drafters import Drafters
+from rollout.engine.kv_pool import KVPool
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.tensor_parallel import Follower, Leader
-from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM
 from rollout.models.loader import build_model, load_checkpoint, randomize
@@ -29,6 +28,7 @@ from rollout.models.sharding import Shard
 from spec.draft_head import load_head, load_mtp
 from spec.eagle import EagleDrafter
 from spec.speculator import Speculator
+from spec.token_table import TokenTable
 
 log = logging.getLogger("rollout")
 

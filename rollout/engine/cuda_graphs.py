@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.engine.step import BATCH_BUCKETS, DecodeInputs, DecodeOutputs, HeadWork, bucket
+from rollout.engine.step import DecodeInputs, DecodeOutputs
+from spec.step import BATCH_BUCKETS, HeadWork, bucket
 
 MODES = ("greedy", "sample")  # captured up front; truncation is captured when first used
 

@@ -14,9 +14,9 @@ import torch
 
 from kernels.coupled_draft import coupled_chains
 from kernels.ngram_draft import KEY_SCALE, draft_trees
-from rollout.engine.step import DraftSettings, HeadWork, Source
-from rollout.engine.token_table import TokenTable
 from spec.eagle import EagleDrafter
+from spec.step import DraftSettings, HeadWork, Source
+from spec.token_table import TokenTable
 
 Trees = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens, parents, depths, ancestors, keys
 

@@ -34,13 +34,14 @@ from rollout.engine.memory import DeviceMemory, MemoryStateError, memory_tags
 from rollout.engine.sampler import prompt_seed, sequence_key
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, SpecCounters, Status
-from rollout.engine.step import Batch, Emitted, HeadWork, Source, StepInFlight, StepRecord
+from rollout.engine.step import Batch, Emitted, StepInFlight, StepRecord
 from rollout.engine.tensor_parallel import start_ranks
 from rollout.models.config import ModelConfig
 from rollout.models.loader import resolve_model_path
 from rollout.models.sharding import Shard
 from rollout.models.weights import WeightError, check_weights, checkpoint_specs, copy_weights, iter_checkpoint
 from spec.budget import StepPlan
+from spec.step import HeadWork, Source
 
 log = logging.getLogger("rollout")
 

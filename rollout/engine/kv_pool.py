@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rollout.engine.step import to_device
+from spec.step import to_device
 
 
 class OutOfSlots(Exception):

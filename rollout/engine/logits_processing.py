@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from rollout.engine.sequence import Sequence
-from rollout.engine.step import to_device
+from spec.step import to_device
 
 
 @dataclass

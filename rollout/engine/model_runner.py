@@ -3,7 +3,7 @@ steps laid out on the device.
 
 A prefill step (prompt chunks, with one decode token of every running sequence riding along)
 runs eagerly: the host knows every token, position and KV slot, lays them out, and records
-the prompt and the drawn tokens in the token table (rollout/engine/token_table.py).
+the prompt and the drawn tokens in the token table (spec/token_table.py).
 
 A decode or verify step is one device function (`run_decode`), captured as a CUDA graph per
 (batch bucket, draft rows, drafting, a draft head's work, sampling mode) on the GPU. The host gives
@@ -43,15 +43,14 @@ from rollout.engine.step import (
     DecodeOutputs,
     DeviceClock,
     Emitted,
-    HeadWork,
     HostCopy,
     SamplingRows,
     StepInFlight,
-    to_device,
 )
-from rollout.engine.token_table import TokenTable
 from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
+from spec.step import HeadWork, to_device
+from spec.token_table import TokenTable
 
 
 def sampling_tensors(i64: torch.Tensor, f32: torch.Tensor, positions: torch.Tensor, mode: str) -> SamplingTensors:

@@ -3,33 +3,15 @@ the one packing of a decode step's inputs, shared by eager steps and CUDA graphs
 
 from __future__ import annotations
 
-import bisect
 import time
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from rollout.engine.sequence import Sequence
-
-# Batch sizes are padded up to these (one CUDA graph each): costs are kept per bucket too.
-BATCH_BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-
-
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` (on the CPU: the same memory, no copy)."""
-    # non_blocking: a blocking copy would wait for the device to finish the step in flight. From
-    # pageable memory the copy is staged before the call returns, so `a` may be dropped at once.
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-
-def bucket(num_seqs: int) -> int:
-    """The padded batch size of `num_seqs` sequences, or num_seqs past the largest bucket."""
-    i = bisect.bisect_left(BATCH_BUCKETS, num_seqs)
-    return BATCH_BUCKETS[i] if i < len(BATCH_BUCKETS) else num_seqs
+from spec.step import HeadWork, to_device
 
 
 @dataclass
@@ -86,34 +68,6 @@ class Emitted:
     index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
     coupled: int | None = None  # a drafting step: sequences that followed their earlier rollout (Source.COUPLED)
     overflowed: list[int] | None = None  # sequences whose emitted logprobs are NaN: the forward overflowed (inf or NaN)
-
-
-class Source(IntEnum):
-    """Which drafter made a sequence's tree in a step (its statistics' name: `Emitted.sources`)."""
-
-    NGRAM = 0
-    HEAD = 1  # a draft head's (eagle or mtp)
-    COUPLED = 2  # the sample's earlier rollout under coupled sampling
-
-
-class HeadWork(IntEnum):
-    """What a step asks of a draft head (spec/eagle.py)."""
-
-    NONE = 0  # the head sleeps: no pass, the running sequences' head KV falls behind (their chains end)
-    PASS = 1  # its pass over the step's rows: their head KV is kept, no chains for the next step
-    CHAIN = 2  # the pass, and chains for the next step
-
-
-@dataclass(frozen=True)
-class DraftSettings:
-    """What the drafter searches (kernels/ngram_draft.py): SpecConfig's values."""
-
-    window: int
-    min_match: int
-    cands: int
-    depth: int  # deepest draft, and a tree's drafts at most (its top-ranked)
-    scan: torch.Tensor  # [groups, M] int32: the rows each group of sequences searches (spec/index.py)
-    coupled: bool = False  # a sample follows its earlier rollout drawn with its key (kernels/coupled_draft.py)
 
 
 @dataclass
