@@ -163,14 +163,14 @@ def steps(args: argparse.Namespace) -> None:
     from spec.step import bucket
 
     def run(mode, engine, prompts, params) -> None:
-        emitted, complete = [], engine._complete
+        emitted, complete = [], engine.loop._complete
 
         def counted(step, updated):  # the tokens each step appended, beside its step_log record
             before = engine.output_tokens
             complete(step, updated)
             emitted.append(engine.output_tokens - before)
 
-        engine._complete = counted
+        engine.loop._complete = counted
         engine.generate(prompts, params)
         groups: dict[tuple[int, int], list] = {}
         for r, k in zip(engine.step_log, emitted):
@@ -238,7 +238,7 @@ def collect(args: argparse.Namespace) -> None:
         # (instance attributes: the engine calls them through self)
         engine.runner._emit_decode = timed("emit", engine.runner._emit_decode)
         engine.scheduler.settle_step = timed("settle", engine.scheduler.settle_step)
-        engine._append = timed("append", engine._append)
+        engine.loop._append = timed("append", engine.loop._append)
         engine.generate(prompts, params)
         decode = [r for r in engine.step_log if not r.prefill]
         seqs = sum(r.num_seqs for r in decode)

@@ -95,3 +95,14 @@ class TokenTable:
         self.flush()
         return self.tokens[row, : int(self.lengths[row])].tolist()
 
+    def indexed(self, seqs) -> tuple[int, int]:
+        """(output tokens found in the table, output tokens) of `seqs` (Drafted): a running one's own
+        row, a finished one's history row if it was kept. A host sync: for benchmarks and tests."""
+        found = total = 0
+        for seq in seqs:
+            total += seq.num_output
+            row = seq.row if seq.finish_reason is None else seq.history_row
+            if row >= 0:
+                have = self.read(row)[: len(seq.tokens)]
+                found += sum(a == b for a, b in zip(have[seq.num_prompt :], seq.tokens[seq.num_prompt :]))
+        return found, total

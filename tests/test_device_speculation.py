@@ -85,9 +85,9 @@ def test_every_emitted_token_is_indexed_as_it_is_made(model_dir):
     seqs = [s for r in reqs for s in r.sequences]
     while engine.has_work:
         engine.step()
-        found, total = engine.indexed([s for s in seqs if not s.finished])  # running rows, against the host's tokens
+        found, total = engine.table.indexed([s for s in seqs if not s.finished])  # running rows, against the host's tokens
         assert found == total
-    found, total = engine.indexed(seqs)  # finished ones, in their history rows
+    found, total = engine.table.indexed(seqs)  # finished ones, in their history rows
     assert found == total == sum(s.num_output for s in seqs) > 0
 
 

@@ -119,5 +119,19 @@ def test_lower_layers_never_import_higher_ones(layer, allowed):
 
 def test_the_graph_is_read():
     # Guards the test itself: a parser that saw nothing would pass the checks above.
-    assert "rollout.engine.step" in GRAPH["rollout.engine.engine"]
+    assert "rollout.engine.step_loop" in GRAPH["rollout.engine.engine"]
     assert "kernels.attention" in GRAPH["rollout.models.llama"]
+
+
+def test_the_engine_stays_a_house_a_newcomer_can_change():
+    """Roles are collaborators (intake, the step loop, weights, memory, counters): the Engine class at
+    most 300 lines, and no function under rollout/engine/ over 60."""
+    long = []
+    for path in (ROOT / "rollout" / "engine").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and node.name == "Engine":
+                assert size <= 300, f"Engine is {size} lines"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 60:
+                long.append(f"{path.name}:{node.name} ({size} lines)")
+    assert long == []

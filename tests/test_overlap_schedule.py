@@ -101,10 +101,10 @@ def test_a_sequence_cut_off_while_its_verify_step_runs_keeps_none_of_its_tree(mo
     engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
     draft_every_other_step(engine)
     reqs = [engine.add_request(p, params) for p in prompts]
-    while engine._in_flight is None or not engine._in_flight.draft_rows:
+    while engine.loop.in_flight is None or not engine.loop.in_flight.draft_rows:
         engine.step()
     victim = reqs[0].sequences[0]
-    assert victim in engine._in_flight.batch.seqs  # its verify step runs
+    assert victim in engine.loop.in_flight.batch.seqs  # its verify step runs
     if cut == "abort":
         engine.abort(reqs[0].rid)
     else:  # at the next schedule, as when the pool runs dry
@@ -141,7 +141,7 @@ def test_speculation_with_overlap_matches_without(model_dir):
 def test_a_weight_update_completes_the_step_in_flight_under_the_old_version(model_dir):
     engine = Engine(model=str(model_dir), spec="off", device="cpu")
     req = engine.add_request(random_prompts(1, seed=30)[0], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
-    while engine._in_flight is None:
+    while engine.loop.in_flight is None:
         engine.step()
     seq = req.sequences[0]
     before = seq.num_output  # the step in flight holds one more token, drawn under version 0

@@ -242,7 +242,7 @@ class WeightReceiver:
             try:
                 stage_dev = self._staging_device(self.engine.device, upd.nbytes)
                 with self._recv_stream(stage_dev):
-                    parts = self.engine.weight_targets()  # (a tensor-parallel rank reads its own)
+                    parts = self.engine.weights.targets()  # (a tensor-parallel rank reads its own)
                     upd.tensors = [(n, t.to(stage_dev, copy=True)) for n, t in iter_checkpoint(Path(model_path).expanduser(), parts)]
                     if self._stream is not None and stage_dev.type == "cuda":
                         self._stream.synchronize()
@@ -387,7 +387,7 @@ class WeightReceiver:
     # ---------------- internals ----------------
     def _validate(self, specs: list[TensorSpec]) -> None:
         try:
-            self.engine.check_weights((s.name, s.shape, s.dtype) for s in specs)
+            self.engine.weights.check((s.name, s.shape, s.dtype) for s in specs)
         except WeightError as e:
             raise WeightSyncError(str(e), 400) from e
 
@@ -422,7 +422,7 @@ class WeightReceiver:
                 raise WeightSyncError(f"weight-update group {slot.name!r} is not connected", 404)
             deadline = time.monotonic() + timeout
             cancelled = lambda: slot.closed  # noqa: E731
-            parts = self.engine.weight_targets() if self.engine.shard.size > 1 else None
+            parts = self.engine.weights.targets() if self.engine.shard.size > 1 else None
             on_host = self._staging_device(group.device, _kept_bytes(specs, parts)) != group.device
             tensors: list[tuple[str, torch.Tensor]] = []
             with self._recv_stream(group.device):

@@ -71,13 +71,7 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
         randomize(model, cfg.seed + rank)
     else:
         load_checkpoint(model, model_path)
-    head = None
-    if "mtp" in cfg.spec.drafters:
-        head = load_mtp(model_path, model_config, layer=model_config.num_layers, dtype=dtype, shard=shard)
-    elif "eagle" in cfg.spec.drafters:
-        head = load_head(cfg.spec.draft_model, model_config, layer=model_config.num_layers, dtype=dtype, shard=shard)
-    if head is not None:
-        head.to(device)
+    head = draft_head(cfg, model_path, model_config, dtype, shard, device)
     layers = model_config.num_layers + (head is not None)  # the head's KV: one more layer
     pool = KVPool(
         num_layers=layers,
@@ -116,6 +110,17 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
                                                     else DEFAULT_CPU_PREFILL_TOKENS)
     return Parts(dtype, shard, tokenizer, max_model_len, max_prefill_tokens,
                  eos_token_ids, model, pool, table, spec, runner)
+
+
+def draft_head(cfg: EngineConfig, model_path: Path, model_config: ModelConfig, dtype: torch.dtype, shard: Shard,
+               device: torch.device):
+    """The draft head the config asks for, on `device`: the model's own MTP layer, an EAGLE head, or None."""
+    head = None
+    if "mtp" in cfg.spec.drafters:
+        head = load_mtp(model_path, model_config, layer=model_config.num_layers, dtype=dtype, shard=shard)
+    elif "eagle" in cfg.spec.drafters:
+        head = load_head(cfg.spec.draft_model, model_config, layer=model_config.num_layers, dtype=dtype, shard=shard)
+    return None if head is None else head.to(device)
 
 
 def capture_graphs(cfg: EngineConfig, runner: ModelRunner, spec: Speculator, heads: int, dtype: torch.dtype) -> None:

@@ -164,3 +164,13 @@ class Emitter:
             return "length"
         return None
 
+
+
+def overflow_message(dtype) -> str:
+    """Why a request whose forward overflowed `dtype` ended (SGLang's abort message)."""
+    name = str(dtype).removeprefix("torch.")
+    why = f"the forward pass overflowed {name} (an inf or NaN in the hidden state or the logits)"
+    if name == "float16":
+        return (f"{why}: this model's activations exceed float16's range (65,504); serve it in bfloat16 "
+                "(--dtype bfloat16), or push weights that keep it in range. No token of the failed step was returned")
+    return f"{why}: its weights may be broken (push sane ones). No token of the failed step was returned"

@@ -198,19 +198,25 @@ class ModelRunner:
             par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
-        if eagle is not None and head == HeadWork.PASS:  # (no drafts from the head next: its KV is kept, no chain)
-            eagle.forget(rows)
-        elif eagle is not None and head == HeadWork.CHAIN:  # the next step's chains, from each sequence's deepest accepted node
-            deepest = bits.double().log2().floor().long()
-            at = layout.row_of_node[torch.arange(s, device=self.device), deepest] if layout is not None else torch.arange(s, device=self.device)
-            eagle.draft(rows, extended[0][at], extended[1][at], table.lengths[rows].long(), self.backend, self.cos, self.sin,
-                        max_kv_len=max_kv_len)
+        if runs_head:
+            self._head_after_verify(head, rows, bits, layout, extended, max_kv_len)
         ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None], source[:, None]], dim=1)
-        top = None
-        if top_logprobs:
-            values, top_ids = processed_logprobs(logits, st).topk(top_logprobs, dim=-1)
-            top = (top_ids, values)
-        return DecodeOutputs(ints, out_lp, trees, top)
+        top = processed_logprobs(logits, st).topk(top_logprobs, dim=-1) if top_logprobs else None
+        return DecodeOutputs(ints, out_lp, trees, None if top is None else (top.indices, top.values))
+
+    def _head_after_verify(self, head: HeadWork, rows: torch.Tensor, bits: torch.Tensor, layout, extended,
+                           max_kv_len: int | None) -> None:
+        """The draft head once a step's trees are walked: its pass keeps its KV and leaves no chains
+        (PASS), or it drafts the next step's chains from each sequence's deepest accepted node (CHAIN)."""
+        eagle, s = self.drafters.head, rows.shape[0]
+        if head == HeadWork.PASS:
+            eagle.forget(rows)
+            return
+        deepest = bits.double().log2().floor().long()
+        seqs = torch.arange(s, device=self.device)
+        at = layout.row_of_node[seqs, deepest] if layout is not None else seqs
+        eagle.draft(rows, extended[0][at], extended[1][at], self.table.lengths[rows].long(), self.backend, self.cos,
+                    self.sin, max_kv_len=max_kv_len)
 
     def _edits(self, seqs: list[Sequence], layout) -> LogitEdits:
         """Logit edits of every row; with drafts (`layout`: tokens, parents, node of each row), read
@@ -278,13 +284,7 @@ class ModelRunner:
         if edits is not None:
             edits.to(self.device).apply(logits)
         drawn, lps = sample(logits, st)
-        # the table: every row's length after this step, and the drawn tokens after each sampled sequence
-        ends = [(q.row, q.num_cached + item.samples, q.num_prompt, q.key) for item in batch.items
-                for q in [item.seq, *(item.seq.forks if item.samples else [])]]
-        rec = np.array(ends, dtype=np.int64).reshape(-1, 4)
-        lengths_now = np.array([len(q.tokens) for q in draw_seqs], dtype=np.int64)
-        self.table.record_prefill(rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3], drawn,
-                                  np.array([q.row for q in draw_seqs], dtype=np.int64), lengths_now)
+        self._record_prefill(batch, draw_seqs, drawn)
         if eagle is not None:
             self._eagle_after_prefill(batch, starts, input_ids, positions_d, meta, aux, drawn, logits_rows)
         tensors = [torch.stack([drawn.double(), lps.double()])]
@@ -293,6 +293,15 @@ class ModelRunner:
             values, ids_ = processed_logprobs(logits, st).topk(top, dim=-1)
             tensors += [ids_, values]
         return StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
+
+    def _record_prefill(self, batch: Batch, draw_seqs: list[Sequence], drawn: torch.Tensor) -> None:
+        """The token table after a prefill step: every row's length, and the tokens drawn after each sampled sequence."""
+        ends = [(q.row, q.num_cached + item.samples, q.num_prompt, q.key) for item in batch.items
+                for q in [item.seq, *(item.seq.forks if item.samples else [])]]
+        rec = np.array(ends, dtype=np.int64).reshape(-1, 4)
+        lengths_now = np.array([len(q.tokens) for q in draw_seqs], dtype=np.int64)
+        self.table.record_prefill(rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3], drawn,
+                                  np.array([q.row for q in draw_seqs], dtype=np.int64), lengths_now)
 
     def _eagle_after_prefill(self, batch: Batch, starts: np.ndarray, input_ids: np.ndarray, positions: torch.Tensor,
                              meta: AttentionMetadata, aux: torch.Tensor, drawn: torch.Tensor, logits_rows: list[int]) -> None:

@@ -55,7 +55,7 @@ GROWTH_INIT, GROWTH_MIN = 0.7, 0.1
 GROWTH_DECAY = (GROWTH_INIT - GROWTH_MIN) / 600
 GROWTH_CLIP = 4096
 PREEMPT_LOOKAHEAD = 20  # steps of growth a preemption's estimate adds for the samples still running
-_EPOCHS = itertools.count()  # unique across schedulers (the engine replaces its scheduler in recover())
+_EPOCHS = itertools.count()  # unique across schedulers and their resets (a decode batch caches its arrays by epoch)
 
 
 class Scheduler:
@@ -66,6 +66,11 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_rows = max_running_seqs
         self.admit_rows = max(1, int(max_running_seqs * ADMIT_SHARE))
+        self.conservativeness = conservativeness  # scales the growth estimate (EngineConfig.schedule_conservativeness)
+        self.reset()
+
+    def reset(self) -> None:
+        """No sequence waiting or running (the pool's slots and rows are its owner's to reset)."""
         self._admit_wait = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -74,7 +79,6 @@ class Scheduler:
         self._passed: Sequence | None = None  # the first waiting sequence others overtook, and how often
         self._passed_steps = 0
         self.growth_ratio = GROWTH_INIT  # the share of its remaining max_new_tokens a sample is expected to add
-        self.conservativeness = conservativeness  # scales that estimate (EngineConfig.schedule_conservativeness)
 
     def add(self, leader: Sequence) -> None:
         """Queue a request's prefill: `leader` computes the prompt, `leader.forks` share it."""

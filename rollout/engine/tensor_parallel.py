@@ -259,3 +259,26 @@ def start_ranks(config, device: torch.device, follower: tuple | None, hooks: str
     rank, port, pipe = follower
     return Follower(rank, config.tp_size, port, pipe, device, not config.disable_custom_all_reduce,
                     config.batch_invariant)
+
+
+def replay(tp: Leader | Follower | None, name: str, *args) -> None:
+    """Rank 0: a call the other ranks make too (sent before the next collective); nothing elsewhere."""
+    if tp is not None and tp.leads:
+        tp.record(name, *args)
+
+
+def flush(tp: Leader | Follower | None) -> None:
+    """Rank 0: send the calls recorded so far."""
+    if tp is not None and tp.leads:
+        tp.flush()
+
+
+def rank0_choice(tp: Leader | Follower | None, name: str, decide) -> tuple:
+    """`decide()`'s values: choices that weigh this process's measured step times, which differ by
+    rank, so under tensor parallelism rank 0's, sent before the step's collectives (a rank that chose
+    otherwise would run other collectives, and wait in them alone)."""
+    if tp is not None and not tp.leads:
+        return tp.expect(name)
+    values = decide()
+    replay(tp, name, *values)
+    return values

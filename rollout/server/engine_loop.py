@@ -418,7 +418,7 @@ def receive_weights(engine: Engine, rx: WeightReceiver, op: str, args: dict) -> 
 def follower_handlers(engine: Engine) -> dict:
     """A tensor-parallel rank > 0 of a server (Engine's `tp_hooks`): its own weight receiver."""
     rx = WeightReceiver(engine)
-    engine.staged_weights = rx.take_staged
+    engine.weights.staged = rx.take_staged
 
     def receive(op: str, args: dict) -> None:
         rank = engine.tp.rank

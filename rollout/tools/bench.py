@@ -166,7 +166,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
     seqs = [s for r in reqs for s in r.sequences]
     tokens = sum(s.num_output for s in seqs)
     ends = sorted(s.finished_at - start for s in seqs)
-    found, total = engine.indexed(seqs)
+    found, total = engine.table.indexed(seqs)
     st = engine.stats()
     row = Row(
         workload=args.workload, system="rollout", spec=spec, batch_size=batch_size, prompts=len(prompts), n=n,
