@@ -49,9 +49,10 @@ def tiny(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kind,size", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)])
+@pytest.mark.parametrize("kind,size", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("qwen3_moe", 2), ("llama", 4)])
 def test_tp_engine_gives_tp1_tokens_and_logprobs(tmp_path, kind, size):
-    """q/k/v bias (qwen2), q/k norms and tied embeddings (qwen3), KV heads replicated (4 ranks, 2 heads)."""
+    """q/k/v bias (qwen2), q/k norms and tied embeddings (qwen3), experts split by their width (qwen3_moe), KV heads
+    replicated (4 ranks, 2 heads)."""
     make_tiny_model(kind, tmp_path)
     one = Engine(model=str(tmp_path), spec="off", device="cpu")
     threads = torch.get_num_threads()

@@ -13,6 +13,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 512
@@ -43,6 +44,9 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
     "qwen2": lambda: Qwen2Config(**COMMON),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    # layer 0 a mixture of 4 experts (each token takes 2), layer 1 the dense MLP (mlp_only_layers)
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=32, moe_intermediate_size=48, num_experts=4,
+                                        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
 }
 
 

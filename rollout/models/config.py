@@ -1,7 +1,9 @@
 """What the engine needs to know about a checkpoint, read from an HF `config.json`.
 
 One decoder covers the Llama family; the differences are switches here:
-GQA (num_kv_heads), RoPE scaling, q/k RMSNorm (Qwen3), q/k/v bias (Qwen2), tied embeddings.
+GQA (num_kv_heads), RoPE scaling, q/k RMSNorm (Qwen3), q/k/v bias (Qwen2), tied embeddings, and
+mixture-of-experts layers (Qwen3-MoE: which layers, how many experts, how many a token takes).
+Which model class builds a checkpoint is rollout/models/registry.py's, by its architecture.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mimo")  # (mimo: a Qwen2 body with MTP layers)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mimo", "qwen3_moe")  # (mimo: a Qwen2 body with MTP layers)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -37,6 +39,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
     mtp_layers: int = 0  # multi-token-prediction layers the checkpoint ships (MiMo's model.mtp_layers.N.*)
+    architecture: str = ""  # config.json's `architectures[0]` (rollout/models/registry.py picks the model class by it)
+    num_experts: int = 0  # mixture of experts: the experts of a sparse layer (0: a dense model)
+    num_experts_per_tok: int = 0  # the experts each token takes (top-k of the router's softmax)
+    moe_intermediate_size: int = 0  # an expert's MLP width
+    norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts (the others: the dense MLP)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -57,6 +65,9 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         use_window = raw.get("use_sliding_window", model_type == "mistral")
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or 0  # (transformers 5 writes the latter)
+        step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(raw["num_hidden_layers"]) if experts and i not in dense and (i + 1) % step == 0)
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -71,11 +82,17 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=model_type in ("qwen2", "mimo") or bool(raw.get("attention_bias")),  # Qwen2 always has q/k/v bias
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_scaling=rope,
             eos_token_ids=eos_ids,
             sliding_window=raw.get("sliding_window") if use_window else None,
             mtp_layers=raw.get("num_nextn_predict_layers", 0) or 0,
+            architecture=(raw.get("architectures") or [""])[0],
+            num_experts=experts,
+            num_experts_per_tok=raw.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=raw.get("moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
         )
 
     @classmethod

@@ -47,26 +47,30 @@ class ForwardContext:
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one HF tensor lands: a parameter, or a row range of a fused one. Under tensor
-    parallelism only this rank's `part` of the tensor (a dimension and an index range) lands
-    there, and `full` is the whole tensor's shape (the shape a trainer pushes)."""
+    """Where one HF tensor lands: a parameter, or a row range of a fused one, or of one `expert`'s
+    slice of a stacked one ([experts, ...]: a mixture of experts' weights). Under tensor parallelism
+    only this rank's `part` of the tensor (a dimension and an index range) lands there, and `full`
+    is the whole tensor's shape (the shape a trainer pushes)."""
 
     param: nn.Parameter
     rows: slice | None = None
     part: tuple[int, slice] | None = None
     full: tuple[int, ...] | None = None
+    expert: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The HF tensor's shape."""
         if self.full is not None:
             return self.full
+        base = tuple(self.param.shape) if self.expert is None else tuple(self.param.shape[1:])
         if self.rows is None:
-            return tuple(self.param.shape)
-        return (self.rows.stop - self.rows.start, *self.param.shape[1:])
+            return base
+        return (self.rows.stop - self.rows.start, *base[1:])
 
     def view(self) -> torch.Tensor:
-        return self.param.data if self.rows is None else self.param.data[self.rows]
+        data = self.param.data if self.expert is None else self.param.data[self.expert]
+        return data if self.rows is None else data[self.rows]
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the HF tensor: cut here from the whole one, or as read (`read_part`)."""
@@ -76,11 +80,12 @@ class WeightTarget:
         return tensor.narrow(dim, index.start, index.stop - index.start)
 
 
-def _cut(shard: Shard, param: nn.Parameter, rows: slice | None, dim: int, index: slice, full: tuple[int, ...]) -> WeightTarget:
+def _cut(shard: Shard, param: nn.Parameter, rows: slice | None, dim: int, index: slice, full: tuple[int, ...],
+         expert: int | None = None) -> WeightTarget:
     """The target of a tensor of shape `full` of which this rank keeps `index` along `dim`."""
     if shard.alone:
-        return WeightTarget(param, rows)
-    return WeightTarget(param, rows, (dim, index), full)
+        return WeightTarget(param, rows, expert=expert)
+    return WeightTarget(param, rows, (dim, index), full, expert)
 
 
 def layer_targets(prefix: str, attn: "Attention", mlp: "MLP", cfg: ModelConfig, sh: Shard,
@@ -88,11 +93,15 @@ def layer_targets(prefix: str, attn: "Attention", mlp: "MLP", cfg: ModelConfig, 
     """The targets of a decoder layer's attention and MLP products (`prefix`: the names' start):
     q/k/v and gate/up cut by rows, o and down by columns, each rank's part. `qkv_in`: q/k/v's
     input width when it is not the hidden size (an EAGLE-3 head reads two hidden states)."""
+    return {**attention_targets(prefix, attn, cfg, sh, qkv_in), **mlp.targets(prefix + "mlp.", cfg, sh)}
+
+
+def attention_targets(prefix: str, attn: "Attention", cfg: ModelConfig, sh: Shard,
+                      qkv_in: int | None = None) -> dict[str, WeightTarget]:
     hd, hidden = cfg.head_dim, cfg.hidden_size
-    q, kv, inter = sh.heads(cfg) * hd, sh.kv_heads(cfg) * hd, sh.intermediate(cfg)
+    q, kv = sh.heads(cfg) * hd, sh.kv_heads(cfg) * hd
     q_part = slice(sh.rank * q, (sh.rank + 1) * q)
     kv_part = slice(sh.first_kv_head(cfg) * hd, sh.first_kv_head(cfg) * hd + kv)
-    inter_part = slice(sh.rank * inter, (sh.rank + 1) * inter)
     targets = {}
     qkv = {"q_proj": (slice(0, q), q_part, cfg.num_heads * hd), "k_proj": (slice(q, q + kv), kv_part, cfg.num_kv_heads * hd),
            "v_proj": (slice(q + kv, q + 2 * kv), kv_part, cfg.num_kv_heads * hd)}
@@ -104,11 +113,20 @@ def layer_targets(prefix: str, attn: "Attention", mlp: "MLP", cfg: ModelConfig, 
     if cfg.qk_norm:
         targets[prefix + "self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
         targets[prefix + "self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-    gate_up = (cfg.intermediate_size, hidden)
-    targets[prefix + "mlp.gate_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(0, inter), 0, inter_part, gate_up)
-    targets[prefix + "mlp.up_proj.weight"] = _cut(sh, mlp.gate_up_proj.weight, slice(inter, 2 * inter), 0, inter_part, gate_up)
-    targets[prefix + "mlp.down_proj.weight"] = _cut(sh, mlp.down_proj.weight, None, 1, inter_part, (hidden, cfg.intermediate_size))
     return targets
+
+
+def gate_up_down_targets(prefix: str, gate_up: nn.Parameter, down: nn.Parameter, width: int, cfg: ModelConfig,
+                         sh: Shard, expert: int | None = None) -> dict[str, WeightTarget]:
+    """An MLP's (or one expert's) gate, up and down of `width` (the whole width, before the ranks
+    split it): gate and up into the fused gate_up's row halves, each rank its part of the width."""
+    inter, hidden = width // sh.size, cfg.hidden_size
+    part = slice(sh.rank * inter, (sh.rank + 1) * inter)
+    return {
+        prefix + "gate_proj.weight": _cut(sh, gate_up, slice(0, inter), 0, part, (width, hidden), expert),
+        prefix + "up_proj.weight": _cut(sh, gate_up, slice(inter, 2 * inter), 0, part, (width, hidden), expert),
+        prefix + "down_proj.weight": _cut(sh, down, None, 1, part, (hidden, width), expert),
+    }
 
 
 def vocab_logits(shard: Shard, logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -190,6 +208,13 @@ class MLP(nn.Module):
         """From the gate/up projection of the normalised input, this rank's part of the output (as `Attention`'s)."""
         return self.down_proj(fused.silu_mul(gate_up))
 
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the MLP's output for the normalised hidden states `h` (a decoder layer's call)."""
+        return self(self.gate_up_proj(h))
+
+    def targets(self, prefix: str, cfg: ModelConfig, sh: Shard) -> dict[str, WeightTarget]:
+        return gate_up_down_targets(prefix, self.gate_up_proj.weight, self.down_proj.weight, cfg.intermediate_size, cfg, sh)
+
 
 class VocabEmbedding(nn.Embedding):
     """The embedding rows of this rank's slice of the vocabulary; the ranks' lookups are summed
@@ -210,13 +235,14 @@ class VocabEmbedding(nn.Embedding):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = ALONE):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = ALONE, mlp: nn.Module | None = None):
+        """`mlp`: the layer's MLP when it is not the dense one (a mixture of experts': rollout/models/registry.py)."""
         super().__init__()
         self.layer, self.shard = layer, shard
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        self.mlp = mlp if mlp is not None else MLP(cfg, shard)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (this rank's part of this layer's output, the residual stream before it): the
@@ -225,29 +251,37 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add(x, residual, self.shard)
         ctx.keep_aux(self.layer, residual)  # (the hidden state entering this layer)
         h, residual = self.post_attention_layernorm.add(self.self_attn(self.self_attn.qkv_proj(h), ctx), residual, self.shard)
-        return self.mlp(self.mlp.gate_up_proj(h)), residual
+        return self.mlp.block(h), residual
 
 
 class DecoderBody(nn.Module):
     """Named `model` inside the causal LM, so parameter names follow the HF layout."""
 
-    def __init__(self, cfg: ModelConfig, shard: Shard = ALONE):
+    def __init__(self, cfg: ModelConfig, shard: Shard = ALONE, mlp_of=None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg, shard)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
+        mlp_of = mlp_of or (lambda layer: None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, mlp_of(i)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
+    """The Llama family's causal LM; a family whose layers differ (a mixture of experts) says how in
+    `layer_mlp` (rollout/models/registry.py)."""
+
     def __init__(self, cfg: ModelConfig, shard: Shard = ALONE):
         super().__init__()
         self.config = cfg
         self.shard = shard
-        self.model = DecoderBody(cfg, shard)
+        self.model = DecoderBody(cfg, shard, lambda layer: self.layer_mlp(cfg, layer, shard))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows(cfg), bias=False)
 
     batch_invariant = False
+
+    def layer_mlp(self, cfg: ModelConfig, layer: int, shard: Shard) -> nn.Module | None:
+        """Layer `layer`'s MLP, if not the dense one."""
+        return None
 
     def make_batch_invariant(self) -> None:
         """Every product of a token's row the same bits whatever else its step holds
@@ -314,3 +348,6 @@ class CausalLM(nn.Module):
             targets[p + "post_attention_layernorm.weight"] = WeightTarget(layer.post_attention_layernorm.weight)
             targets.update(layer_targets(p, layer.self_attn, layer.mlp, cfg, sh))
         return targets
+
+
+MODEL = CausalLM  # (rollout/models/registry.py)

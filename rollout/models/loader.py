@@ -8,6 +8,7 @@ import torch
 
 from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM
+from rollout.models.registry import model_class
 from rollout.models.sharding import ALONE, Shard
 from rollout.models.weights import (
     check_weights,
@@ -37,7 +38,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shar
     """Parameters allocated on the device (this rank's shard of them), zero: load or randomise
     next (a rank's padding rows of the vocabulary stay zero)."""
     with torch.device("meta"):
-        model = CausalLM(cfg, shard)
+        model = model_class(cfg)(cfg, shard)
     model = model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
     for p in model.parameters():
         p.zero_()

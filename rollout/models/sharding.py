@@ -1,8 +1,9 @@
 """How a Llama-family model splits over tensor-parallel ranks (Megatron's layout, as SGLang's).
 
-Each rank holds its share of the attention heads and of the MLP's intermediate size (the
-fused q/k/v and gate/up projections column-parallel; o and down row-parallel, each followed by
-one all-reduce, which the next norm does: `Shard.reduce_norm`) and a contiguous slice of the
+Each rank holds its share of the attention heads and of the MLP's intermediate size, and of every
+expert's in a mixture of experts (the fused q/k/v and gate/up projections column-parallel; o and
+down row-parallel, each followed by one all-reduce, which the next norm does: `Shard.reduce_norm`)
+and a contiguous slice of the
 vocabulary (embedding and LM head). KV heads split like the query heads; with more ranks than KV
 heads, each rank holds the one KV head its query heads read (replicated, SGLang's rule). Norms are
 replicated.
@@ -49,6 +50,8 @@ class Shard:
             problems.append(f"its {kv} KV heads (split when tp_size divides them, replicated when they divide tp_size)")
         if cfg.intermediate_size % size:
             problems.append(f"its intermediate size {cfg.intermediate_size}")
+        if cfg.num_experts and cfg.moe_intermediate_size % size:
+            problems.append(f"its experts' intermediate size {cfg.moe_intermediate_size}")
         if problems:
             raise ValueError(f"{what} does not split over tp_size {size}: {size} does not fit " + "; ".join(problems))
 
@@ -69,6 +72,10 @@ class Shard:
 
     def intermediate(self, cfg: ModelConfig) -> int:
         return cfg.intermediate_size // self.size
+
+    def expert_intermediate(self, cfg: ModelConfig) -> int:
+        """Each expert's share of its width on this rank (every rank holds every expert's share)."""
+        return cfg.moe_intermediate_size // self.size
 
     def vocab_rows(self, cfg: ModelConfig) -> int:
         """Embedding and LM-head rows per rank: the vocabulary padded to a multiple of the ranks."""

@@ -50,6 +50,13 @@ SPEED_SHAPES = {
         "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
         "eos_token_id": 2, "rope_theta": 1000000.0,
     },
+    "qwen3-30b-a3b": {  # a mixture of 128 experts, 8 a token: 61 GB in bf16, ~3.3 B parameters a token reads
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+        "eos_token_id": 2, "rope_theta": 1000000.0, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
     "qwen2.5-32b": {  # 65.5 GB in bf16: tensor parallelism's shape
         "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,

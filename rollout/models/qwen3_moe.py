@@ -1,0 +1,73 @@
+"""Qwen3-MoE: the Qwen3 decoder whose sparse layers' MLP is a mixture of experts.
+
+A token's router logits (the hidden state times `mlp.gate.weight`) go through a float32 softmax over
+the experts; it takes the `num_experts_per_tok` likeliest, their weights renormalised to sum to one
+when `norm_topk_prob`, and its output is the weighted sum of those experts' SiLU MLPs, as
+transformers computes it. The layers in `mlp_only_layers`, and those off the `decoder_sparse_step`,
+keep the dense MLP (ModelConfig.sparse_layers).
+
+The experts' weights are stacked: gate and up fused per expert, [experts, 2 x width, hidden], and
+down [experts, hidden, width]; a checkpoint's or a trainer's per-expert tensors
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`) land in their expert's slice. Under tensor parallelism
+each rank holds every expert's share of the width (as the dense MLP's) and its output is its part,
+summed by the next norm's all-reduce: one all-reduce a layer.
+
+`SparseMoE.forward` is the torch reference: every expert over every row, weighted by the row's
+routing weight (zero for the experts it did not take), in expert order. It is exact where the
+experts a row takes are computed alike in any batch, and it captures in a CUDA graph (nothing
+depends on the host), but it reads every expert's weights each step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import fused, skinny_gemm
+from rollout.models.config import ModelConfig
+from rollout.models.llama import CausalLM, Linear, WeightTarget, gate_up_down_targets
+from rollout.models.sharding import Shard
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
+        super().__init__()
+        self.shard = shard
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        width = shard.expert_intermediate(cfg)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router (every rank's whole)
+        self.gate_up = nn.Parameter(torch.empty(cfg.num_experts, 2 * width, cfg.hidden_size))  # [E, 2 x width, hidden]
+        self.down = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, width))  # [E, hidden, width]
+
+    def routing(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, E] each row's weight on each expert: the renormalised top-k of the router's softmax, 0 elsewhere."""
+        probs = torch.softmax(self.gate(h), dim=-1, dtype=torch.float32)
+        top, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return torch.zeros_like(probs).scatter_(1, experts, top).to(h.dtype)
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the experts' output for the normalised hidden states `h` [T, hidden]."""
+        weights = self.routing(h)
+        invariant = self.gate.batch_invariant  # (CausalLM.make_batch_invariant sets it on every Linear)
+        out = torch.zeros_like(h)
+        for e in range(self.gate_up.shape[0]):
+            gate_up = skinny_gemm.linear(h, self.gate_up[e], invariant=invariant)
+            out += skinny_gemm.linear(fused.silu_mul(gate_up), self.down[e], invariant=invariant) * weights[:, e, None]
+        return out
+
+    def targets(self, prefix: str, cfg: ModelConfig, sh: Shard) -> dict[str, WeightTarget]:
+        targets = {prefix + "gate.weight": WeightTarget(self.gate.weight)}
+        for e in range(cfg.num_experts):
+            targets.update(gate_up_down_targets(f"{prefix}experts.{e}.", self.gate_up, self.down,
+                                                cfg.moe_intermediate_size, cfg, sh, expert=e))
+        return targets
+
+
+class Qwen3MoeCausalLM(CausalLM):
+    def layer_mlp(self, cfg: ModelConfig, layer: int, shard: Shard) -> nn.Module | None:
+        return SparseMoE(cfg, shard) if layer in cfg.sparse_layers else None
+
+
+MODEL = Qwen3MoeCausalLM
