@@ -556,11 +556,7 @@ def _kept_bytes(specs: list[TensorSpec], targets: dict | None) -> int:
     """The bytes a receive stages: the whole push, or under tensor parallelism this rank's parts."""
     if targets is None:
         return sum(s.nbytes for s in specs)
-    kept = 0
-    for s in specs:
-        part = targets[s.name].part if s.name in targets else None
-        kept += s.nbytes if part is None else s.nbytes * (part[1].stop - part[1].start) // s.shape[part[0]]
-    return kept
+    return sum(int(s.nbytes * targets[s.name].kept) if s.name in targets else s.nbytes for s in specs)
 
 
 def _owned(tensors: list[tuple[str, torch.Tensor]], targets: dict | None) -> list[tuple[str, torch.Tensor]]:

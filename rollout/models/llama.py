@@ -50,11 +50,12 @@ class WeightTarget:
     """Where one HF tensor lands: a parameter, or a row range of a fused one, or of one `expert`'s
     slice of a stacked one ([experts, ...]: a mixture of experts' weights). Under tensor parallelism
     only this rank's `part` of the tensor (a dimension and an index range) lands there, and `full`
-    is the whole tensor's shape (the shape a trainer pushes)."""
+    is the whole tensor's shape (the shape a trainer pushes). A part of several ranges is their
+    concatenation (a fused gate/up tensor's gate rows and up rows of this rank)."""
 
     param: nn.Parameter
     rows: slice | None = None
-    part: tuple[int, slice] | None = None
+    part: tuple[int, slice | tuple[slice, ...]] | None = None
     full: tuple[int, ...] | None = None
     expert: int | None = None
 
@@ -77,7 +78,21 @@ class WeightTarget:
         if self.part is None or tuple(tensor.shape) != self.shape:
             return tensor
         dim, index = self.part
-        return tensor.narrow(dim, index.start, index.stop - index.start)
+        pieces = [tensor.narrow(dim, s.start, s.stop - s.start) for s in ranges(index)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    @property
+    def kept(self) -> float:
+        """The share of the HF tensor this rank keeps."""
+        if self.part is None:
+            return 1.0
+        dim, index = self.part
+        return sum(s.stop - s.start for s in ranges(index)) / self.shape[dim]
+
+
+def ranges(index: slice | tuple[slice, ...]) -> tuple[slice, ...]:
+    """A part's index ranges (WeightTarget.part)."""
+    return index if isinstance(index, tuple) else (index,)
 
 
 def _cut(shard: Shard, param: nn.Parameter, rows: slice | None, dim: int, index: slice, full: tuple[int, ...],
@@ -215,6 +230,10 @@ class MLP(nn.Module):
     def targets(self, prefix: str, cfg: ModelConfig, sh: Shard) -> dict[str, WeightTarget]:
         return gate_up_down_targets(prefix, self.gate_up_proj.weight, self.down_proj.weight, cfg.intermediate_size, cfg, sh)
 
+    def aliases(self, prefix: str) -> set[str]:
+        """Names of its targets that stand for weights others already name (none here)."""
+        return set()
+
 
 class VocabEmbedding(nn.Embedding):
     """The embedding rows of this rank's slice of the vocabulary; the ranks' lookups are summed
@@ -330,6 +349,14 @@ class CausalLM(nn.Module):
                     host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
                     host.copy_(p.data)
                     p.data = host
+
+    def optional_weights(self) -> set[str]:
+        """Target names a checkpoint may leave out: the LM head when tied to the embedding, and the
+        names that stand for weights others name (a mixture of experts' stacked experts)."""
+        names = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        for i, layer in enumerate(self.model.layers):
+            names |= layer.mlp.aliases(f"model.layers.{i}.mlp.")
+        return names
 
     def weight_targets(self) -> dict[str, WeightTarget]:
         """Every HF tensor name this model accepts, mapped to where (this rank's part of) it is stored."""

@@ -50,7 +50,7 @@ MTP_PREFIX = "model.mtp_layers."  # a checkpoint's multi-token-prediction layers
 
 def load_checkpoint(model: CausalLM, path: Path) -> None:
     targets = model.weight_targets()
-    optional = ["lm_head.weight"] if model.config.tie_word_embeddings else []
+    optional = model.optional_weights()
     specs = [s for s in checkpoint_specs(path) if not s[0].startswith(MTP_PREFIX)]
     check_weights(targets, specs, require_all=True, optional=optional)
     copy_weights(targets, ((n, t) for n, t in iter_checkpoint(path, targets) if not n.startswith(MTP_PREFIX)))

@@ -8,7 +8,8 @@ keep the dense MLP (ModelConfig.sparse_layers).
 
 The experts' weights are stacked: gate and up fused per expert, [experts, 2 x width, hidden], and
 down [experts, hidden, width]; a checkpoint's or a trainer's per-expert tensors
-(`mlp.experts.{e}.{gate,up,down}_proj.weight`) land in their expert's slice. Under tensor parallelism
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`) land in their expert's slice, and transformers 5's
+stacked ones (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) whole. Under tensor parallelism
 each rank holds every expert's share of the width (as the dense MLP's) and its output is its part,
 summed by the next norm's all-reduce: one all-reduce a layer.
 
@@ -58,11 +59,28 @@ class SparseMoE(nn.Module):
         return out
 
     def targets(self, prefix: str, cfg: ModelConfig, sh: Shard) -> dict[str, WeightTarget]:
+        """The router, each expert's tensors by the checkpoint's names, and the layer's experts stacked as
+        transformers 5 holds them (what its `named_parameters()` push: `experts.gate_up_proj`
+        [E, 2 x width, hidden], gate rows then up rows, and `experts.down_proj` [E, hidden, width])."""
+        width, experts = cfg.moe_intermediate_size, cfg.num_experts
         targets = {prefix + "gate.weight": WeightTarget(self.gate.weight)}
-        for e in range(cfg.num_experts):
-            targets.update(gate_up_down_targets(f"{prefix}experts.{e}.", self.gate_up, self.down,
-                                                cfg.moe_intermediate_size, cfg, sh, expert=e))
+        for e in range(experts):
+            targets.update(gate_up_down_targets(f"{prefix}experts.{e}.", self.gate_up, self.down, width, cfg, sh, expert=e))
+        if sh.alone:
+            targets[prefix + "experts.gate_up_proj"] = WeightTarget(self.gate_up)
+            targets[prefix + "experts.down_proj"] = WeightTarget(self.down)
+            return targets
+        mine = slice(sh.rank * (width // sh.size), (sh.rank + 1) * (width // sh.size))
+        gate_and_up = (mine, slice(width + mine.start, width + mine.stop))  # (this rank's gate rows, its up rows)
+        targets[prefix + "experts.gate_up_proj"] = WeightTarget(self.gate_up, part=(1, gate_and_up),
+                                                                full=(experts, 2 * width, cfg.hidden_size))
+        targets[prefix + "experts.down_proj"] = WeightTarget(self.down, part=(2, mine), full=(experts, cfg.hidden_size, width))
         return targets
+
+
+    def aliases(self, prefix: str) -> set[str]:
+        """The stacked names: a checkpoint names each expert instead."""
+        return {prefix + "experts.gate_up_proj", prefix + "experts.down_proj"}
 
 
 class Qwen3MoeCausalLM(CausalLM):

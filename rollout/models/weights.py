@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rollout.models.llama import WeightTarget
+from rollout.models.llama import WeightTarget, ranges
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; we compute them
 SAFETENSORS_DTYPES = {
@@ -51,7 +51,8 @@ def iter_checkpoint(path: str | Path, targets: dict[str, WeightTarget] | None = 
                     yield name, f.get_tensor(name)
                 else:
                     dim, index = target.part
-                    yield name, f.get_slice(name)[(slice(None),) * dim + (index,)]
+                    pieces = [f.get_slice(name)[(slice(None),) * dim + (s,)] for s in ranges(index)]
+                    yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def checkpoint_specs(path: str | Path) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
