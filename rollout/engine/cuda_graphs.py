@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.engine.step import DecodeInputs, DecodeOutputs
+from rollout.engine.step import DecodeInputs, DecodeOutputs, F32Row, I64Row
 from spec.step import BATCH_BUCKETS, HeadWork, bucket
 
 MODES = ("greedy", "sample")  # captured up front; truncation is captured when first used
@@ -147,7 +147,7 @@ class CudaGraphs:
         i32 = torch.zeros(2 * b, dtype=torch.int32, device=dev)
         f32 = torch.zeros(3 * b, dtype=torch.float32, device=dev)
         i32[:b] = self.padding_row  # all padding until the first replay writes real values
-        f32[b : 2 * b] = 1.0  # top_p
+        f32.view(len(F32Row), b)[F32Row.TOP_P] = 1.0
         inputs = DecodeInputs(i64, i32, f32, b, r)
 
         def step() -> DecodeOutputs:
@@ -169,13 +169,13 @@ class CudaGraphs:
 
 
 def _pad_into(dst: np.ndarray, src: np.ndarray, s: int, b: int, r: int) -> None:
-    """i64 staging: slots [r] then keys [b] and top_k [b]; rows past the real ones: slot 0;
-    padding sequences: key 0, no top-k."""
-    real = len(src) - 2 * s  # the real sequences' rows
+    """i64 staging: slots [r] then the sampling rows (I64Row) [b] each; rows past the real ones:
+    slot 0; padding sequences: key 0, no top-k."""
+    real = len(src) - len(I64Row) * s  # the real sequences' rows
     dst[:] = 0
     dst[:real] = src[:real]
-    dst[r : r + s] = src[real : real + s]
-    dst[r + b : r + b + s] = src[real + s :]
+    for k in I64Row:
+        dst[r + k * b : r + k * b + s] = src[real + k * s : real + (k + 1) * s]
 
 
 def _pad_into_i32(dst: np.ndarray, src: np.ndarray, s: int, b: int, padding_row: int) -> None:
@@ -187,8 +187,8 @@ def _pad_into_i32(dst: np.ndarray, src: np.ndarray, s: int, b: int, padding_row:
 
 
 def _pad_into_f32(dst: np.ndarray, src: np.ndarray, s: int, b: int) -> None:
-    """f32 staging: temperature, top_p, min_p [b] each; padding sequences are greedy."""
+    """f32 staging: the sampling rows (F32Row) [b] each; padding sequences are greedy, top_p 1."""
     dst[:] = 0
-    dst[b : 2 * b] = 1.0
-    for k in range(3):
+    dst[F32Row.TOP_P * b : (F32Row.TOP_P + 1) * b] = 1.0
+    for k in F32Row:
         dst[k * b : k * b + s] = src[k * s : (k + 1) * s]

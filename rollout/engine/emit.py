@@ -53,6 +53,18 @@ def output(seq: Sequence, tokenizer) -> Output:
     )
 
 
+@dataclass
+class SourceStep:
+    """A step's verified drafts of one drafter: drafts, accepted, tokens appended, sequences, and the
+    sequences whose first draft was accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+    appended: int = 0
+    sequences: int = 0
+    first_accepted: int = 0
+
+
 class Emitter:
     """`finish(seq, reason, message)`: the engine's end of a sequence (its KV row freed);
     `overflow`: the message a sequence is aborted with when its forward overflowed."""
@@ -63,10 +75,9 @@ class Emitter:
         self.overflow = overflow
         self.overflowed = 0  # sequences aborted so
 
-    def append(self, e: Emitted, updated: dict, version: int, totals: SpecCounters) -> tuple[int, dict[str, list[int]]]:
+    def append(self, e: Emitted, updated: dict, version: int, totals: SpecCounters) -> tuple[int, dict[str, SourceStep]]:
         """Append what a step emitted, up to each sequence's stop condition; a sequence that stopped
-        while the step ran takes none. Returns the tokens appended, and by drafter: [drafts,
-        accepted, appended, sequences, sequences whose first draft was accepted]. (Runs for every
+        while the step ran takes none. Returns the tokens appended, and each drafter's SourceStep. (Runs for every
         sequence of every step: it is kept lean, and a sequence that cannot stop in this step
         takes its tokens in three list extends.)"""
         top = e.top
@@ -74,7 +85,7 @@ class Emitter:
             self._abort_overflowed(e, updated)
         # the step's totals, recorded once after the loop (a call per sequence costs ~1 us at 512 of them)
         appended_all = plain = plain_appended = 0
-        by_source: dict[str, list[int]] = {}
+        by_source: dict[str, SourceStep] = {}
         for i, (seq, tokens, logprobs, drafted, counted) in enumerate(
                 zip(e.seqs, e.tokens, e.logprobs, e.drafted, e.counted)):
             if seq.finish_reason is not None:  # (Sequence.finished, without the call)
@@ -95,12 +106,12 @@ class Emitter:
             if drafted:
                 source = e.sources[i]
                 seq.spec.record(source, drafted, len(tokens) - 1, k)
-                t = by_source.get(source) or by_source.setdefault(source, [0, 0, 0, 0, 0])
-                t[0] += drafted
-                t[1] += len(tokens) - 1
-                t[2] += k
-                t[3] += 1
-                t[4] += len(tokens) > 1
+                t = by_source.get(source) or by_source.setdefault(source, SourceStep())
+                t.drafted += drafted
+                t.accepted += len(tokens) - 1
+                t.appended += k
+                t.sequences += 1
+                t.first_accepted += len(tokens) > 1
             elif counted:  # a step without drafts: what SpecCounters.record does for it, inline
                 spec = seq.spec
                 spec.verify_steps += 1
@@ -111,8 +122,8 @@ class Emitter:
                 self.finish(seq, reason, None)
         totals.verify_steps += plain
         totals.emitted_tokens += plain_appended
-        for source, (drafts, accepted, appended, seqs, _) in by_source.items():
-            totals.record(source, drafts, accepted, appended, steps=seqs)
+        for source, t in by_source.items():
+            totals.record(source, t.drafted, t.accepted, t.appended, steps=t.sequences)
         return appended_all, by_source
 
     def _abort_overflowed(self, e: Emitted, updated: dict) -> None:

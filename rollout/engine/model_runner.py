@@ -43,7 +43,10 @@ from rollout.engine.step import (
     DecodeOutputs,
     DeviceClock,
     Emitted,
+    F32Row,
     HostCopy,
+    I64Row,
+    OutCol,
     SamplingRows,
     StepInFlight,
 )
@@ -54,10 +57,10 @@ from spec.token_table import TokenTable
 
 
 def sampling_tensors(i64: torch.Tensor, f32: torch.Tensor, positions: torch.Tensor, mode: str) -> SamplingTensors:
-    """SamplingTensors of one draw per row: i64 [2, R] (key, top_k), f32 [3, R], positions [R]."""
+    """SamplingTensors of one draw per row: i64 [2, R] by I64Row, f32 [3, R] by F32Row, positions [R]."""
     return SamplingTensors(
-        temperature=f32[0], top_p=f32[1], min_p=f32[2], keys=i64[0], positions=positions, top_k=i64[1],
-        all_greedy=mode == "greedy", any_truncation=mode == "truncate",
+        temperature=f32[F32Row.TEMPERATURE], top_p=f32[F32Row.TOP_P], min_p=f32[F32Row.MIN_P], keys=i64[I64Row.KEY],
+        positions=positions, top_k=i64[I64Row.TOP_K], all_greedy=mode == "greedy", any_truncation=mode == "truncate",
     )
 
 
@@ -200,7 +203,8 @@ class ModelRunner:
         )
         if runs_head:
             self._head_after_verify(head, rows, bits, layout, extended, max_kv_len)
-        ints = torch.cat([out_tok, accepted[:, None], bits[:, None], counts[:, None], source[:, None]], dim=1)
+        columns = {OutCol.LENGTH: accepted, OutCol.BITS: bits, OutCol.COUNT: counts, OutCol.SOURCE: source}
+        ints = torch.cat([out_tok, torch.stack([columns[c] for c in OutCol], dim=1)], dim=1)
         top = processed_logprobs(logits, st).topk(top_logprobs, dim=-1) if top_logprobs else None
         return DecodeOutputs(ints, out_lp, trees, None if top is None else (top.indices, top.values))
 
@@ -368,22 +372,22 @@ class ModelRunner:
         right, only recomputed."""
         ints, lps = host[0], host[1]
         s, n = lps.shape
-        bits, counts = ints[:, n + 1], ints[:, n + 2]
+        bits, counts = ints[:, n + OutCol.BITS], ints[:, n + OutCol.COUNT]
         step.accepted = ((bits[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]: node order is depth order
         step.first_row = np.cumsum(counts) - counts
         if n == 1:  # plain decoding: one token each
             tokens, logprobs = ints[:, :1].tolist(), lps.tolist()
             overflowed = _nan_rows(lps)
         else:
-            lengths = ints[:, n].tolist()
+            lengths = ints[:, n + OutCol.LENGTH].tolist()
             tokens = [row[:k] for row, k in zip(ints[:, :n].tolist(), lengths)]
             logprobs = [row[:k] for row, k in zip(lps.tolist(), lengths)]
-            overflowed = _nan_rows(np.where(np.arange(n) < ints[:, n, None], lps, 0.0))
+            overflowed = _nan_rows(np.where(np.arange(n) < ints[:, n + OutCol.LENGTH, None], lps, 0.0))
         top = None
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
             top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
-        codes = ints[:, n + 3]
+        codes = ints[:, n + OutCol.SOURCE]
         names = self.drafters.source_names
         sources = [names[c] for c in codes.tolist()]
         misses, coupled = self.drafters.counts(codes, step.drafting)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -70,9 +71,25 @@ class Emitted:
     overflowed: list[int] | None = None  # sequences whose emitted logprobs are NaN: the forward overflowed (inf or NaN)
 
 
+class I64Row(IntEnum):
+    """The rows of a step's packed integer sampling inputs [2, S] (SamplingRows.i64, DecodeInputs.sampling)."""
+
+    KEY = 0  # the RNG key (rollout.engine.sampler.sequence_key)
+    TOP_K = 1
+
+
+class F32Row(IntEnum):
+    """The rows of a step's packed float sampling inputs [3, S] (SamplingRows.f32, DecodeInputs.params)."""
+
+    TEMPERATURE = 0
+    TOP_P = 1
+    MIN_P = 2
+
+
 @dataclass
 class SamplingRows:
-    """Per-sequence sampling inputs on the host: i64 [2, S] (RNG key, top_k), f32 [3, S] (temperature, top_p, min_p)."""
+    """Per-sequence sampling inputs on the host, packed so that each goes to the device in one copy:
+    i64 [2, S] by I64Row, f32 [3, S] by F32Row."""
 
     i64: np.ndarray
     f32: np.ndarray
@@ -83,16 +100,19 @@ class SamplingRows:
         n = len(seqs)
         params = [s.request.params for s in seqs]
         col = lambda values, dtype: np.fromiter(values, dtype, n)  # noqa: E731
-        top_k = col((p.top_k for p in params), np.int64)
-        f32 = np.stack([col((p.temperature for p in params), np.float32), col((p.top_p for p in params), np.float32),
-                        col((p.min_p for p in params), np.float32)])
-        if not f32[0].any():
+        i64 = np.empty((len(I64Row), n), np.int64)
+        i64[I64Row.KEY], i64[I64Row.TOP_K] = col((s.key for s in seqs), np.int64), col((p.top_k for p in params), np.int64)
+        f32 = np.empty((len(F32Row), n), np.float32)
+        f32[F32Row.TEMPERATURE] = col((p.temperature for p in params), np.float32)
+        f32[F32Row.TOP_P] = col((p.top_p for p in params), np.float32)
+        f32[F32Row.MIN_P] = col((p.min_p for p in params), np.float32)
+        if not f32[F32Row.TEMPERATURE].any():
             mode = "greedy"
-        elif (top_k > 0).any() or (f32[1] < 1).any() or (f32[2] > 0).any():
+        elif (i64[I64Row.TOP_K] > 0).any() or (f32[F32Row.TOP_P] < 1).any() or (f32[F32Row.MIN_P] > 0).any():
             mode = "truncate"
         else:
             mode = "sample"
-        return SamplingRows(np.stack([col((s.key for s in seqs), np.int64), top_k]), f32, mode)
+        return SamplingRows(i64, f32, mode)
 
 
 @dataclass
@@ -118,27 +138,36 @@ class BatchRows:
 
 class DecodeInputs:
     """A decode or verify step's inputs on the device, packed in three tensors (one copy each):
-    i64 [R + 2 * S]: the KV slot of each of the step's R rows (S + its draft rows), RNG keys,
-    top_k; i32 [2 * S]: rows, groups; f32 [3 * S]."""
+    i64 [R + 2 * S]: the KV slot of each of the step's R rows (S + its draft rows), then `sampling`
+    [2, S] by I64Row; i32 [2 * S]: rows, groups; f32: `params` [3, S] by F32Row."""
 
     def __init__(self, i64: torch.Tensor, i32: torch.Tensor, f32: torch.Tensor, num_seqs: int, num_rows: int):
         s, r = num_seqs, num_rows
         self.i64, self.i32, self.f32 = i64, i32, f32
         self.slots = i64[:r]
-        self.sampling = i64[r:].view(2, s)
+        self.sampling = i64[r:].view(len(I64Row), s)
         self.rows, self.groups = i32[:s], i32[s:]
-        self.params = f32.view(3, s)
+        self.params = f32.view(len(F32Row), s)
 
     @staticmethod
     def host_arrays(slots: np.ndarray, b: BatchRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return np.concatenate([slots.ravel(), b.sampling.i64.ravel()]), b.i32, b.sampling.f32.ravel()
 
 
+class OutCol(IntEnum):
+    """The columns of a decode step's integer outputs past its N emitted tokens (DecodeOutputs.ints)."""
+
+    LENGTH = 0  # the tokens it emitted: its accepted drafts and the draw after them
+    BITS = 1  # its accepted nodes, a bit each (node order is depth order)
+    COUNT = 2  # its rows in the step: its root and the drafts laid out for it
+    SOURCE = 3  # the drafter that made its tree (Source)
+
+
 @dataclass
 class DecodeOutputs:
     """What a decode or verify step leaves on the device for the host."""
 
-    ints: torch.Tensor  # [S, N + 4] int64: emitted tokens by depth, accepted length, accepted-node bits, rows, Source
+    ints: torch.Tensor  # [S, N + len(OutCol)] int64: emitted tokens by depth, then the OutCol columns
     logprobs: torch.Tensor  # [S, N] float32: the emitted tokens' logprobs
     trees: tuple[torch.Tensor, ...] | None  # the drafter's whole trees (tokens, depths, ancestors, keys) [S, depth + 1]
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # ids [R, k], logprobs [R, k] by row (eager steps)

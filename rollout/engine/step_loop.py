@@ -196,13 +196,13 @@ class StepLoop:
         self.counters.output_tokens += appended
         coupled = by_source.get(self.runner.drafters.source_names[Source.COUPLED])
         if coupled is not None:
-            self.spec.observe_coupled_drafts(coupled[0], coupled[1])
+            self.spec.observe_coupled_drafts(coupled.drafted, coupled.accepted)
         eagle = self.runner.drafters.head
         head = by_source.get(eagle.source) if eagle is not None else None
         if head is None:
             return appended, 0
-        self.spec.observe_head(head[3], head[4])
-        return appended, head[1]
+        self.spec.observe_head(head.sequences, head.first_accepted)
+        return appended, head.accepted
 
 
 def _without_finished(batch: Batch | None) -> Batch | None:
