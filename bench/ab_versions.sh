@@ -10,7 +10,8 @@
 # bench/ab_summary.py's table: each mode's same-run ratio to spec off per cycle and their median,
 # by version. The machine drifts within a session (spec off's rounds of identical code moved
 # by 36% between two versions run one after the other on 2026-11-26): taking turns spreads
-# the drift over every version. Each cycle draws its own samples (--seed), the versions of a
+# the drift over every version (the benches' files go to $BENCH_OUT, default /tmp/ab-out: a call
+# brings back 8 files). Each cycle draws its own samples (--seed), the versions of a
 # cycle the same ones (rollout bench's rounds do the same).
 set -uo pipefail
 cmd=${1:?prepare | run}; shift
@@ -31,11 +32,11 @@ run)
       echo "== $rev (cycle $cycle)"
       # the table's rows: with --repeats the medians ("N runs"), else each row once (printed as it
       # ran and again in the table)
-      (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.tools.cli bench --out "${OUT:-/tmp/out}/$rev/$cycle" --seed $((1000000 * cycle)) "$@" 2>&1 |
+      (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-/tmp/ab-out}/$rev/$cycle" --seed $((1000000 * cycle)) "$@" 2>&1 |
         grep -E "^\| rollout" | awk '!seen[$0]++ { rows = rows $0 "\n"; if (/ runs\)/) medians = medians $0 "\n" }
           END { printf "%s", (medians != "" ? medians : rows) }')
     done
   done
-  if [ "${CYCLES:-1}" -gt 1 ]; then python3 bench/ab_summary.py "${OUT:-/tmp/out}" "${revs[@]}"; fi
+  if [ "${CYCLES:-1}" -gt 1 ]; then python3 bench/ab_summary.py "${BENCH_OUT:-/tmp/ab-out}" "${revs[@]}"; fi
   ;;
 esac

@@ -14,7 +14,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | numerics | admission | deterministic | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | numerics | admission | deterministic | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -222,6 +222,11 @@ deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference
     LIMIT=150 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 \
       --output-len 128 $flag | grep -E "^\| rollout"
   done | tee -a "$OUT/deterministic.log"
+  ;;
+moe)  # issue 64: the MoE GPU tests (its experts in CUDA graphs), then the Qwen3-30B-A3B shape's decode (random weights)
+  timeout 200 python3 -m pytest -q -m gpu tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -3
+  LIMIT=300 bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64 --prompt-len 128 \
+    --output-len 64 | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"
