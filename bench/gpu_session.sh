@@ -223,10 +223,11 @@ deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference
       --output-len 128 $flag | grep -E "^\| rollout"
   done | tee -a "$OUT/deterministic.log"
   ;;
-moe)  # issue 64: the MoE GPU tests (its experts in CUDA graphs), then the Qwen3-30B-A3B shape's decode (random weights)
-  timeout 200 python3 -m pytest -q -m gpu tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -3
-  LIMIT=300 bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64 --prompt-len 128 \
-    --output-len 64 | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
+moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's kernels against their bound, then the Qwen3-30B-A3B shape's decode (random weights)
+  timeout 240 python3 -m pytest -q -m gpu tests/test_fused_moe_kernel.py tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -4
+  timeout 120 python3 bench/moe_kernels.py 2>&1 | tee "$OUT/moe-kernels.log"
+  LIMIT=${LIMIT:-360} bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64,512} \
+    --max-running-seqs 512 --prompt-len 128 --output-len 64 | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"

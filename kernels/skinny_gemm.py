@@ -49,6 +49,7 @@ except ImportError:
 MAX_ROWS = 16
 INVARIANT_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
+MAX_COLD_COPIES = 1024  # weights a choice is timed on, at most (cold_copies)
 CPU_BLOCK_ROWS = 8
 PREFETCH_BYTES = 16 << 20  # weight a product prefetches into L2 before its wait (bench/gemm_choice.py)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -124,9 +125,12 @@ def _triton_is_faster(rows: int, weight: torch.Tensor, bias: torch.Tensor | None
 
 def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     """The weight and uninitialised copies of it that together take twice the L2 cache: a product
-    called on each in turn reads its weight from memory, as a step reads each layer's."""
+    called on each in turn reads its weight from memory, as a step reads each layer's. At most
+    MAX_COLD_COPIES: a toy weight (an MoE router of a few experts, 512 bytes) would otherwise take
+    hundreds of thousands of launches to time, and at that size the launch, not the read, decides."""
     l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    return [weight] + [torch.empty_like(weight) for _ in range(-(-2 * l2_bytes // weight.nbytes) - 1)]
+    copies = min(MAX_COLD_COPIES, -(-2 * l2_bytes // weight.nbytes))
+    return [weight] + [torch.empty_like(weight) for _ in range(copies - 1)]
 
 
 def after_kernel_ms(product, k: int, copies: list[torch.Tensor], bias: torch.Tensor | None = None,

@@ -13,10 +13,8 @@ stacked ones (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) whole. Under 
 each rank holds every expert's share of the width (as the dense MLP's) and its output is its part,
 summed by the next norm's all-reduce: one all-reduce a layer.
 
-`SparseMoE.forward` is the torch reference: every expert over every row, weighted by the row's
-routing weight (zero for the experts it did not take), in expert order. It is exact where the
-experts a row takes are computed alike in any batch, and it captures in a CUDA graph (nothing
-depends on the host), but it reads every expert's weights each step.
+The experts run in kernels/fused_moe.py: on the GPU fused Triton kernels that read only the
+experts a step's rows took, elsewhere its torch reference (every expert over every row).
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import fused, skinny_gemm
+from kernels import fused_moe
 from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM, Linear, WeightTarget, gate_up_down_targets
 from rollout.models.sharding import Shard
@@ -40,23 +38,10 @@ class SparseMoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(cfg.num_experts, 2 * width, cfg.hidden_size))  # [E, 2 x width, hidden]
         self.down = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, width))  # [E, hidden, width]
 
-    def routing(self, h: torch.Tensor) -> torch.Tensor:
-        """[T, E] each row's weight on each expert: the renormalised top-k of the router's softmax, 0 elsewhere."""
-        probs = torch.softmax(self.gate(h), dim=-1, dtype=torch.float32)
-        top, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return torch.zeros_like(probs).scatter_(1, experts, top).to(h.dtype)
-
     def block(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's part of the experts' output for the normalised hidden states `h` [T, hidden]."""
-        weights = self.routing(h)
         invariant = self.gate.batch_invariant  # (CausalLM.make_batch_invariant sets it on every Linear)
-        out = torch.zeros_like(h)
-        for e in range(self.gate_up.shape[0]):
-            gate_up = skinny_gemm.linear(h, self.gate_up[e], invariant=invariant)
-            out += skinny_gemm.linear(fused.silu_mul(gate_up), self.down[e], invariant=invariant) * weights[:, e, None]
-        return out
+        return fused_moe.experts(h, self.gate(h), self.gate_up, self.down, self.top_k, self.norm_topk_prob, invariant)
 
     def targets(self, prefix: str, cfg: ModelConfig, sh: Shard) -> dict[str, WeightTarget]:
         """The router, each expert's tensors by the checkpoint's names, and the layer's experts stacked as
@@ -76,7 +61,6 @@ class SparseMoE(nn.Module):
                                                                 full=(experts, 2 * width, cfg.hidden_size))
         targets[prefix + "experts.down_proj"] = WeightTarget(self.down, part=(2, mine), full=(experts, cfg.hidden_size, width))
         return targets
-
 
     def aliases(self, prefix: str) -> set[str]:
         """The stacked names: a checkpoint names each expert instead."""

@@ -1,0 +1,280 @@
+"""A mixture of experts' MLP: each row through its top-k experts, weighted by its routing.
+
+The torch reference (`experts_ref`) runs every expert over every row and weights each row's
+output by its routing weight, zero for the experts it did not take: exact and capturable, but
+it reads every expert's weights each step (at b1 on Qwen3-30B-A3B, 128 experts' where the row
+needs 8).
+
+The Triton path reads only the experts the step's rows took, each once per block of its rows:
+
+1. `_topk_kernel`: each row's float32 softmax over the router's logits, its top-k (renormalised
+   to sum to one when asked, then rounded to the activation dtype, as transformers does), and the
+   rows each expert took, added up over the programs.
+2. `_place_kernel`: each expert's run of slots padded to whole blocks, every pick placed in its
+   expert's run, and the expert of every block.
+3. `_expert_gemm_kernel` with GATED: per block of slots, the rows' hidden states times the block's
+   expert's gate and up rows, SiLU(gate) x up, into [rows x top-k, width].
+4. `_expert_gemm_kernel`: that times the expert's down projection, times the routing weight,
+   into [rows x top-k, hidden].
+5. `_combine_kernel`: each row's k outputs summed in pick order in float32, rounded once.
+
+A block's rows follow the step's rows per expert (16 at decode, up to 64 at prefill, so that an
+expert's weights are read by as few blocks as its rows fill), and the tile is timed per shape on
+the first call, outside CUDA-graph capture (the runner's warm-up makes it). A path without the
+sort for steps of at most four rows (a program per pick, a GEMV per tile, the down product
+summing a row's picks as it goes: three launches instead of six) was no faster on an H200
+(41.9 against 39.5 us a layer at one row, 101.9 against 90.7 at four: bench/moe_kernels.py).
+
+Every product accumulates in float32 and rounds where the reference does (the products'
+outputs, SiLU, the weighted output). With `invariant=True` (deterministic inference) every step
+takes one fixed tile: a row's place inside a block changes none of its
+sums and the combine's order is fixed, so a row's bits do not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import fused, pdl, skinny_gemm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROUTE_ROWS = 16  # rows per iteration of the routing program
+INVARIANT_TILE = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+INVARIANT_BLOCK_ROWS = 16
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and (x.is_cuda or INTERPRET)
+
+
+# ---------------- torch reference ----------------
+def routing_ref(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype) -> torch.Tensor:
+    """[T, E] each row's weight on each expert: the (renormalised) top-k of the float32 softmax, 0 elsewhere."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, chosen = probs.topk(top_k, dim=-1)
+    if renormalise:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, chosen, top).to(dtype)
+
+
+def experts_ref(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                renormalise: bool, invariant: bool = False) -> torch.Tensor:
+    """Every expert over every row, in expert order, each weighted by the row's routing weight."""
+    weights = routing_ref(logits, top_k, renormalise, h.dtype)
+    out = torch.zeros_like(h)
+    for e in range(gate_up.shape[0]):
+        mid = fused.silu_mul_ref(skinny_gemm.linear(h, gate_up[e], invariant=invariant))
+        out += skinny_gemm.linear(mid, down[e], invariant=invariant) * weights[:, e, None]
+    return out
+
+
+# ---------------- dispatch ----------------
+def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+            renormalise: bool, invariant: bool = False) -> torch.Tensor:
+    """The experts' output for the normalised hidden states `h` [T, hidden], routed by `logits` [T, E]:
+    gate_up [E, 2 x width, hidden] (gate rows, then up rows), down [E, hidden, width]."""
+    if not use_triton(h):
+        return experts_ref(h, logits, gate_up, down, top_k, renormalise, invariant)
+    rows, hidden = h.shape
+    out = torch.empty_like(h)
+    if rows == 0:
+        return out
+    route = Route(logits, top_k, renormalise, h.dtype, block=INVARIANT_BLOCK_ROWS if invariant else None)
+    mid = torch.empty(rows * top_k, down.shape[2], dtype=h.dtype, device=h.device)
+    _expert_gemm(route, h, gate_up, mid, gated=True, invariant=invariant)
+    picks = torch.empty(rows * top_k, hidden, dtype=h.dtype, device=h.device)
+    _expert_gemm(route, mid, down, picks, gated=False, invariant=invariant)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(rows, triton.cdiv(hidden, block))](picks, out, hidden, K=top_k, BLOCK=block, **_pdl())
+    return out
+
+
+def block_rows(assignments: int, experts: int) -> int:
+    """Slots per block: the rows an expert takes on average, as a power of two within 16..64."""
+    return min(64, max(16, triton.next_power_of_2(-(-assignments // experts))))
+
+
+class Route:
+    """A step's routing on the device: each row's picks (`ids`, `weights` [T, k]) and its slots grouped
+    by expert in blocks of `block` (`slots`: the flat pick index in each slot; `block_expert`: each
+    block's expert, -1 past the used ones; `starts`, `counts` per expert). Both kernels run a
+    program per ROUTE_ROWS rows."""
+
+    def __init__(self, logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype,
+                 block: int | None = None):
+        rows, num_experts = logits.shape
+        dev = logits.device
+        picks = rows * top_k
+        self.top_k = top_k
+        self.ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
+        self.weights = torch.empty(rows, top_k, dtype=dtype, device=dev)
+        # counts and cursors, zeroed: the programs add their rows' picks to them
+        counting = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)
+        shape = dict(E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k), R=ROUTE_ROWS,
+                     num_warps=4, **_pdl())
+        grid = (triton.cdiv(rows, ROUTE_ROWS),)
+        _topk_kernel[grid](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
+                           RENORM=renormalise, **shape)
+        self.block = block or block_rows(picks, num_experts)
+        # the blocks: each expert's run rounds up by at most block - 1 slots, and at most `picks` experts have rows
+        self.num_blocks = picks // self.block + min(num_experts, picks) + 1
+        self.counts = counting[0]
+        self.starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        self.slots = torch.empty(self.num_blocks * self.block, dtype=torch.int32, device=dev)
+        self.block_expert = torch.empty(self.num_blocks, dtype=torch.int32, device=dev)
+        _place_kernel[grid](self.ids, rows, num_experts, counting, self.starts, self.slots, self.block_expert,
+                            self.num_blocks, BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)),
+                            **shape)
+
+
+def _expert_gemm(route: Route, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool,
+                 invariant: bool) -> None:
+    """out[pick] = SiLU(a[row] @ gate.T) x (a[row] @ up.T) (gated) or (a[pick] @ down.T) x weight."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    args = (a, w, out, route.slots, route.block_expert, route.counts, route.starts, route.weights,
+            n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0))
+    flags = dict(A_DIV=route.top_k if gated else 1, GATED=gated, BLOCK_M=route.block, IEEE=a.dtype == torch.float32)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), route.num_blocks)  # noqa: E731
+    if invariant or INTERPRET:  # (the interpreter cannot time configurations)
+        _expert_gemm_kernel[grid](*args, **flags, **INVARIANT_TILE, **_pdl())
+    else:
+        _expert_gemm_tuned[grid](*args, **flags, **pdl.launch_args())
+
+
+def _pdl() -> dict:
+    return {"PDL": False} if INTERPRET else pdl.launch_args()
+
+
+# ---------------- kernels ----------------
+if triton is not None:
+
+    @triton.jit
+    def _topk_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, counts_ptr, E: tl.constexpr,
+                     K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+        """Each row's top-k of its float32 softmax, and the rows each expert took, added to counts."""
+        pdl.wait_for_previous(PDL)
+        es = tl.arange(0, E)
+        picks = tl.arange(0, KP)
+        expert_ok = es < num_experts
+        r = tl.program_id(0) * R + tl.arange(0, R)
+        row_ok = r < rows
+        x = tl.load(logits_ptr + r[:, None].to(tl.int64) * stride_l + es[None, :],
+                    mask=row_ok[:, None] & expert_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.where(expert_ok[None, :], x, -float("inf"))  # (rows past the last: uniform, never stored)
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        top = tl.zeros((R, KP), dtype=tl.float32)
+        chosen = tl.zeros((R, KP), dtype=tl.int32)
+        taken = tl.zeros((E,), dtype=tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(p, axis=1)
+            idx = tl.argmax(p, axis=1).to(tl.int32)  # (ties: the lower expert)
+            top = tl.where(picks[None, :] == j, best[:, None], top)
+            chosen = tl.where(picks[None, :] == j, idx[:, None], chosen)
+            hit = es[None, :] == idx[:, None]
+            p = tl.where(hit, -1.0, p)
+            taken += tl.sum((hit & row_ok[:, None]).to(tl.int32), axis=0)
+        if RENORM:
+            top = top / tl.sum(top, axis=1)[:, None]
+        where = r[:, None] * K + picks[None, :]
+        ok = row_ok[:, None] & (picks[None, :] < K)
+        tl.store(weights_ptr + where, top.to(weights_ptr.dtype.element_ty), mask=ok)
+        tl.store(ids_ptr + where, chosen, mask=ok)
+        tl.atomic_add(counts_ptr + es, taken, mask=expert_ok)
+
+    @triton.jit
+    def _place_kernel(ids_ptr, rows, num_experts, counting_ptr, starts_ptr, slots_ptr, block_expert_ptr, num_blocks,
+                      E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                      NB: tl.constexpr, PDL: tl.constexpr):
+        """Each expert's run of slots (its count padded to whole blocks), every pick of the program's
+        rows placed in its expert's run, and (program 0) the runs' starts and each block's expert."""
+        pdl.wait_for_previous(PDL)
+        es = tl.arange(0, E)
+        expert_ok = es < num_experts
+        padded = (tl.load(counting_ptr + es, mask=expert_ok, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        if tl.program_id(0) == 0:
+            tl.store(starts_ptr + es, ends - padded, mask=expert_ok)
+            for b0 in range(0, num_blocks, NB):
+                b = b0 + tl.arange(0, NB)
+                passed = (ends[None, :] <= b[:, None] * BLOCK_M) & expert_ok[None, :]
+                expert = tl.sum(passed.to(tl.int32), axis=1)  # the first expert whose run reaches past the block's start
+                tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
+        r = tl.program_id(0) * R + tl.arange(0, R)
+        where = r[:, None] * K + tl.arange(0, KP)[None, :]
+        ok = (r[:, None] < rows) & (tl.arange(0, KP)[None, :] < K)
+        chosen = tl.load(ids_ptr + where, mask=ok, other=0)
+        where, ok, chosen = tl.reshape(where, (R * KP,)), tl.reshape(ok, (R * KP,)), tl.reshape(chosen, (R * KP,))
+        start = tl.sum(tl.where(es[None, :] < chosen[:, None], padded[None, :], 0), axis=1)
+        cursor = tl.atomic_add(counting_ptr + num_experts + chosen, 1, mask=ok)  # (the order inside a run changes no row)
+        tl.store(slots_ptr + start + cursor, where, mask=ok)
+
+    @triton.jit
+    def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, counts_ptr, starts_ptr, weights_ptr,
+                            n, k, stride_a, stride_we, stride_wn, stride_out, A_DIV: tl.constexpr,
+                            GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        pdl.wait_for_previous(PDL)
+        blk = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + blk)
+        used = expert >= 0
+        expert = tl.maximum(expert, 0)
+        end = tl.load(starts_ptr + expert) + tl.load(counts_ptr + expert)
+        slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = (slot < end) & used
+        pick = tl.load(slots_ptr + slot, mask=row_ok, other=0)
+        a_rows = a_ptr + (pick // A_DIV).to(tl.int64)[:, None] * stride_a
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_end = tl.where(used, k, 0)  # (an unused block reads nothing)
+        for k0 in range(0, k_end, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk[None, :] < k
+            a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & k_ok, other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee" if IEEE else "tf32")
+            if GATED:  # the expert's up rows sit `n` rows below its gate rows
+                w = tl.load(w_rows + n * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok, other=0.0)
+                up = tl.dot(a, tl.trans(w), up, input_precision="ieee" if IEEE else "tf32")
+        dtype = out_ptr.dtype.element_ty
+        if GATED:  # rounded where the reference rounds: each product, then SiLU, then the product of the two
+            g = acc.to(dtype).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+        else:
+            weight = tl.load(weights_ptr + pick, mask=row_ok, other=0.0).to(tl.float32)
+            y = acc.to(dtype).to(tl.float32) * weight[:, None]
+        tl.store(out_ptr + pick.to(tl.int64)[:, None] * stride_out + cols[None, :], y.to(dtype),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    _expert_gemm_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in [(32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3),
+                                  (128, 128, 8, 3), (32, 256, 4, 3), (16, 256, 4, 3)]
+        ],
+        key=["n", "k", "BLOCK_M", "GATED"],
+    )(_expert_gemm_kernel)
+
+    @triton.jit
+    def _combine_kernel(picks_ptr, out_ptr, hidden, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.wait_for_previous(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < hidden
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            acc += tl.load(picks_ptr + (row * K + j) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
