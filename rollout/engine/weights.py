@@ -46,13 +46,17 @@ class EngineWeights:
         self.version = 0
         self.sync_s = 0.0  # the last swap's seconds
         self.staged = None  # a rank > 0's own copy of a pushed update, by version (set by its server's receiver)
+        self._targets: dict | None = None
 
     def targets(self) -> dict:
-        """The target's weights by HF name, and a draft head's under HEAD_PREFIX."""
-        targets = self.model.weight_targets()
-        if self.head is not None:
-            targets.update({HEAD_PREFIX + n: t for n, t in self.head.head.weight_targets().items()})
-        return targets
+        """The target's weights by HF name, and a draft head's under HEAD_PREFIX. Made once: they are
+        views of the parameters, which swaps copy into in place (the 30B-A3B shape's 18,432 expert
+        targets took 0.08 s to make on the CPU, twice a push, where the copies took 0.05)."""
+        if self._targets is None:
+            self._targets = self.model.weight_targets()
+            if self.head is not None:
+                self._targets.update({HEAD_PREFIX + n: t for n, t in self.head.head.weight_targets().items()})
+        return self._targets
 
     def check(self, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Raise WeightError unless every (name, shape, dtype) names one of the weights as it is."""
