@@ -29,23 +29,31 @@ different context. Verification keeps every sample exact; only their acceptance 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
 from kernels.ngram_draft import KEY_SCALE, PADDING
 from rollout.models.llama import CausalLM, ForwardContext
 from spec.draft_head import DraftHead
-from spec.step import KVCache
+from spec.drafters import Drafter, DraftStep
+from spec.step import HeadWork, KVCache, Source, to_device
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
+    """A draft head as a drafter (spec/drafters.py): its trees, its pass over each step's rows, and
+    its next trees from the deepest accepted node."""
+
+    source, scale = Source.HEAD, "head"
+
     def __init__(self, head: DraftHead, model: CausalLM, pool: KVCache, depth: int, topk: int, width: int, max_rows: int):
         device = pool.device
         self.head, self.model, self.pool = head, model, pool
         self.depth, self.topk = depth, topk  # levels of a tree, and the head's top k at each
-        self.nodes = width  # drafts kept of a tree's depth x topk, the likeliest
-        self.source = "mtp" if head.cfg.kind == "mtp" else "eagle"  # (its drafts' name in the statistics)
+        self.nodes = self.width = width  # drafts kept of a tree's depth x topk, the likeliest
+        self.name = "mtp" if head.cfg.kind == "mtp" else "eagle"  # (DRAFTERS', and its drafts' in the statistics)
         self.aux_layers = head.cfg.aux_layers
+        self.backend = self.cos = self.sin = None  # the target's attention and rope tables (attach)
         self.aux_width = len(self.aux_layers) * model.config.hidden_size
         # by KV row, each tree in key order: target ids, parents (0: the root), depths, ancestors'
         # bits (the root's and the node's own included), keys (-1: none)
@@ -76,7 +84,17 @@ class EagleDrafter:
         """Nodes of a tree the head runs over: every level's but the last's."""
         return (self.depth - 1) * self.topk
 
-    def trees(self, rows: torch.Tensor, roots: torch.Tensor, width: int):
+    def attach(self, backend, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """The target's attention backend and rope tables [positions, head_dim], which the head's levels use."""
+        self.backend, self.cos, self.sin = backend, cos, sin
+
+    def runs(self, head: HeadWork) -> bool:
+        return head != HeadWork.NONE
+
+    def trees(self, step: DraftStep):
+        return self.trees_of(step.rows.long(), step.roots, step.width), None
+
+    def trees_of(self, rows: torch.Tensor, roots: torch.Tensor, width: int):
         """(tokens, parents, depths, ancestors, keys) [S, width + 1] of the trees left for `rows`
         (none where none was left; padding past the tree), roots [S] their last tokens. The drafts
         stand in key order: a step verifies a tree's first few (kernels/draft_rows.py), which hold
@@ -103,6 +121,62 @@ class EagleDrafter:
         # (EAGLE-1 and MTP layers have no lm_head of their own: the target's, over the whole vocabulary)
         lm_head = None if self.head.cfg.kind == "eagle3" else self.model.lm_head_weight
         return self.head(ids, hidden, ctx, self.model.model.embed_tokens, lm_head)
+
+    def after_forward(self, step: DraftStep, drawn: torch.Tensor, aux: torch.Tensor, ctx: ForwardContext):
+        """Its pass over the step's rows: each row's draw and the hidden states the target wrote."""
+        return self.extend(drawn, aux, ctx)
+
+    def after_accept(self, step: DraftStep, extended, bits: torch.Tensor, row_of_node: torch.Tensor | None,
+                     max_kv_len: int | None) -> None:
+        """Once the step's trees are walked: its pass keeps its KV and leaves no chains (PASS), or it
+        drafts the next step's trees from each sequence's deepest accepted node (CHAIN); `bits` [S]:
+        the accepted nodes, `row_of_node` [S, nodes] their rows (None: a row per sequence)."""
+        rows = step.rows.long()
+        if step.head == HeadWork.PASS:
+            self.forget(rows)
+            return
+        deepest = bits.double().log2().floor().long()
+        seqs = torch.arange(rows.shape[0], device=rows.device)
+        at = row_of_node[seqs, deepest] if row_of_node is not None else seqs
+        self.draft(rows, extended[0][at], extended[1][at], step.table.lengths[rows].long(), self.backend, self.cos,
+                   self.sin, max_kv_len=max_kv_len)
+
+    def after_prefill(self, batch, starts: np.ndarray, ctx: ForwardContext, aux: torch.Tensor, drawn: torch.Tensor,
+                      logits_rows: list[int], table) -> None:
+        """The head over a prefill step's rows (row r's input: the token after it, the prompt's
+        or, at a sampling item's last row, its first sample's draw), then trees for the sampled
+        sequences (their forks start without: they share the prompt's last slot). A prompt whose
+        first chunk this is has its head KV whole from here on (`tracked`). `batch.items`: each
+        item's sequence (`tokens`, `row`, `forks`), its new tokens (`num_new`) and whether it draws
+        (`samples`); `starts` each item's first position."""
+        nexts, first_draw, sampled, forks, fork_of, starting, d = [], [], [], [], [], [], 0
+        for item, start in zip(batch.items, starts.tolist()):
+            seq = item.seq
+            if start == 0:
+                starting.append(seq.row)
+            following = seq.tokens[start + 1 : start + item.num_new + 1]
+            nexts.append(np.asarray(following + [0] * (item.num_new - len(following)), dtype=np.int64))
+            if item.samples:
+                first_draw.append(d)
+                sampled.append(seq.row)
+                forks += [f.row for f in seq.forks]
+                fork_of += [seq.row] * len(seq.forks)
+                d += 1 + len(seq.forks)
+        device = drawn.device
+        ids = to_device(np.concatenate(nexts), device)
+        last = to_device(np.array(logits_rows, dtype=np.int64), device)
+        ids[last] = drawn[to_device(np.array(first_draw, dtype=np.int64), device)]
+        if starting:
+            self.track(to_device(np.array(starting, dtype=np.int64), device))
+        logits, hidden = self.extend(ids, aux, ctx)
+        if sampled:
+            rows = to_device(np.array(sampled, dtype=np.int64), device)
+            self.draft(rows, logits[last], hidden[last], table.lengths[rows].long(), self.backend, self.cos, self.sin,
+                       max_kv_len=ctx.meta.max_kv_len + 1)  # (+ the first draw)
+        if forks:
+            fork_rows = to_device(np.array(forks, dtype=np.int64), device)
+            self.track(fork_rows, like=to_device(np.array(fork_of, dtype=np.int64), device))
+            self.forget(fork_rows)
 
     def forget(self, rows: torch.Tensor) -> None:
         """These rows start without drafts (a fork's first step)."""

@@ -6,11 +6,9 @@
     spec.before_decode(plan.drafting)            what the drafter reads goes to the device, if it runs
     ... the step runs (ModelRunner.launch_decode(batch, slots, plan.draft_rows, plan.drafting, plan.head, plan.shadow)) ...
     spec.head_for_prefill(new_prompts)           whether a prefill step runs the draft head
-    spec.observe(seqs, root_lens, trees, draft_rows, seconds)   once collected and its tokens appended
-    spec.observe_index(misses)                   a hybrid's drafting step: sequences the index had nothing for
-    spec.observe_coupled(k)                      a drafting step: sequences that follow their earlier rollout
-    spec.observe_coupled_drafts(drafted, accepted)   a step's verified coupled drafts (their running acceptance)
-    spec.observe_head_step(...)                  a step the draft head ran in: its time, its tokens (HeadCycle)
+    spec.observe(seqs, root_lens, trees, draft_rows, seconds, report)   once collected and its tokens
+                                                 appended: the budget's scores, and what each drafter's
+                                                 drafts did (StepReport) for the policies over them
     spec.stats()
 
 Drafting itself happens on the device inside the step (kernels/ngram_draft.py, over the token
@@ -31,7 +29,7 @@ from rollout.config import SpecConfig
 from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
 from spec.head_watch import HeadCycle, HeadWatch
 from spec.index import NgramIndex
-from spec.step import Drafted, DraftSettings, HeadWork, bucket
+from spec.step import Drafted, DraftSettings, HeadWork, StepReport, bucket
 from spec.token_table import TokenTable
 
 SCAN_WIDTH = 32  # rows of its group a sequence searches besides its own: live samples, then history
@@ -64,6 +62,7 @@ class Speculator:
         # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
         self.drafts_ahead = "eagle" in cfg.drafters or "mtp" in cfg.drafters
+        self.head_name = next((d for d in cfg.drafters if d in ("eagle", "mtp")), None)
         self.cycle: HeadCycle | None = None
         self.index = NgramIndex(table, SCAN_WIDTH, cfg.history_per_prompt, cfg.share_siblings)
         ngram = "ngram" in cfg.drafters
@@ -94,16 +93,12 @@ class Speculator:
             if head_pushed:
                 self.cycle.head_pushed()
 
-    def observe_head(self, chains: int, hits: int) -> None:
-        """A step verified `chains` (> 0) of the head's chains; `hits` had their first draft accepted."""
-        if self.watch is not None:
-            self.watch.observe(chains, hits)
+    def _observe_chains(self, report: StepReport) -> None:
+        """The draft head's verified chains: their first drafts' hits keep it awake (HeadWatch)."""
+        head = report.by_source.get(self.head_name)
+        if head is not None and head.sequences:
+            self.watch.observe(head.sequences, head.first_accepted)
             self.cycle.verified()
-
-    def observe_head_step(self, num_seqs: int, tree: bool, seconds: float, tokens: int, head_tokens: int) -> None:
-        """A decode step in which the head ran (`tree`: and made trees) was collected: it took
-        `seconds` and emitted `tokens`, `head_tokens` of them the head's accepted drafts."""
-        self.cycle.ran(bucket(num_seqs), tree, seconds, tokens, head_tokens)
 
     def head_for_prefill(self, new_prompts: bool) -> bool:
         """Whether a prefill step runs the draft head (`new_prompts`: it admits prompts' first chunks)."""
@@ -111,14 +106,8 @@ class Speculator:
             return False
         return self.cycle.admit(self.watch.switched_off) if new_prompts else self.cycle.awake
 
-    def observe_index(self, misses: int) -> None:
-        self._index_misses = misses
-
-    def observe_coupled(self, followed: int) -> None:
-        self._coupled = followed
-
-    def observe_coupled_drafts(self, drafted: int, accepted: int) -> None:
-        """A step's verified coupled drafts and how many were accepted."""
+    def _observe_coupled_drafts(self, drafted: int, accepted: int) -> None:
+        """A step's verified coupled drafts and how many were accepted (their running acceptance)."""
         if drafted:
             share = min(1.0, drafted / COUPLED_MEMORY)
             self._coupled_accept += share * (accepted / drafted - self._coupled_accept)
@@ -196,12 +185,19 @@ class Speculator:
         return plan
 
     def observe(self, seqs: list[Drafted], roots: np.ndarray | None, trees: tuple[np.ndarray, ...] | None,
-                draft_rows: int, seconds: float) -> None:
+                draft_rows: int, seconds: float, report: StepReport | None = None) -> None:
         """A decode or verify step was collected and its tokens appended, `seconds` after the step
         before it; `trees`: the drafter's (tokens, depths, ancestors, keys), if they came back, and
-        `roots` the sequences' lengths before the step's tokens were appended."""
+        `roots` the sequences' lengths before the step's tokens were appended; `report`: what its
+        drafts did, by drafter."""
         if not self.enabled:
             return
+        if report is not None:
+            coupled = report.by_source.get("coupled")
+            if coupled is not None:
+                self._observe_coupled_drafts(coupled.drafted, coupled.accepted)
+            if self.watch is not None:
+                self._observe_chains(report)
         self.budget.observe_step(len(seqs), draft_rows, seconds)
         if trees is not None:
             self._waiting.append(_Trees(seqs, roots, *trees))
@@ -212,6 +208,16 @@ class Speculator:
                 self.cycle.evaluated()
         for t in self._waiting:
             t.age += 1
+        if report is None:
+            return
+        if report.head != HeadWork.NONE:  # a step the head ran in: its time and tokens (HeadCycle)
+            head = report.by_source.get(self.head_name)
+            self.cycle.ran(bucket(len(seqs)), report.head == HeadWork.CHAIN, seconds, report.tokens,
+                           head.accepted if head is not None else 0)
+        if report.index_misses is not None:
+            self._index_misses = report.index_misses
+        if report.coupled is not None:
+            self._coupled = report.coupled
 
     def clear_history(self) -> None:
         if self.enabled:

@@ -62,6 +62,17 @@ class DraftSettings:
     coupled: bool = False  # a sample follows its earlier rollout drawn with its key (kernels/coupled_draft.py)
 
 
+@dataclass
+class StepReport:
+    """What a collected decode step's drafts did, for speculation's policies (Speculator.observe)."""
+
+    by_source: dict  # drafter name -> its verified drafts this step (`drafted`, `accepted`, `sequences`, `first_accepted`)
+    index_misses: int | None = None  # a hybrid's drafting step: sequences the index had nothing for
+    coupled: int | None = None  # a drafting step under coupled sampling: sequences that followed their earlier rollout
+    head: HeadWork = HeadWork.NONE  # what the draft head did in it
+    tokens: int = 0  # tokens the step appended
+
+
 class Drafted(Protocol):
     """A running (or finished) sequence as the index and the budget see it."""
 

@@ -126,19 +126,27 @@ def test_coupled_chains_the_budget_can_count_on_are_verified_at_once_while_they_
 def test_the_speculator_counts_on_coupled_chains_at_their_measured_acceptance():
     """What the budget is told it can count on (`sure`) follows the coupled drafts' acceptance as
     verified, a running mean over the last few hundred, from 0.9 before any was verified."""
+    from types import SimpleNamespace
+
     from spec.budget import StepPlan
     from spec.speculator import Speculator
+    from spec.step import StepReport
     from spec.token_table import TokenTable
 
     spec = Speculator(SpecConfig(method="ngram"), TokenTable(16, 8, 64, torch.device("cpu")), coupled=True)
     told = []
     spec.budget.plan = lambda *args, sure=0.0, **kw: told.append(sure) or StepPlan(0, False, False)
-    spec.observe_coupled(10)
+    def step(coupled_drafts=None):
+        by_source = {} if coupled_drafts is None else {"coupled": SimpleNamespace(drafted=coupled_drafts[0],
+                                                                                   accepted=coupled_drafts[1])}
+        spec.observe([], None, None, 0, 1e-3, StepReport(by_source, coupled=10))
+
+    step()  # (10 sequences follow their earlier rollouts)
     spec.plan(16, 10_000, draining=True)
-    spec.observe_coupled_drafts(0, 0)  # (a step without coupled drafts tells nothing)
+    step((0, 0))  # (a step without coupled drafts tells nothing)
     spec.plan(16, 10_000, draining=True)
     for _ in range(20):  # chains that part from their earlier rollouts: a quarter accepted
-        spec.observe_coupled_drafts(64, 16)
+        step((64, 16))
     spec.plan(16, 10_000, draining=True)
     full = 10 * spec.depth
     assert told[:2] == [pytest.approx(0.9 * full)] * 2

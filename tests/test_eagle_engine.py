@@ -104,7 +104,7 @@ def test_a_heads_tree_keeps_its_likeliest_nodes_in_key_order():
     head = drafter(topk=2, nodes=4)
     p = torch.tensor([[0.6, 0.25, 0.4, 0.2, 0.3, 0.1]])
     head._keep(torch.tensor([0]), p.log(), torch.tensor([[11, 12, 21, 22, 31, 32]]), torch.tensor([[-1, -1, 0, 1, 2, 2]]))
-    tokens, parents, depths, ancestors, keys = head.trees(torch.tensor([0, 1]), torch.tensor([9, 8]), width=5)
+    tokens, parents, depths, ancestors, keys = head.trees_of(torch.tensor([0, 1]), torch.tensor([9, 8]), width=5)
     # nodes: root, 11 (0.6), 21 (0.4), 31 (0.3), 12 (0.25), padding; 22 and 32 are dropped
     assert tokens[0].tolist() == [9, 11, 21, 31, 12, 0]
     assert keys[0].tolist() == [-1] + (KEY_SCALE * p[0, [0, 2, 4, 1]]).long().tolist() + [-1]
@@ -115,7 +115,7 @@ def test_a_heads_tree_keeps_its_likeliest_nodes_in_key_order():
     chain = drafter(topk=1, nodes=3)
     chain._keep(torch.tensor([0]), torch.tensor([[0.6, 0.3, 0.1]]).log(), torch.tensor([[11, 12, 13]]),
                 torch.tensor([[-1, 0, 1]]))
-    tokens, parents, depths, ancestors, keys = chain.trees(torch.tensor([0]), torch.tensor([9]), width=4)
+    tokens, parents, depths, ancestors, keys = chain.trees_of(torch.tensor([0]), torch.tensor([9]), width=4)
     node = torch.arange(5)
     assert tokens[0].tolist() == [9, 11, 12, 13, 0] and parents[0].tolist() == [-1, 0, 1, 2, PADDING]
     assert depths[0].tolist() == node.tolist() and ancestors[0].tolist() == ((1 << (node + 1)) - 1).tolist()
@@ -240,9 +240,15 @@ def test_a_hybrid_runs_the_heads_chain_only_while_the_index_misses(target_and_he
     target, head, off, prompts = target_and_head
     hybrid = Engine(model=str(target), spec="auto", spec_draft_model=str(head), spec_adaptive=False, device="cpu",
                     max_running_seqs=16)
-    events, plan, observe_index = [], hybrid.spec.plan, hybrid.spec.observe_index
+    events, plan, observe = [], hybrid.spec.plan, hybrid.spec.observe
     monkeypatch.setattr(hybrid.spec, "plan", lambda *a, **k: events.append(("plan", plan(*a, **k))) or events[-1][1])
-    monkeypatch.setattr(hybrid.spec, "observe_index", lambda m: (events.append(("misses", m)), observe_index(m)))
+
+    def observed(*args):
+        if args[-1].index_misses is not None:
+            events.append(("misses", args[-1].index_misses))
+        observe(*args)
+
+    monkeypatch.setattr(hybrid.spec, "observe", observed)
     chains, draft = [], hybrid.runner.drafters.head.draft
     monkeypatch.setattr(hybrid.runner.drafters.head, "draft", lambda *a, **kw: chains.append(1) or draft(*a, **kw))
     params = SamplingParams(temperature=0, max_new_tokens=40)
@@ -504,14 +510,14 @@ def test_a_hybrids_draft_rows_go_to_the_index_before_the_head():
     """Keys of a hybrid's trees: every index draft outranks every head draft (the head fills what
     the index leaves), each drafter's drafts keep their order, roots and padding stay -1."""
     from kernels.ngram_draft import KEY_SCALE
-    from rollout.engine.drafters import index_first
+    from spec.drafters import banded
 
     g = torch.Generator().manual_seed(5)
     keys = torch.randint(0, KEY_SCALE, (64, 9), generator=g)
     keys[:, 0] = -1
     keys[torch.rand(64, 9, generator=g) < 0.2] = -1
     from_head = torch.rand(64, generator=g) < 0.5
-    out = index_first(keys, from_head)
+    out = torch.where(from_head[:, None], banded(keys, 1, 2), banded(keys, 0, 2))  # (the index's scale first)
     assert ((out < 0) == (keys < 0)).all() and (out < KEY_SCALE).all()
     real = keys >= 0
     head, index = out[real & from_head[:, None]], out[real & ~from_head[:, None]]

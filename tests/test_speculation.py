@@ -76,7 +76,7 @@ def test_an_engine_recovered_from_a_failed_step_drafts_from_the_scan_table_its_r
     engine.add_request(prompts[1], params)
     engine.step()
     assert [r.rid for r in engine.recover()] and engine.pool.used_slots == 0
-    assert engine.spec.index.scan is scan and engine.runner.drafters.index.scan is scan
+    assert engine.spec.index.scan is scan and engine.runner.drafters.get("ngram").settings.scan is scan
     assert (scan == -1).all() and engine.spec.index.history_rows_used == 0
     on, off = run(engine, prompts, params), run(default_engine, prompts, params)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]

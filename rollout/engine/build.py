@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 from kernels import pdl
 from kernels.attention import AttentionBackend
 from rollout.config import EngineConfig
-from rollout.engine.drafters import Drafters
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.tensor_parallel import Follower, Leader
@@ -26,6 +25,7 @@ from rollout.models.llama import CausalLM
 from rollout.models.loader import build_model, load_checkpoint, randomize
 from rollout.models.sharding import Shard
 from spec.draft_head import load_head, load_mtp
+from spec.drafters import DraftOrder
 from spec.eagle import EagleDrafter
 from spec.speculator import Speculator
 from spec.token_table import TokenTable
@@ -99,7 +99,7 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
     spec = Speculator(cfg.spec, table, chains=cfg.batch_invariant, coupled=cfg.coupled_sampling)
     eagle = None if head is None else EagleDrafter(head, model, pool, cfg.spec.head_depth, cfg.spec.head_topk,
                                                    cfg.spec.head_nodes, cfg.max_running_seqs)
-    runner = ModelRunner(model, pool, table, backend, device, Drafters(spec.draft, eagle))
+    runner = ModelRunner(model, pool, table, backend, device, DraftOrder(spec.draft, eagle))
     if cfg.cuda_graphs and device.type == "cuda" and backend_name == "triton":
         capture_graphs(cfg, runner, spec, shard.heads(model_config), dtype)
 

@@ -7,7 +7,7 @@ sequence's stop condition, so that speculation never changes the output.
 
 The engine holds its parts and hands each role to a collaborator of its own: building the parts
 from the config (build.py), requests in (intake.py), the step loop: schedule, launch, complete,
-emit (step_loop.py, over scheduler.py, model_runner.py with drafters.py, and emit.py), the
+emit (step_loop.py, over scheduler.py, model_runner.py with spec/drafters.py, and emit.py), the
 weights and their version (weights.py), GPU memory for a colocated trainer (memory.py), the
 counters (stats.py), and the other tensor-parallel ranks (tensor_parallel.py). What stays here
 is the API, and what every rank replays.

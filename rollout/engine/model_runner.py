@@ -9,8 +9,8 @@ A decode or verify step is one device function (`run_decode`), captured as a CUD
 (batch bucket, draft rows, drafting, a draft head's work, sampling mode) on the GPU. The host gives
 it only the sequences' rows, KV slots from the scheduler (one per row: a root per sequence, and the step's
 draft rows) and sampling parameters; everything else comes from the device: each sequence's
-last token and length from the token table, its draft tree from the drafter
-(rollout/engine/drafters.py, when drafting), which of the batch's drafts get the step's draft rows
+last token and length from the token table, its draft tree from the drafters
+(spec/drafters.py, when drafting), which of the batch's drafts get the step's draft rows
 (kernels/draft_rows.py), and after the forward pass and the draws, the accept walk
 (kernels/tree_accept.py) writes the emitted tokens back and moves the accepted KV slots. So a
 step can be launched before the one before it has been collected (the overlap schedule),
@@ -31,7 +31,6 @@ import torch
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.draft_rows import lay_out_drafts
 from kernels.tree_accept import accept_trees
-from rollout.engine.drafters import Drafters
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.logits_processing import LogitEdits, logit_edits
 from rollout.engine.sampler import SamplingTensors, processed_logprobs, sample
@@ -52,6 +51,7 @@ from rollout.engine.step import (
 )
 from rollout.models.config import ModelConfig
 from rollout.models.llama import CausalLM, ForwardContext
+from spec.drafters import DraftOrder, DraftStep
 from spec.step import HeadWork, to_device
 from spec.token_table import TokenTable
 
@@ -74,7 +74,7 @@ def rope_tables(cfg: ModelConfig, max_positions: int, device: torch.device) -> t
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, table: TokenTable, backend: AttentionBackend,
-                 device: torch.device, drafters: Drafters):
+                 device: torch.device, drafters: DraftOrder):
         self.model = model
         self.pool = pool
         self.table = table
@@ -82,9 +82,9 @@ class ModelRunner:
         self.device = device
         self.drafters = drafters
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
+        drafters.attach(backend, self.cos, self.sin)
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, once captured (capture_graphs)
         self._rows: BatchRows | None = None  # the last decode batch's
-        self._head_runs = True  # the draft head ran in the last step launched (it starts awake)
 
     def capture_graphs(self, attn_out: torch.Tensor, max_batch: int, capacities, step_kinds) -> int:
         """Capture a CUDA graph of every decode-step shape (rollout/engine/cuda_graphs.py); returns how many."""
@@ -109,7 +109,7 @@ class ModelRunner:
         mode, top = b.sampling.mode, b.top
         clock = DeviceClock(self.device)
         plain = not b.editing and not top
-        self._set_head_running(head != HeadWork.NONE)
+        self.drafters.start_step(head)
         shape = self.graphs.shape(s, draft_rows, drafting, head, mode) if self.graphs is not None and plain else None
         if shape is not None:
             out = self.graphs.launch(shape, DecodeInputs.host_arrays(slots, b))
@@ -134,13 +134,6 @@ class ModelRunner:
         and the drafts of its tree accepted before it."""
         return 1 + min(draft_rows, self.drafters.width)
 
-    def _set_head_running(self, runs: bool) -> None:
-        """Whether the draft head runs in the step being launched: as it stops, every row stops
-        drafting chains (EagleDrafter.sleep), once, rather than in every step it sleeps through."""
-        if self.drafters.head is not None and self._head_runs and not runs:
-            self.drafters.head.sleep()
-        self._head_runs = runs
-
     def _batch_rows(self, batch: Batch) -> BatchRows:
         """The batch's BatchRows: kept from the last decode step while the running set is the same."""
         if batch.epoch is None or self._rows is None or self._rows.epoch != batch.epoch:
@@ -159,8 +152,8 @@ class ModelRunner:
         length = table.lengths[rows].long()
         kv = (length - 1).clamp(min=0)
         out_pos = length - table.prompt_lens[rows].long()  # the root's draw: its output position
-        eagle = self.drafters.head
-        drafted, source = self.drafters.trees(table, x.rows, x.groups, kv, head, drafting)
+        step = DraftStep(table, x.rows, x.groups, kv, self.drafters.width, head)
+        drafted, source = self.drafters.trees(step, drafting)
         trees = None
         if drafted is not None:
             tok, par, dep, anc, key = drafted
@@ -187,40 +180,25 @@ class ModelRunner:
             slot_table=self.pool.slot_table, out_slots=x.slots, tree_mask=tree, max_q_len=q_len,
             max_kv_len=max_kv_len or self.pool.max_context,
         )
-        runs_head = eagle is not None and head != HeadWork.NONE
-        aux = torch.empty(ids.shape[0], eagle.aux_width, dtype=self.pool.dtype, device=self.device) if runs_head else None
+        working, reader = self.drafters.working(head), self.drafters.reading(head)
+        aux = None if reader is None else torch.empty(ids.shape[0], reader.aux_width, dtype=self.pool.dtype, device=self.device)
         logits = self.forward(ids, positions, meta, None, attn_out, aux)
         if edit is not None:
             edit(None if layout is None else (tok, par, layout.node_of_row)).apply(logits)
         drawn, lps = sample(logits, st)  # [R]
-        if runs_head:  # the head over the same rows: each row's draw and hidden states
-            extended = eagle.extend(drawn, aux, self._context(meta, positions))
+        states = [d.after_forward(step, drawn, aux, self._context(meta, positions)) for d in working]
         if layout is not None:
             drawn, lps = layout.nodes(drawn), layout.nodes(lps)
         out_tok, out_lp, accepted, bits = accept_trees(
             par, anc, dep, tok, drawn.view(s, -1), lps.view(s, -1), x.rows, slots, self.pool.slot_table,
             table.tokens, table.lengths, table.padding_row,
         )
-        if runs_head:
-            self._head_after_verify(head, rows, bits, layout, extended, max_kv_len)
+        for d, state in zip(working, states):
+            d.after_accept(step, state, bits, None if layout is None else layout.row_of_node, max_kv_len)
         columns = {OutCol.LENGTH: accepted, OutCol.BITS: bits, OutCol.COUNT: counts, OutCol.SOURCE: source}
         ints = torch.cat([out_tok, torch.stack([columns[c] for c in OutCol], dim=1)], dim=1)
         top = processed_logprobs(logits, st).topk(top_logprobs, dim=-1) if top_logprobs else None
         return DecodeOutputs(ints, out_lp, trees, None if top is None else (top.indices, top.values))
-
-    def _head_after_verify(self, head: HeadWork, rows: torch.Tensor, bits: torch.Tensor, layout, extended,
-                           max_kv_len: int | None) -> None:
-        """The draft head once a step's trees are walked: its pass keeps its KV and leaves no chains
-        (PASS), or it drafts the next step's chains from each sequence's deepest accepted node (CHAIN)."""
-        eagle, s = self.drafters.head, rows.shape[0]
-        if head == HeadWork.PASS:
-            eagle.forget(rows)
-            return
-        deepest = bits.double().log2().floor().long()
-        seqs = torch.arange(s, device=self.device)
-        at = layout.row_of_node[seqs, deepest] if layout is not None else seqs
-        eagle.draft(rows, extended[0][at], extended[1][at], self.table.lengths[rows].long(), self.backend, self.cos,
-                    self.sin, max_kv_len=max_kv_len)
 
     def _edits(self, seqs: list[Sequence], layout) -> LogitEdits:
         """Logit edits of every row; with drafts (`layout`: tokens, parents, node of each row), read
@@ -272,13 +250,15 @@ class ModelRunner:
             max_q_len=int(q_lens_a.max()), max_kv_len=int((starts_a + q_lens_a).max()),
         )
         draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
-        self._set_head_running(head)
-        eagle = self.drafters.head if head else None
-        aux = None if eagle is None else torch.empty(num_tokens, eagle.aux_width, dtype=self.pool.dtype, device=self.device)
+        work = HeadWork.PASS if head else HeadWork.NONE
+        self.drafters.start_step(work)
+        working, reader = self.drafters.working(work), self.drafters.reading(work)
+        aux = None if reader is None else torch.empty(num_tokens, reader.aux_width, dtype=self.pool.dtype, device=self.device)
         positions_d = to_device(positions, self.device)
-        all_logits = self.forward(to_device(input_ids, self.device), positions_d, meta, None if eagle else
-                                  to_device(np.array(logits_rows, dtype=np.int64), self.device), aux=aux)
-        logits = all_logits if eagle is None else all_logits[to_device(np.array(logits_rows, dtype=np.int64), self.device)]
+        logits_at = to_device(np.array(logits_rows, dtype=np.int64), self.device)
+        # (with a reader of hidden states, every row's logits: the forward writes them all)
+        logits = self.forward(to_device(input_ids, self.device), positions_d, meta, None if reader else logits_at, aux=aux)
+        logits = logits[logits_at] if reader else logits
         sampling = SamplingRows.of(draw_seqs)
         out_pos = np.array([q.num_output for q in draw_seqs], dtype=np.int64)
         st = sampling_tensors(to_device(sampling.i64, self.device), to_device(sampling.f32, self.device),
@@ -289,8 +269,8 @@ class ModelRunner:
             edits.to(self.device).apply(logits)
         drawn, lps = sample(logits, st)
         self._record_prefill(batch, draw_seqs, drawn)
-        if eagle is not None:
-            self._eagle_after_prefill(batch, starts, input_ids, positions_d, meta, aux, drawn, logits_rows)
+        for d in working:
+            d.after_prefill(batch, starts, self._context(meta, positions_d), aux, drawn, logits_rows, self.table)
         tensors = [torch.stack([drawn.double(), lps.double()])]
         top = max((q.request.top_logprobs_num for q in draw_seqs), default=0)
         if top:
@@ -306,40 +286,6 @@ class ModelRunner:
         lengths_now = np.array([len(q.tokens) for q in draw_seqs], dtype=np.int64)
         self.table.record_prefill(rec[:, 0], rec[:, 1], rec[:, 2], rec[:, 3], drawn,
                                   np.array([q.row for q in draw_seqs], dtype=np.int64), lengths_now)
-
-    def _eagle_after_prefill(self, batch: Batch, starts: np.ndarray, input_ids: np.ndarray, positions: torch.Tensor,
-                             meta: AttentionMetadata, aux: torch.Tensor, drawn: torch.Tensor, logits_rows: list[int]) -> None:
-        """The head over a prefill step's rows (row r's input: the token after it, the prompt's
-        or, at a sampling item's last row, its first sample's draw), then chains for the sampled
-        sequences (their forks start without: they share the prompt's last slot). A prompt whose
-        first chunk this is has its head KV whole from here on (EagleDrafter.tracked)."""
-        nexts, first_draw, sampled, forks, fork_of, starting, d = [], [], [], [], [], [], 0
-        for item, start in zip(batch.items, starts.tolist()):
-            seq = item.seq
-            if start == 0:
-                starting.append(seq.row)
-            following = seq.tokens[start + 1 : start + item.num_new + 1]
-            nexts.append(np.asarray(following + [0] * (item.num_new - len(following)), dtype=np.int64))
-            if item.samples:
-                first_draw.append(d)
-                sampled.append(seq.row)
-                forks += [f.row for f in seq.forks]
-                fork_of += [seq.row] * len(seq.forks)
-                d += 1 + len(seq.forks)
-        ids = to_device(np.concatenate(nexts), self.device)
-        last = to_device(np.array(logits_rows, dtype=np.int64), self.device)
-        ids[last] = drawn[to_device(np.array(first_draw, dtype=np.int64), self.device)]
-        if starting:
-            self.drafters.head.track(to_device(np.array(starting, dtype=np.int64), self.device))
-        logits, hidden = self.drafters.head.extend(ids, aux, self._context(meta, positions))
-        if sampled:
-            rows = to_device(np.array(sampled, dtype=np.int64), self.device)
-            self.drafters.head.draft(rows, logits[last], hidden[last], self.table.lengths[rows].long(), self.backend, self.cos,
-                             self.sin, max_kv_len=meta.max_kv_len + 1)  # (+ the first draw)
-        if forks:
-            fork_rows = to_device(np.array(forks, dtype=np.int64), self.device)
-            self.drafters.head.track(fork_rows, like=to_device(np.array(fork_of, dtype=np.int64), self.device))
-            self.drafters.head.forget(fork_rows)
 
     # ---------------- collecting ----------------
     def collect(self, step: StepInFlight) -> Emitted:
@@ -403,7 +349,7 @@ class ModelRunner:
         self.backend.plan(meta)
         ctx = self._context(meta, positions, attn_out)
         if aux is not None:
-            ctx.aux_layers, ctx.aux_hidden = self.drafters.head.aux_layers, aux
+            ctx.aux_layers, ctx.aux_hidden = self.drafters.reader.aux_layers, aux
         return self.model(input_ids, ctx, logits_rows)
 
     def _context(self, meta: AttentionMetadata, positions: torch.Tensor, attn_out: torch.Tensor | None = None) -> ForwardContext:

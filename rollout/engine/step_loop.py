@@ -25,11 +25,11 @@ from rollout.engine.model_runner import ModelRunner
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import Request, Sequence, Status
 from rollout.engine.stats import EngineStats
-from rollout.engine.step import Batch, Emitted, StepInFlight, StepRecord
+from rollout.engine.step import Batch, StepInFlight, StepRecord
 from rollout.engine.tensor_parallel import flush, rank0_choice
 from spec.budget import StepPlan
 from spec.speculator import Speculator
-from spec.step import HeadWork, Source
+from spec.step import HeadWork, StepReport
 
 
 class StepLoop:
@@ -165,16 +165,12 @@ class StepLoop:
                     for seq in [item.seq, *item.seq.forks]:
                         self.spec.join(seq)
                     self.scheduler.on_prefill_done(item.seq)
-        tokens, head_tokens = self._append(emitted, updated)
+        appended, by_source = self.emitter.append(emitted, updated, self.weight_version(), self.counters.spec)
+        self.counters.output_tokens += appended
         cost = self._record(step)
         if not step.batch.is_prefill:
-            self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost)
-            if step.head != HeadWork.NONE:
-                self.spec.observe_head_step(len(seqs), step.head == HeadWork.CHAIN, cost, tokens, head_tokens)
-            if emitted.index_misses is not None:
-                self.spec.observe_index(emitted.index_misses)
-            if emitted.coupled is not None:
-                self.spec.observe_coupled(emitted.coupled)
+            report = StepReport(by_source, emitted.index_misses, emitted.coupled, step.head, appended)
+            self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost, report)
 
     def _record(self, step: StepInFlight) -> float:
         """The step into the counters' log; returns its cost: the wall time it added, from its start or
@@ -188,21 +184,6 @@ class StepLoop:
                                                  device_s * 1e3, host_s * 1e3, step.began))
         self.counters.steps += 1
         return cost
-
-    def _append(self, e: Emitted, updated: dict) -> tuple[int, int]:
-        """Append what a step emitted (rollout/engine/emit.py); returns the tokens appended, and the
-        draft head's accepted drafts among them."""
-        appended, by_source = self.emitter.append(e, updated, self.weight_version(), self.counters.spec)
-        self.counters.output_tokens += appended
-        coupled = by_source.get(self.runner.drafters.source_names[Source.COUPLED])
-        if coupled is not None:
-            self.spec.observe_coupled_drafts(coupled.drafted, coupled.accepted)
-        eagle = self.runner.drafters.head
-        head = by_source.get(eagle.source) if eagle is not None else None
-        if head is None:
-            return appended, 0
-        self.spec.observe_head(head.sequences, head.first_accepted)
-        return appended, head.accepted
 
 
 def _without_finished(batch: Batch | None) -> Batch | None:
