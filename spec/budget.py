@@ -74,7 +74,7 @@ class StepPlan:
     draft_rows: int  # drafts verified at most (0: plain decoding)
     drafting: bool  # the drafter runs (draft rows, or for the statistics only)
     shadow: bool  # its whole trees come back to the host
-    head: HeadWork = HeadWork.NONE  # what a draft head does in the step (spec/eagle.py)
+    head: HeadWork = HeadWork.NONE  # what a draft head does in the step (spec/head_drafter.py)
 
 
 def rows_at(fraction: float, num_seqs: int, depth: int) -> int:

@@ -59,7 +59,7 @@ class Speculator:
         self.cfg = cfg
         self.enabled = cfg.enabled
         self.depth = cfg.tree_width
-        # a learned head drafts at the end of a step for the next one (spec/eagle.py): a step's
+        # a learned head drafts at the end of a step for the next one (spec/head_drafter.py): a step's
         # `drafting` says whether it leaves drafts behind, not whether it verifies any
         self.drafts_ahead = "eagle" in cfg.drafters or "mtp" in cfg.drafters
         self.head_name = next((d for d in cfg.drafters if d in ("eagle", "mtp")), None)

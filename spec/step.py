@@ -43,7 +43,7 @@ class Source(IntEnum):
 
 
 class HeadWork(IntEnum):
-    """What a step asks of a draft head (spec/eagle.py)."""
+    """What a step asks of a draft head (spec/head_drafter.py)."""
 
     NONE = 0  # the head sleeps: no pass, the running sequences' head KV falls behind (their chains end)
     PASS = 1  # its pass over the step's rows: their head KV is kept, no chains for the next step

@@ -63,22 +63,22 @@ def test_eager_head_steps_bounded_by_the_steps_kv_draft_what_the_whole_context_d
     every row to the bound: `make demo` took 5m24s with the pool's whole context, 2m08s bounded,
     on the 2-core CPU); the bound cuts no key: every tree's path scores are the same as with the
     whole context."""
-    from spec.eagle import EagleDrafter
+    from spec.head_drafter import HeadDrafter
 
     target, head, _, prompts = target_and_head
-    keep = EagleDrafter._keep
+    keep = HeadDrafter._keep
 
     def scores() -> list[torch.Tensor]:
         seen = []
-        monkeypatch.setattr(EagleDrafter, "_keep", lambda self, rows, sc, *a: (seen.append(sc.clone()), keep(self, rows, sc, *a)))
+        monkeypatch.setattr(HeadDrafter, "_keep", lambda self, rows, sc, *a: (seen.append(sc.clone()), keep(self, rows, sc, *a)))
         eng = Engine(model=str(target), spec="eagle", spec_draft_model=str(head), spec_adaptive=False,
                      spec_head_steps=4, spec_head_topk=2, device="cpu", max_running_seqs=16)
         outputs(eng, prompts[:6] + [list(range(3, 40))], SamplingParams(temperature=0, max_new_tokens=24, n=2))
         return seen
 
     bounded = scores()
-    draft = EagleDrafter.draft
-    monkeypatch.setattr(EagleDrafter, "draft", lambda self, *args, max_kv_len=None: draft(self, *args))
+    draft = HeadDrafter.draft
+    monkeypatch.setattr(HeadDrafter, "draft", lambda self, *args, max_kv_len=None: draft(self, *args))
     whole = scores()
     assert len(bounded) == len(whole) > 10
     for b, w in zip(bounded, whole):
@@ -86,15 +86,15 @@ def test_eager_head_steps_bounded_by_the_steps_kv_draft_what_the_whole_context_d
 
 
 def test_a_heads_tree_keeps_its_likeliest_nodes_in_key_order():
-    """EagleDrafter._keep and trees: of a tree of 3 levels of 2 (path probabilities 0.6, 0.25;
+    """HeadDrafter._keep and trees: of a tree of 3 levels of 2 (path probabilities 0.6, 0.25;
     0.4, 0.2; 0.3, 0.1), the 4 likeliest lay out by key: a step that verifies a tree's first few
     drafts holds their parents, and along a path the nodes are in depth order. With one token a
     level it is the chain."""
     from kernels.ngram_draft import KEY_SCALE, PADDING
-    from spec.eagle import EagleDrafter
+    from spec.head_drafter import HeadDrafter
 
-    def drafter(topk: int, nodes: int) -> EagleDrafter:
-        head = object.__new__(EagleDrafter)
+    def drafter(topk: int, nodes: int) -> HeadDrafter:
+        head = object.__new__(HeadDrafter)
         head.depth, head.topk, head.nodes = 3, topk, nodes
         head.tokens, head.parents, head.depths, head.ancestors = (torch.zeros(2, nodes, dtype=torch.long) for _ in range(4))
         head.keys = torch.full((2, nodes), -1)
@@ -123,7 +123,7 @@ def test_a_heads_tree_keeps_its_likeliest_nodes_in_key_order():
 
 @torch.inference_mode()
 def test_a_heads_tree_nodes_score_their_paths_as_the_head_drafts_each_path_alone(target_and_head):
-    """EAGLE-2's tree (spec/eagle.py draft): every node's score is its path's log-probability under
+    """EAGLE-2's tree (spec/head_drafter.py draft): every node's score is its path's log-probability under
     the head, as a reference computes it path by path (the head one row a step, over the prefix and
     the path's own KV): the head's rows at a level see their ancestors' KV and not their cousins',
     and each takes its own parent's output."""

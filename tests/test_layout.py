@@ -98,7 +98,7 @@ ALLOWED = [
     ("rollout.config", ()),
     ("rollout.models", ("kernels", "rollout.config")),
     ("weight_sync", ("rollout.models",)),
-    # (learned drafters are model layers over the pool: spec/draft_head.py, spec/eagle.py; what a step and
+    # (learned drafters are model layers over the pool: spec/draft_head.py, spec/head_drafter.py; what a step and
     # speculation share is spec/step.py's, so spec imports nothing of the engine)
     ("spec", ("kernels", "rollout.config", "rollout.models")),
     ("rollout.engine", ("kernels", "rollout.config", "rollout.models", "spec")),

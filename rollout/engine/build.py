@@ -26,7 +26,7 @@ from rollout.models.loader import build_model, load_checkpoint, randomize
 from rollout.models.sharding import Shard
 from spec.draft_head import load_head, load_mtp
 from spec.drafters import DraftOrder
-from spec.eagle import EagleDrafter
+from spec.head_drafter import HeadDrafter
 from spec.speculator import Speculator
 from spec.token_table import TokenTable
 
@@ -82,9 +82,9 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
         device=device,
         max_rows=cfg.max_running_seqs,
         # a verify step may overhang a sequence's end, and one more may be launched before it is
-        # collected; a draft head's rows stand past the end (spec/eagle.py)
+        # collected; a draft head's rows stand past the end (spec/head_drafter.py)
         max_context=max_model_len + 2 * (cfg.spec.max_draft_tokens + 1) + 1 + cfg.spec.head_rows,
-        reserved=0 if head is None else (cfg.max_running_seqs + 1) * EagleDrafter.scratch_per_row(
+        reserved=0 if head is None else (cfg.max_running_seqs + 1) * HeadDrafter.scratch_per_row(
             cfg.spec.head_depth, cfg.spec.head_topk),
     )
     backend_name = cfg.attention_backend
@@ -97,7 +97,7 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
     history = cfg.spec.history_rows if cfg.spec.enabled else 0
     table = TokenTable(cfg.max_running_seqs, history, pool.max_context, device)
     spec = Speculator(cfg.spec, table, chains=cfg.batch_invariant, coupled=cfg.coupled_sampling)
-    eagle = None if head is None else EagleDrafter(head, model, pool, cfg.spec.head_depth, cfg.spec.head_topk,
+    eagle = None if head is None else HeadDrafter(head, model, pool, cfg.spec.head_depth, cfg.spec.head_topk,
                                                    cfg.spec.head_nodes, cfg.max_running_seqs)
     runner = ModelRunner(model, pool, table, backend, device, DraftOrder(spec.draft, eagle))
     if cfg.cuda_graphs and device.type == "cuda" and backend_name == "triton":

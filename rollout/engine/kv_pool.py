@@ -5,7 +5,7 @@ accepted path is just a list of slot ids. Slots are reference counted: the `n` s
 of a prompt point at the same prompt slots, which return to the free list when the last
 sample lets go. Slot 0 is never handed out; padded tokens write there.
 
-`reserved` slots past the pool's own are set aside for a drafter's scratch KV (spec/eagle.py):
+`reserved` slots past the pool's own are set aside for a drafter's scratch KV (spec/head_drafter.py):
 they are never handed out, so they count neither as used nor as free, and an idle engine's
 pool is empty (a colocated trainer's `release_memory` needs that).
 """

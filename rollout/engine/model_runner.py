@@ -101,7 +101,7 @@ class ModelRunner:
         at most `draft_rows` drafts, with the KV slots of those rows in `slots` [S + draft_rows]
         (the scheduler's); it may follow a step not yet collected (`after`: its tokens are on the
         device, not yet the host's). `drafting`: the drafter runs (draft_rows > 0 needs it; with
-        none it only looks, for the statistics); `head`: a draft head's work (spec/eagle.py);
+        none it only looks, for the statistics); `head`: a draft head's work (spec/head_drafter.py);
         `shadow`: the whole trees come back to the host."""
         seqs = batch.seqs
         s = len(seqs)
@@ -345,7 +345,7 @@ class ModelRunner:
                 logits_rows: torch.Tensor | None, attn_out: torch.Tensor | None = None,
                 aux: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [L, vocab] float32 for `logits_rows` of the tokens (None: all); `aux`: the
-        hidden states entering the draft head's layers are written there (spec/eagle.py)."""
+        hidden states entering the draft head's layers are written there (spec/head_drafter.py)."""
         self.backend.plan(meta)
         ctx = self._context(meta, positions, attn_out)
         if aux is not None:

@@ -40,7 +40,7 @@ from spec.drafters import Drafter, DraftStep
 from spec.step import HeadWork, KVCache, Source, to_device
 
 
-class EagleDrafter(Drafter):
+class HeadDrafter(Drafter):
     """A draft head as a drafter (spec/drafters.py): its trees, its pass over each step's rows, and
     its next trees from the deepest accepted node."""
 
