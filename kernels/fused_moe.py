@@ -27,8 +27,8 @@ summing a row's picks as it goes: three launches instead of six) was no faster o
 
 Every product accumulates in float32 and rounds where the reference does (the products'
 outputs, SiLU, the weighted output). With `invariant=True` (deterministic inference) every step
-takes one fixed tile: a row's place inside a block changes none of its
-sums and the combine's order is fixed, so a row's bits do not depend on the other rows.
+takes one fixed tile: a row's place inside a block changes none of its sums and the combine's
+order is fixed, so a row's bits do not depend on the other rows.
 """
 
 from __future__ import annotations
