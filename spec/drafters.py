@@ -21,6 +21,7 @@ spec/index.py); a head learns in the step. Adding a drafter: its module and its 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,8 @@ class DraftStep:
         return self.table.tokens[self.rows.long(), self.kv].long()
 
 
-class Drafter:
-    """The defaults: a drafter that works only through its trees."""
+class Drafter(ABC):
+    """A drafter: its trees, and defaults for one that works only through them."""
 
     name: str = ""
     source: Source = Source.NGRAM
@@ -59,8 +60,9 @@ class Drafter:
     aux_layers: tuple[int, ...] = ()
     aux_width: int = 0
 
+    @abstractmethod
     def trees(self, step: DraftStep) -> tuple[Trees, torch.Tensor | None]:
-        raise NotImplementedError
+        """(tokens, parents, depths, ancestors, keys) [S, step.width + 1], and [S] where it has a tree (None: where one has a draft)."""
 
     def runs(self, head: HeadWork) -> bool:
         return False

@@ -33,21 +33,6 @@ import zmq.asyncio
 
 from rollout.config import EngineConfig, SamplingParams
 from rollout.server import protocol
-from rollout.server.protocol import (
-    AddRequest,
-    Beat,
-    Control,
-    ControlReply,
-    Fatal,
-    Finish,
-    Info,
-    Load,
-    Outputs,
-    Ready,
-    RequestBatch,
-    RequestOut,
-    Shutdown,
-)
 
 log = logging.getLogger("rollout.server")
 
@@ -77,7 +62,7 @@ class SampleState:
     logprobs: list[float] | None = None
     versions: list[str] = field(default_factory=list)  # per token, as reported (weight_version labels)
     top: list | None = None  # per token: ([ids], [logprobs]) of the most likely tokens (top_logprobs_num > 0)
-    finish: Finish | None = None  # once finished
+    finish: protocol.Finish | None = None  # once finished
     spec: dict = field(default_factory=dict)
     cached_tokens: int = 0
     weight_version: str = "0"  # the engine's version (as reported) at this sample's latest update
@@ -119,7 +104,7 @@ class EngineClient:
         self._version = -1  # the engine's integer weight version behind `weight_version`
         self.busy_s = 0.0  # how long the engine loop had been busy with its current work, at its latest beat
         self._beat_at = 0.0  # time.monotonic() of that beat
-        self.load = Load()  # the engine's load at its latest beat
+        self.load = protocol.Load()  # the engine's load at its latest beat
         self.requests: dict[str, RequestState] = {}
         self.dead: str | None = None  # why, while no engine answers
         self.proc: subprocess.Popen | None = None
@@ -235,7 +220,7 @@ class EngineClient:
         self._stopping = True
         self._mark_dead("the server is shutting down")
         if self.proc is not None and self.proc.poll() is None:
-            self._outbox.append(Shutdown())
+            self._outbox.append(protocol.Shutdown())
             self._flush()
             try:
                 await asyncio.wait_for(self._exited(), timeout)
@@ -338,7 +323,7 @@ class EngineClient:
             [SampleState(logprobs=[] if return_logprob else None, top=[] if top_logprobs_num else None,
                          weight_version=self.weight_version) for _ in range(params.n)],
         )  # fmt: skip
-        add = AddRequest(rid, input_ids, params, return_logprob, top_logprobs_num, stream is not None)
+        add = protocol.AddRequest(rid, input_ids, params, return_logprob, top_logprobs_num, stream is not None)
         try:
             protocol.pack(add)  # what cannot cross the pipe is refused here, not lost on the way
         except (TypeError, ValueError, OverflowError) as e:
@@ -359,7 +344,7 @@ class EngineClient:
         if not self.alive:
             raise EngineDead(self.dead or "the engine is not running")
         cid = next(self._cids)
-        msg = Control(cid, op, args or {})
+        msg = protocol.Control(cid, op, args or {})
         try:
             protocol.pack(msg)
         except (TypeError, ValueError, OverflowError) as e:
@@ -386,10 +371,10 @@ class EngineClient:
         if not self._in_memory:
             self._restore = {"model_path": args["model_path"], "weight_version": result["weight_version"]}
 
-    def _queue_batch(self, add: AddRequest | None = None, abort: str | None = None) -> None:
+    def _queue_batch(self, add: protocol.AddRequest | None = None, abort: str | None = None) -> None:
         last = self._outbox[-1] if self._outbox else None
-        if not isinstance(last, RequestBatch) or (add is not None and last.abort):
-            last = RequestBatch()  # keep order: an add never overtakes an earlier abort
+        if not isinstance(last, protocol.RequestBatch) or (add is not None and last.abort):
+            last = protocol.RequestBatch()  # keep order: an add never overtakes an earlier abort
             self._outbox.append(last)
         if add is not None:
             last.add.append(add)
@@ -423,34 +408,34 @@ class EngineClient:
                 log.exception("failed to handle a message from the engine")
 
     def _on_message(self, msg) -> None:
-        if isinstance(msg, Beat):
+        if isinstance(msg, protocol.Beat):
             self._note_version(msg.weight_version, msg.version)
             self.busy_s, self.load, self._beat_at = msg.busy_s, msg.load, self.last_heard
-        elif isinstance(msg, Info):
+        elif isinstance(msg, protocol.Info):
             self.server_info = msg.info
-        elif isinstance(msg, Ready):
+        elif isinstance(msg, protocol.Ready):
             self.info = self.server_info = msg.info
             self._version, self.weight_version = -1, str(self.info["weight_version"])  # (a new process counts anew)
-            self.busy_s, self.load = 0.0, Load()
+            self.busy_s, self.load = 0.0, protocol.Load()
             self.dead = None
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
-        elif isinstance(msg, Outputs):
+        elif isinstance(msg, protocol.Outputs):
             for out in msg.requests:
                 self._on_output(out, msg.weight_version)
-        elif isinstance(msg, ControlReply):
+        elif isinstance(msg, protocol.ControlReply):
             self._note_version(msg.weight_version, msg.version)
             fut = self._controls.get(msg.cid)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, Fatal):
+        elif isinstance(msg, protocol.Fatal):
             self._mark_dead(f"the engine process crashed: {msg.error}")
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(RuntimeError(f"the engine process failed to start: {msg.error}"))
         else:
             log.error("dropping a message of unexpected type %s from the engine", type(msg).__name__)
 
-    def _on_output(self, out: RequestOut, weight_version: str) -> None:
+    def _on_output(self, out: protocol.RequestOut, weight_version: str) -> None:
         state = self.requests.get(out.rid)
         if state is None:
             return
