@@ -14,7 +14,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | numerics | admission | deterministic | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | numerics | islands | admission | deterministic | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -202,6 +202,24 @@ numerics)  # issue 62: float16 and deterministic inference's GPU tests, the mism
     LIMIT=120 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
       --output-len 128 --dtype $dtype | grep -E "^\| rollout" | sed "s/^/8B $dtype /"
   done | tee -a "$OUT/dtype-speed.log"
+  ;;
+islands)  # issue 62: the float32 islands (--enable-fp32-residual --enable-fp32-lm-head): their GPU test, the mismatch
+  # against an fp32 trainer by dtype with and without, and decode speed with and without, alternating
+  ISLANDS="--enable-fp32-residual --enable-fp32-lm-head"
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
+  timeout 150 python3 -m pytest -q -m gpu tests/test_numerics_gpu.py -k islands 2>&1 | tee "$OUT/islands-tests.log" | tail -3
+  for flags in "" "$ISLANDS"; do
+    LIMIT=150 bench --workload mismatch --dtypes bfloat16,float16 --batch-sizes 128 --n 4 --output-len 256 \
+      --spec-modes off $flags | grep -E "^\| (bfloat16|float16) "
+  done | awk '!seen[$0]++' | tee "$OUT/islands-mismatch.log"
+  for flags in "" "$ISLANDS" "" "$ISLANDS"; do
+    LIMIT=90 bench --workload decode --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 --prompt-len 64 \
+      --output-len 256 $flags | grep -E "^\| rollout" | sed "s/^/${flags:+islands }/"
+  done | tee "$OUT/islands-speed.log"
+  for flags in "" "$ISLANDS"; do
+    LIMIT=120 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
+      --output-len 128 $flags | grep -E "^\| rollout" | sed "s/^/8B ${flags:+islands }/"
+  done | tee -a "$OUT/islands-speed.log"
   ;;
 admission)  # issue 61: rl 64 x 8 on a 12,000-slot pool (below one group's worst case, 8 x 2,048), admission keeping
   # room for growth (the default) and not (--schedule-conservativeness 0), beside the default pool

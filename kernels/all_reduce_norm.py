@@ -42,15 +42,16 @@ except ImportError:
 
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         buffer_ptrs: torch.Tensor, slot_bytes: int, signal_ptrs: torch.Tensor, epochs: torch.Tensor,
-                        rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        rank: int, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum of every rank's `x` + residual), that sum), for x and residual [rows, n]
     contiguous. `buffer_ptrs`, `signal_ptrs`: int64 [world] on the device, each rank's symmetric
     buffer (2 x world slots of `slot_bytes`, each at least rows x n of x's dtype) and signal pad
     (at least rows x world int32 flags, zeros at first); `epochs`: int32, a row's calls so far,
-    at least rows (zeros at first)."""
+    at least rows (zeros at first). The sum is kept in the residual's dtype, the norm rounded to
+    `out_dtype` (default x's), as `fused.rms_norm`."""
     rows, n = x.shape
-    out = torch.empty_like(x)
-    summed = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=out_dtype or x.dtype)
+    summed = torch.empty_like(residual)
     if rows:
         block = triton.next_power_of_2(n)
         _all_reduce_rms_norm_kernel[(rows,)](
@@ -91,10 +92,12 @@ if triton is not None:
         for peer in tl.static_range(WORLD):  # (rank order on every rank: the same bits)
             total += tl.load(mine + peer * slot, mask=ok, other=0.0, volatile=True).to(tl.float32)
         tl.store(epoch_ptr + row, epoch)
-        # as `fused.rms_norm` after the all-reduce: the sum rounded, the residual added and rounded
-        x = (total.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+        # as `fused.rms_norm` after the all-reduce: the sum rounded, the residual added and rounded to its dtype
+        x = total.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        x = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + at, x, mask=ok)
         x = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        tl.store(out_ptr + at, ((x * inv).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype), mask=ok)
+        out_dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + at, ((x * inv).to(out_dtype).to(tl.float32) * w.to(tl.float32)).to(out_dtype), mask=ok)

@@ -29,11 +29,12 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 # ---------------- torch references ----------------
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """transformers' RMSNorm: the normalised input rounded to the output's dtype, then times the weight."""
+    dtype = out_dtype or x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return (weight * x.to(dtype)).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,16 +54,20 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------- dispatch ----------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """norm(x) or, with `residual`, (norm(x + residual), x + residual): the residual add fused in."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None):
+    """norm(x) or, with `residual`, (norm(x + residual), x + residual): the residual add fused in.
+    The sum is kept in the residual's dtype (a float32 residual stream: `--enable-fp32-residual`),
+    the norm rounded to `out_dtype` (default x's; float32 for a float32 LM head's input)."""
+    out_dtype = out_dtype or x.dtype
     if not use_triton(x):
         if residual is None:
-            return rms_norm_ref(x, weight, eps)
-        summed = x + residual
-        return rms_norm_ref(summed, weight, eps), summed
+            return rms_norm_ref(x, weight, eps, out_dtype)
+        summed = (x + residual).to(residual.dtype)
+        return rms_norm_ref(summed, weight, eps, out_dtype), summed
     rows, n = x.shape
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    summed = torch.empty((rows, n), dtype=x.dtype, device=x.device) if residual is not None else out
+    out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    summed = torch.empty((rows, n), dtype=residual.dtype, device=x.device) if residual is not None else out
     if rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](
@@ -132,12 +137,12 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-        dtype = x.dtype
-        x = x.to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
         if HAS_RESIDUAL:
-            # The sum is rounded to the activation dtype, as an eager `x + residual` is.
-            x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+            # The sum is rounded to the residual's dtype, as an eager `x + residual` is (none for a float32 residual).
+            x += tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+            x = x.to(sum_ptr.dtype.element_ty)
             tl.store(sum_ptr + row * n + cols, x, mask=ok)
             x = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)

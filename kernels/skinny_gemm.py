@@ -70,6 +70,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return cublas_linear(x, weight, bias, out_dtype)
 
 
+def float32_input_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """x (float32) @ weight.T to float32 over a weight in half precision, without a float32 copy of
+    the weight: x as its value rounded to the weight's dtype plus the remainder rounded again (16 of
+    float32's 24 bits in bfloat16, 22 in float16), both halves' rows in one product, then summed.
+    At decode the product reads the weight once for twice the rows: about the cost of one."""
+    if x.dtype == weight.dtype:
+        return linear(x, weight, out_dtype=torch.float32, invariant=invariant)
+    if x.device.type == "cpu" and not INTERPRET:  # (the CPU's half-precision products round their output)
+        return _cpu_linear(x, weight.float(), None)
+    high = x.to(weight.dtype)
+    low = (x - high.float()).to(weight.dtype)
+    y = linear(torch.cat([high, low]), weight, out_dtype=torch.float32, invariant=invariant)
+    return y[: x.shape[0]] + y[x.shape[0] :]
+
+
 def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    out_dtype: torch.dtype | None) -> torch.Tensor:
     if out_dtype in (None, x.dtype):

@@ -35,6 +35,22 @@ def test_rms_norm_with_and_without_residual_matches_reference(dtype, rows, n):
     close(out, fused.rms_norm_ref(x + r, w, 1e-5), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("rows,n", [(1, 576), (9, 4096)])
+def test_rms_norm_keeps_a_float32_residual_unrounded_and_rounds_the_norm_to_the_asked_dtype(dtype, rows, n):
+    """The float32 islands (--enable-fp32-residual, --enable-fp32-lm-head): a half-precision branch
+    added to a float32 residual stream, the sum kept exact, the norm out in either dtype."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows + n)
+    x = torch.randn(rows, n, generator=g, device=DEVICE).to(dtype)
+    r = torch.randn(rows, n, generator=g, device=DEVICE)
+    w = (1 + torch.randn(n, generator=g, device=DEVICE) / 4).to(dtype)
+    for out_dtype in (dtype, torch.float32):
+        out, summed = fused.rms_norm(x, w, 1e-5, r, out_dtype)
+        assert summed.dtype == torch.float32 and torch.equal(summed, x.float() + r)
+        assert out.dtype == out_dtype
+        close(out, fused.rms_norm_ref(x.float() + r, w, 1e-5, out_dtype), out_dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (33, 9, 3, 64), (7, 32, 8, 128), (5, 8, 8, 128)])
 def test_rope_and_store_on_qkv_views_matches_reference(dtype, tokens, heads, kv_heads, dim):
@@ -168,8 +184,28 @@ def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_float32_input_over_a_half_precision_weight_is_the_float32_product(dtype, rows, invariant):
+    """--enable-fp32-lm-head's product: as exact as the float32 product over the weight's values
+    (to the remainder's rounding), where rounding the input first is off by the dtype's step."""
+    from kernels.skinny_gemm import float32_input_linear, linear
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g, device=DEVICE)
+    w = (torch.randn(1000, 576, generator=g, device=DEVICE) / 24).to(dtype)
+    want = x.double() @ w.double().T
+    error = lambda y: ((y.double() - want).abs().max() / want.abs().max()).item()  # noqa: E731
+    got = float32_input_linear(x, w, invariant)
+    assert got.dtype == torch.float32 and got.shape == (rows, 1000)
+    rounded_first = linear(x.to(dtype), w, out_dtype=torch.float32, invariant=invariant)
+    assert error(got) < 1e-4 and error(got) < error(rounded_first) / 20, (error(got), error(rounded_first))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtype):
+@pytest.mark.parametrize("float32_islands", [False, True])
+def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtype, float32_islands):
     """kernels/all_reduce_norm.py with a group of one (its own buffer and flags: no peers needed):
     the residual RMSNorm bit for bit, while the calls' epochs advance and their halves alternate.
     Its sums over 2-4 GPUs: tests/test_all_reduce_norm_gpu.py."""
@@ -185,10 +221,12 @@ def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtyp
     last = {}  # (half, row) -> the row last written there: a row's calls alternate halves, from half 1
     for rows in (3, 1, 3, 8):  # (row 0 in every call; rows 1-2 in three, rows 3-7 in one)
         x = (torch.randn(rows, 300, generator=g, device=DEVICE) * 3).to(dtype)
-        r = torch.randn(rows, 300, generator=g, device=DEVICE).to(dtype)
+        # (a float32 residual stream and a float32 norm out: the islands, as the final norm takes them)
+        r = torch.randn(rows, 300, generator=g, device=DEVICE).to(torch.float32 if float32_islands else dtype)
+        out_dtype = torch.float32 if float32_islands else None
         calls = epochs.tolist()
-        out, summed = all_reduce_rms_norm(x, r, w, 1e-5, pointers(buffer), slot, pointers(flags), epochs, 0)
-        want_out, want_sum = fused.rms_norm(x, w, 1e-5, r)
+        out, summed = all_reduce_rms_norm(x, r, w, 1e-5, pointers(buffer), slot, pointers(flags), epochs, 0, out_dtype)
+        want_out, want_sum = fused.rms_norm(x, w, 1e-5, r, out_dtype)
         assert torch.equal(summed, want_sum) and torch.equal(out, want_out)
         last.update({((calls[i] + 1) % 2, i): x[i] for i in range(rows)})
     assert epochs.tolist() == [4, 3, 3, 1, 1, 1, 1, 1] and flags.tolist() == epochs.tolist()

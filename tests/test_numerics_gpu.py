@@ -46,6 +46,16 @@ def test_float16_matches_a_float32_trainer_seven_times_closer_than_bfloat16(defa
     assert stats["bfloat16"]["logprob_mismatch_mean"] > 4 * stats["float16"]["logprob_mismatch_mean"], stats
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_float32_islands_cut_half_precisions_mismatch_in_cuda_graphs(default_model_dir, prompts, hf_default, dtype):
+    hf = hf_default.to("cuda")
+    kw = dict(model=str(default_model_dir), device="cuda", spec="ngram", dtype=dtype, **KV)
+    plain = mismatch(Engine(**kw), hf, prompts)["logprob_mismatch_mean"]
+    islands = mismatch(Engine(enable_fp32_residual=True, enable_fp32_lm_head=True, **kw), hf, prompts)
+    hf_default.to("cpu")
+    assert islands["logprob_mismatch_mean"] < 0.75 * plain, (islands, plain)
+
+
 def test_the_hybrid_with_the_default_models_head_runs_in_float16_graphs(default_model_dir, prompts):
     engine = Engine(model="default", device="cuda", spec="auto", dtype="float16", spec_adaptive=False, **KV)
     outs = engine.generate(prompts[:8], SamplingParams(n=2, temperature=0.7, max_new_tokens=96, seed=1), return_logprob=True)

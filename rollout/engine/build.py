@@ -93,6 +93,7 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
     # deterministic inference (and coupled sampling) computes a token alike in any step (a decode row, a verify chain)
     if cfg.batch_invariant:
         model.make_batch_invariant()
+    model.keep_float32(residual=cfg.enable_fp32_residual, lm_head=cfg.enable_fp32_lm_head)
     backend = attention_backend(backend_name, device, cfg.batch_invariant)
     history = cfg.spec.history_rows if cfg.spec.enabled else 0
     table = TokenTable(cfg.max_running_seqs, history, pool.max_context, device)

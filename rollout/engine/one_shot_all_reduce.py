@@ -128,11 +128,11 @@ class OneShotAllReduce:
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[0] <= self._norm_rows
                 and x.numel() * x.element_size() <= NORM_SLOT_BYTES)
 
-    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual), that sum), in one kernel."""
         return all_reduce_norm.all_reduce_rms_norm(x, residual, weight, eps, self._norm_buffers, NORM_SLOT_BYTES,
-                                                   self._norm_signals, self._norm_epochs, self.rank)
+                                                   self._norm_signals, self._norm_epochs, self.rank, out_dtype)
 
     def _staged(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize

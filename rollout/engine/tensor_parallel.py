@@ -85,13 +85,13 @@ class RankGroup:
         self.dev.allreduce([x]).wait()
         return x
 
-    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x summed over the ranks + residual), that sum): one kernel where the one-shot
-        path takes it (its sum is `ordered_sum`'s), else the all-reduce then `fused.rms_norm`."""
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x summed over the ranks + residual, rounded to `out_dtype`), that sum): one kernel
+        where the one-shot path takes it (its sum is `ordered_sum`'s), else the all-reduce then `fused.rms_norm`."""
         if self.one_shot is not None and self.one_shot.fits_norm(x, residual):
-            return self.one_shot.all_reduce_norm(x, residual, weight, eps)
-        return fused.rms_norm(self.all_reduce(x), weight, eps, residual)
+            return self.one_shot.all_reduce_norm(x, residual, weight, eps, out_dtype)
+        return fused.rms_norm(self.all_reduce(x), weight, eps, residual, out_dtype)
 
     def ordered_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` gathered, added in rank order in float32 from zero, rounded once (what

@@ -171,12 +171,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor | None, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None, shard: Shard,
+            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), where x is this rank's part of a row-parallel
-        product (summed over the ranks here); with no residual, x is whole (the embedding)."""
+        product (summed over the ranks here); with no residual, x is whole (the embedding). The
+        sum keeps the residual's dtype; the norm is rounded to `out_dtype` (default x's)."""
         if residual is None:
-            return self(x), x
-        return shard.reduce_norm(x, residual, self.weight, self.eps)
+            return fused.rms_norm(x, self.weight, self.eps, out_dtype=out_dtype), x
+        return shard.reduce_norm(x, residual, self.weight, self.eps, out_dtype)
 
 
 class Attention(nn.Module):
@@ -254,6 +256,8 @@ class VocabEmbedding(nn.Embedding):
 
 
 class DecoderLayer(nn.Module):
+    residual_dtype: torch.dtype | None = None  # the residual stream's, when not the activations' (CausalLM.keep_float32)
+
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = ALONE, mlp: nn.Module | None = None):
         """`mlp`: the layer's MLP when it is not the dense one (a mixture of experts': rollout/models/registry.py)."""
         super().__init__()
@@ -268,6 +272,8 @@ class DecoderLayer(nn.Module):
         hidden state is the ranks' parts summed plus the residual. `x`: the layer before's, or
         with no residual the embedding."""
         h, residual = self.input_layernorm.add(x, residual, self.shard)
+        if self.residual_dtype is not None:
+            residual = residual.to(self.residual_dtype)  # (the embedding, at the first layer; after, a no-op)
         ctx.keep_aux(self.layer, residual)  # (the hidden state entering this layer)
         h, residual = self.post_attention_layernorm.add(self.self_attn(self.self_attn.qkv_proj(h), ctx), residual, self.shard)
         return self.mlp.block(h), residual
@@ -297,6 +303,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows(cfg), bias=False)
 
     batch_invariant = False
+    fp32_lm_head = False  # the LM head's input in float32 (keep_float32)
 
     def layer_mlp(self, cfg: ModelConfig, layer: int, shard: Shard) -> nn.Module | None:
         """Layer `layer`'s MLP, if not the dense one."""
@@ -310,6 +317,15 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.batch_invariant = True
+
+    def keep_float32(self, residual: bool, lm_head: bool) -> None:
+        """Float32 islands in a half-precision model, neither of which reads more weight bytes: the
+        residual stream between sublayers (each sublayer still reads and writes the dtype), and the
+        LM head's input (the final norm's output, through a float32 product over the served weight).
+        They carry most of half precision's logprob noise against a float32 trainer (docs/numerics.md)."""
+        for layer in self.model.layers:
+            layer.residual_dtype = torch.float32 if residual else None
+        self.fp32_lm_head = lm_head
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -330,14 +346,17 @@ class CausalLM(nn.Module):
         every_row = last in ctx.aux_layers
         if logits_indices is not None and not every_row:  # (else the final norm of the logits' rows alone)
             x, residual = x[logits_indices], residual[logits_indices]
-        h, _ = self.model.norm.add(x, residual, self.shard)
+        h, _ = self.model.norm.add(x, residual, self.shard, torch.float32 if self.fp32_lm_head else None)
         ctx.keep_aux(last, h)
         if logits_indices is not None and every_row:
             h = h[logits_indices]
         # float32 out of the accumulator, not rounded to bf16 (steps of 0.06 at a logit near 10):
         # the logprobs a trainer gets are exact to float32. (It did not keep coupled rollouts
         # aligned: their draws part over activations upstream; bench/RESULTS.md.)
-        logits = skinny_gemm.linear(h, self.lm_head_weight, out_dtype=torch.float32, invariant=self.batch_invariant)
+        if self.fp32_lm_head:
+            logits = skinny_gemm.float32_input_linear(h, self.lm_head_weight, invariant=self.batch_invariant)
+        else:
+            logits = skinny_gemm.linear(h, self.lm_head_weight, out_dtype=torch.float32, invariant=self.batch_invariant)
         return vocab_logits(self.shard, logits, self.config.vocab_size)
 
     def to_host(self) -> None:

@@ -92,13 +92,14 @@ class Shard:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_gather(x)
 
-    def reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual), that sum): a row-parallel product's
-        parts into the next norm (on the GPU one kernel: kernels/all_reduce_norm.py)."""
+        parts into the next norm (on the GPU one kernel: kernels/all_reduce_norm.py). The sum
+        keeps the residual's dtype, the norm is rounded to `out_dtype` (default x's)."""
         if self.group is None:
-            return fused.rms_norm(x, weight, eps, residual)
-        return self.group.all_reduce_norm(x, residual, weight, eps)
+            return fused.rms_norm(x, weight, eps, residual, out_dtype)
+        return self.group.all_reduce_norm(x, residual, weight, eps, out_dtype)
 
 
 ALONE = Shard()

@@ -4,7 +4,9 @@ For each serving dtype (`--dtypes`), an engine rolls out the same arithmetic pro
 samples as prompts x `--n`, at `--temperature`, up to `--output-len` tokens), timed after a warm-up
 rollout; then transformers' model in float32 (a trainer's master weights) teacher-forces the sampled
 tokens, and the table gives how far the two sets of logprobs are (rollout.tools.mismatch) beside
-the rollout's tokens/s. Medians over `--repeats` rounds, each drawing its own samples.
+the rollout's tokens/s. Medians over `--repeats` rounds, each drawing its own samples. With
+`--enable-fp32-residual` and/or `--enable-fp32-lm-head` every row keeps those float32 islands (its
+`fp32` column says which).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ MICRO_BATCH = 16  # samples per trainer forward
 @dataclass
 class MismatchRow:
     dtype: str
+    fp32: str  # the float32 islands: residual, lm head input, or '-'
     samples: int
     tokens: int
     tokens_per_s: float
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace, workload_prompts: Callable, write_table: Calla
                                                     seed=seed + 10_000))  # warm-up: kernels, graphs
             params = SamplingParams(n=n, temperature=temperature, max_new_tokens=args.output_len, seed=seed)
             samples, seconds = rollout(engine, prompts, params)
-            rounds.append(measure(hf, samples, seconds, dtype, temperature))
+            rounds.append(measure(hf, samples, seconds, dtype, islands(engine.config), temperature))
             print(table([rounds[-1]]).splitlines()[-1], flush=True)
         rows.append(median(rounds))
         engine.close()
@@ -85,7 +88,13 @@ def rollout(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[l
     return [(p, o) for p, g in zip(prompts, groups) for o in g], time.perf_counter() - start
 
 
-def measure(hf, samples, seconds: float, dtype: str, temperature: float) -> MismatchRow:
+def islands(config: EngineConfig) -> str:
+    named = [name for name, on in (("residual", config.enable_fp32_residual), ("lm head input", config.enable_fp32_lm_head))
+             if on]
+    return ", ".join(named) or "-"
+
+
+def measure(hf, samples, seconds: float, dtype: str, fp32: str, temperature: float) -> MismatchRow:
     trainer = []
     with torch.no_grad():
         for i in range(0, len(samples), MICRO_BATCH):
@@ -95,7 +104,7 @@ def measure(hf, samples, seconds: float, dtype: str, temperature: float) -> Mism
     rollout_lp = torch.tensor([lp for _, o in samples for lp in o.logprobs])
     stats = mismatch_stats(torch.cat(trainer).cpu(), rollout_lp)
     tokens = len(rollout_lp)
-    return MismatchRow(dtype, len(samples), tokens, tokens / seconds, **stats)
+    return MismatchRow(dtype, fp32, len(samples), tokens, tokens / seconds, **stats)
 
 
 def median(rounds: list[MismatchRow]) -> MismatchRow:
@@ -105,14 +114,14 @@ def median(rounds: list[MismatchRow]) -> MismatchRow:
 
 def table(rows: list[MismatchRow]) -> str:
     base = next((r for r in rows if r.dtype == "bfloat16"), None)
-    lines = ["| dtype | samples | tokens | mean abs logprob diff vs fp32 trainer | vs bf16 | p99 | max | KL k3 | tok/s |",
-             "|" + "---|" * 9]
+    lines = ["| dtype | fp32 | samples | tokens | mean abs logprob diff vs fp32 trainer | vs bf16 | p99 | max | KL k3 | tok/s |",
+             "|" + "---|" * 10]
     for r in rows:
         ratio = "-"
         if base is not None and r is not base:
             lower = base.logprob_mismatch_mean / max(r.logprob_mismatch_mean, 1e-12)
             ratio = f"{lower:.1f}x lower" if lower < 1000 else "over 1000x lower"
-        lines.append(f"| {r.dtype} | {r.samples} | {r.tokens} | {r.logprob_mismatch_mean:.5f} | {ratio} | "
+        lines.append(f"| {r.dtype} | {r.fp32} | {r.samples} | {r.tokens} | {r.logprob_mismatch_mean:.5f} | {ratio} | "
                      f"{r.logprob_mismatch_p99:.4f} | {r.logprob_mismatch_max:.3f} | {r.kl_k3:.2e} | {r.tokens_per_s:,.1f} |")
     return "\n".join(lines) + "\n"
 
