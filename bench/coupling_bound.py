@@ -16,6 +16,9 @@ A sample's expected shared prefix is the sum over positions of the product of th
 there; the table compares the expected share of the tokens with what the engine shared.
 
     python bench/coupling_bound.py --prompts 64 --n 8 --max-new-tokens 2048 --lr 1e-6 --dtype float16
+
+The engine's share depends on its own arithmetic (`--enable-fp32-residual --enable-fp32-lm-head`: its float32
+islands); the expected shares are transformers' in the dtype.
 """
 
 from __future__ import annotations
@@ -47,11 +50,14 @@ def main() -> None:
                     help="the trainer's float32 weights before its step (rollout bench --epoch-update-start)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="auto", help="the engine's (and the pushed weights') dtype")
+    ap.add_argument("--enable-fp32-residual", action="store_true", help="the engine's float32 residual stream")
+    ap.add_argument("--enable-fp32-lm-head", action="store_true", help="the engine's float32 LM head input")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     engine = Engine(device=args.device, dtype=args.dtype, spec="off", coupled_sampling=True,
-                    kv_cache_tokens=1_200_000 if args.device == "cuda" else None)
+                    kv_cache_tokens=1_200_000 if args.device == "cuda" else None,
+                    enable_fp32_residual=args.enable_fp32_residual, enable_fp32_lm_head=args.enable_fp32_lm_head)
     prompts, n = workload_prompts(SimpleNamespace(workload="rl", seed=0, n=args.n, prompt_set="mixed"),
                                   engine.tokenizer, args.prompts * args.n)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=args.max_new_tokens)

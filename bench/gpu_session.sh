@@ -66,7 +66,7 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
   # COMMIT -- . ':!rollout/models/default_head/model.safetensors'`: the head's weights, 10 MB, are taken from this tree)
   # TREES=base|head|"base head" (default: both when BASE_TAR is given), BETWEEN="update same" (default),
   # START=served|checkpoint|spread: the trainer's float32 weights before its step (--epoch-update-start; default served),
-  # DTYPE=bfloat16|float16|float32: the engines' dtype (default bfloat16)
+  # DTYPE=bfloat16|float16|float32: the engines' dtype (default bfloat16); ENGINE_FLAGS: more engine flags (the float32 islands)
   trees=$PWD; export BENCH_OUT=/tmp/bench-files
   if [ -n "${BASE_TAR:-}" ]; then
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$BASE_TAR" -C /tmp/base && trees="/tmp/base $PWD"
@@ -78,7 +78,7 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
     for between in ${BETWEEN:-update same}; do
       step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6} --epoch-update-start ${START:-served}")
       (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history \
-        --coupled-sampling $step --dtype ${DTYPE:-bfloat16} --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
+        --coupled-sampling $step --dtype ${DTYPE:-bfloat16} ${ENGINE_FLAGS:-} --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
         | grep -E "^\| rollout|coupled" | sed "s|^|$name $between |")
     done
   done
