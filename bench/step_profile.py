@@ -238,7 +238,7 @@ def collect(args: argparse.Namespace) -> None:
         # (instance attributes: the engine calls them through self)
         engine.runner._emit_decode = timed("emit", engine.runner._emit_decode)
         engine.scheduler.settle_step = timed("settle", engine.scheduler.settle_step)
-        engine.loop._append = timed("append", engine.loop._append)
+        engine.loop.emitter.append = timed("append", engine.loop.emitter.append)
         engine.generate(prompts, params)
         decode = [r for r in engine.step_log if not r.prefill]
         seqs = sum(r.num_seqs for r in decode)
