@@ -35,7 +35,7 @@ def test_float16_on_the_default_model_is_within_0_01_of_a_float32_trainer(defaul
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_float32_residual_stream_and_lm_head_input_cut_half_precisions_mismatch(default_model_dir, hf_default, dtype):
     """The two float32 islands that read no more weight bytes (measured on the CPU: bfloat16 0.036 ->
-    0.019, float16 0.0043 -> 0.0026; each alone about a quarter off)."""
+    0.019, float16 0.0043 -> 0.0026)."""
     kw = dict(model=str(default_model_dir), spec="off", device="cpu", dtype=dtype)
     plain = mismatch_against(hf_default, Engine(**kw))
     islands = mismatch_against(hf_default, Engine(enable_fp32_residual=True, enable_fp32_lm_head=True, **kw))
