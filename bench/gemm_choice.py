@@ -22,11 +22,13 @@ from kernels.skinny_gemm import MAX_ROWS, after_kernel_ms, cold_copies, cublas_l
 from rollout.tools.bench import SPEED_SHAPES
 
 
-def products(tp: int = 1, shape: str = "llama3-8b") -> dict[str, tuple[int, int]]:
-    """A decode step's products of a speed shape, by name: (N, K) of one rank at tensor-parallel width tp."""
-    c = SPEED_SHAPES[shape]
-    hidden, heads_dim = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
-    kv_dim, inter = c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+def products(tp: int = 1, config: dict | None = None) -> dict[str, tuple[int, int]]:
+    """A decode step's products of an HF config (the Llama-3.1-8B speed shape's by default), by
+    name: (N, K) of one rank at tensor-parallel width tp."""
+    c = config or SPEED_SHAPES["llama3-8b"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    hidden, heads_dim = c["hidden_size"], c["num_attention_heads"] * head_dim
+    kv_dim, inter = c["num_key_value_heads"] * head_dim, c["intermediate_size"]
     return {"qkv": ((heads_dim + 2 * kv_dim) // tp, hidden), "o": (hidden, heads_dim // tp),
             "gate_up": (2 * inter // tp, hidden), "down": (hidden, inter // tp), "lm_head": (-(-c["vocab_size"] // tp), hidden)}
 

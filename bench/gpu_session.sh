@@ -14,7 +14,7 @@
 #   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
 #   too much beside a model part: carry it in a later call)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | numerics | islands | admission | deterministic | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | numerics | islands | admission | deterministic | invariant | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -240,6 +240,13 @@ deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference
     LIMIT=150 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 \
       --output-len 128 $flag | grep -E "^\| rollout"
   done | tee -a "$OUT/deterministic.log"
+  ;;
+invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alike, rows alike in any batch, deterministic
+  # inference bitwise, coupled sampling), then its tiles by shape and rows against cuBLAS
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
+  timeout 300 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_numerics_gpu.py tests/test_engine_gpu.py \
+    -k "invariant or float32_input or deterministic or coupled" 2>&1 | tee "$OUT/invariant-tests.log" | tail -4
+  timeout 200 python3 bench/invariant_tiles.py --rows 1,64,512 2>&1 | grep -v -i warn | tee "$OUT/invariant-tiles.log"
   ;;
 moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's kernels against their bound, then the Qwen3-30B-A3B shape's decode (random weights)
   timeout 240 python3 -m pytest -q -m gpu tests/test_fused_moe_kernel.py tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -4

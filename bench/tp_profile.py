@@ -8,28 +8,31 @@ all-reduce took most of an eager step; that run's log was not kept), so they rea
     python bench/tp_profile.py --tp-sizes 1,2 --variants default,no-pdl,no-overlap,no-graphs
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step (eager)
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill --host 14   # the prefill's kernels and host ops
+    python bench/tp_profile.py --shape default --tp-sizes 1 --batch 512 --variants default,deterministic --kernels 20
     PYTHONPATH=. python bench/tp_profile.py --tp-sizes 2 --ranks   # each rank's prefill and decode steps
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from rollout import Engine, SamplingParams
+from rollout.models.default_model import ensure_default_model
 from rollout.tools.bench import speed_model_dir
 
 VARIANTS = {"default": {}, "no-pdl": {"pdl": False}, "no-overlap": {"overlap_schedule": False},
-            "no-graphs": {"cuda_graphs": False}}
+            "no-graphs": {"cuda_graphs": False}, "deterministic": {"enable_deterministic_inference": True}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--shape", default="llama3-8b", help="a speed shape, or `default`: the default model's (random "
+                    "weights)")
     ap.add_argument("--tp-sizes", default="1,2")
     ap.add_argument("--variants", default="default")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens a sequence")
@@ -40,7 +43,7 @@ def main() -> None:
     ap.add_argument("--host", type=int, default=0, metavar="K", help="with --kernels: rank 0's K costliest host ops")
     ap.add_argument("--ranks", action="store_true", help="then each rank's steps (the repository root on PYTHONPATH)")
     args = ap.parse_args()
-    model = speed_model_dir(args.shape)
+    model = str(ensure_default_model()) if args.shape == "default" else speed_model_dir(args.shape)
     if args.kernels:
         return kernel_tables(model, args)
     rank_rows = []
@@ -96,7 +99,7 @@ def rank_handlers(engine: Engine) -> dict:
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
-    return [list(range(100 + i * args.prompt_len, 100 + (i + 1) * args.prompt_len)) for i in range(args.batch)]
+    return [[100 + (i * args.prompt_len + j) % 32000 for j in range(args.prompt_len)] for i in range(args.batch)]
 
 
 def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> Engine:
@@ -139,9 +142,9 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
     before. A collective counts its wait for the other ranks."""
     steps = 1 if args.prefill else args.tokens
     params = SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True)
-    print("| tp | kernel or host op | per step | us per step |\n|---|---|---|---|", flush=True)
-    for tp in map(int, args.tp_sizes.split(",")):
-        engine = profiled_engine(model, tp, args, cuda_graphs=False, pdl=False)
+    print("| tp | variant | kernel or host op | per step | us per step |\n|---|---|---|---|---|", flush=True)
+    for tp, variant in ((tp, v) for tp in map(int, args.tp_sizes.split(",")) for v in args.variants.split(",")):
+        engine = profiled_engine(model, tp, args, **{**VARIANTS[variant], "cuda_graphs": False, "pdl": False})
         engine.generate(prompts(args), params)
         engine.reset_stats()
         engine.generate(prompts(args), params)
@@ -152,11 +155,12 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
             work = {kind: less(rows, alone[kind]) for kind, rows in work.items()}
         for kind, top in (("device", args.kernels), ("host", args.host)):
             for name, count, us in work[kind][:top]:
-                print(f"| {tp} | {kind}: {name[:70]} | {count / steps:.0f} | {us / steps:.1f} |", flush=True)
+                print(f"| {tp} | {variant} | {kind}: {name[:70]} | {count / steps:.0f} | {us / steps:.1f} |",
+                      flush=True)
             if top:
                 total = sum(k[2] for k in work[kind]) / steps
-                print(f"| {tp} | {kind}: all {len(work[kind])} | | {total:.1f} |", flush=True)
-        print(f"| {tp} | the steps' wall (unprofiled, eager) | | {wall_us:.1f} |", flush=True)
+                print(f"| {tp} | {variant} | {kind}: all {len(work[kind])} | | {total:.1f} |", flush=True)
+        print(f"| {tp} | {variant} | the steps' wall (unprofiled, eager) | | {wall_us:.1f} |", flush=True)
         engine.close()
         del engine
 

@@ -16,12 +16,16 @@ and on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 
 apart: bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the fused
 path was removed).
 
-Batch-invariant products (`invariant=True`, coupled sampling's engines): a row of the result is
-the same bits whatever else is in the step. cuBLAS picks its kernel, and with it each row's
-summation order, by the row count, and the few-row path above is a different kernel again, so
-a row verified beside a draft tree came out in different last bits than the same row decoded
-alone, and two coupled samples parted there. The invariant path runs one Triton kernel with
-one fixed tile for every row count: each output element sums its products in the same order.
+Batch-invariant products (`invariant=True`: deterministic inference, coupled sampling): a row of
+the result is the same bits whatever else is in the step. cuBLAS picks its kernel, and with it
+each row's summation order, by the row count, and the few-row path above is a different kernel
+again, so a row verified beside a draft tree came out in different last bits than the same row
+decoded alone, and two coupled samples parted there. The invariant path runs one Triton kernel
+that never splits K: each output sums its products in K's order, a tensor-core instruction's
+16 at a time into one float32 accumulator, whatever the tile. So the tile may follow the rows
+(the largest of INVARIANT_TILES whose programs fill the GPU once): on an H200 every candidate
+tile gave every output the same bits, bf16 and fp16, to either output dtype (`python
+bench/invariant_tiles.py --across`), and the GPU tests hold rows to it across the tiles.
 
 Weight prefetch under programmatic dependent launch: the weight is no output of the kernel
 before, so a product placed on the SMs while that kernel still runs asks the L2 cache for the
@@ -47,7 +51,13 @@ except ImportError:
     triton = None
 
 MAX_ROWS = 16
-INVARIANT_TILE = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+INVARIANT_TILES = [  # largest first (bench/invariant_tiles.py timed them against cuBLAS on an H200)
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+]
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 MAX_COLD_COPIES = 1024  # weights a choice is timed on, at most (cold_copies)
 CPU_BLOCK_ROWS = 8
@@ -213,10 +223,24 @@ def prefetch_row_bytes(weight: torch.Tensor) -> int:
     return min(weight.shape[1] * size, PREFETCH_BYTES // weight.shape[0]) // 16 * 16
 
 
+def invariant_tile(m: int, n: int, device: torch.device) -> dict:
+    """The first of INVARIANT_TILES whose row block the rows fill (any of 64) and whose programs for
+    an [m, n] output fill the GPU's SMs once, or the smallest: large tiles read the weight fewer
+    times, small ones keep a few rows' product streaming the weight from every SM."""
+    if INTERPRET:  # (no SMs to fill; the interpreter's products are numpy's, batch-invariant or not)
+        return INVARIANT_TILES[-1]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for tile in INVARIANT_TILES:
+        rows_fill = tile["BLOCK_M"] <= max(m, 64)
+        if rows_fill and triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]) >= sms:
+            return tile
+    return INVARIANT_TILES[-1]
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The batch-invariant product: INVARIANT_TILE for every shape, a row block per program on axis 1
-    (float32 as float32, not rounded to tf32)."""
+                     out_dtype: torch.dtype | None = None, tile: dict | None = None) -> torch.Tensor:
+    """The batch-invariant product: `invariant_tile`'s tile (or `tile`), a row block per program on
+    axis 1 (float32 as float32, not rounded to tf32)."""
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     if x.stride(1) != 1:
@@ -225,9 +249,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        tile = INVARIANT_TILE
+        tile = tile or invariant_tile(m, n, x.device)
         grid = (triton.cdiv(n, tile["BLOCK_N"]), triton.cdiv(m, tile["BLOCK_M"]))
-        prefetch = prefetch_row_bytes(weight) if m <= tile["BLOCK_M"] else 0  # (a row block each would repeat it)
+        one_block = m <= tile["BLOCK_M"] and tile["BLOCK_N"] <= 128  # (blocks would repeat it; _prefetch_rows' limit)
+        prefetch = prefetch_row_bytes(weight) if one_block else 0
         _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                                   weight.stride(0), y.stride(0), prefetch, HAS_BIAS=bias is not None, **tile,
                                   PREFETCH=prefetch > 0, IEEE=x.dtype == torch.float32,

@@ -14,6 +14,7 @@ from kernels import fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float32, torch.float16]
 pytestmark = GPU_ONLY
+NUMPY_ORDER = "the interpreter's block products are numpy's, whose sums follow the block's rows"
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
@@ -145,6 +146,7 @@ def test_kernel_choice_frees_its_weight_copies():
     assert held[1] == held[0]
 
 
+@pytest.mark.skipif(not ON_GPU, reason=NUMPY_ORDER)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,bias,out_dtype", [(960, 576, True, None), (4099, 576, False, torch.float32), (70, 130, True, None)])
 def test_invariant_linear_rows_are_alike_in_any_batch(dtype, n, k, bias, out_dtype):
@@ -161,6 +163,22 @@ def test_invariant_linear_rows_are_alike_in_any_batch(dtype, n, k, bias, out_dty
     close(full, ref, dtype if out_dtype is None else out_dtype)
     for lo, hi in [(7, 8), (3, 13), (100, 117), (40, 240)]:
         assert torch.equal(linear(x[lo:hi], w, b, out_dtype, invariant=True), full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.skipif(not ON_GPU, reason=NUMPY_ORDER)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_every_invariant_tile_gives_a_row_the_same_bits(dtype, out_dtype):
+    """The batch-invariant product's tile follows the rows (kernels/skinny_gemm.py), which keeps a
+    row's bits only if every tile sums each output in one order: K not a multiple of any BLOCK_K."""
+    from kernels.skinny_gemm import INVARIANT_TILES, invariant_linear, invariant_tile
+
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    x = torch.randn(150, 320, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(4099, 320, generator=g, device=DEVICE) / 18).to(dtype)
+    first, *rest = (invariant_linear(x, w, None, out_dtype, tile) for tile in INVARIANT_TILES)
+    assert all(torch.equal(first, y) for y in rest)
+    assert invariant_tile(1, 4099, x.device) != invariant_tile(150, 4099, x.device)  # (the rows choose)
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
