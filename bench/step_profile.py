@@ -4,6 +4,7 @@
     python bench/step_profile.py sampling
     python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
     python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--fixed]
+    python bench/step_profile.py host --random-model host-probe --device cpu   # the host's work alone, on any machine
     python bench/step_profile.py collect [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 64] [--device cuda]
     python bench/step_profile.py verify [--seqs 128] [--context 2000] [--draft-rows 0,16,...]
     python bench/step_profile.py budget [--seqs 512]
@@ -62,6 +63,7 @@ import argparse
 import torch
 
 from kernels import skinny_gemm
+from rollout.tools.bench import SPEED_SHAPES
 
 
 def draft(args: argparse.Namespace) -> None:
@@ -140,11 +142,12 @@ def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
     from rollout import Engine, SamplingParams
     from rollout.config import SpecConfig
     from rollout.engine.engine import freeze_heap, thaw_heap
-    from rollout.tools.bench import workload_prompts
+    from rollout.tools.bench import speed_model_dir, workload_prompts
 
+    model = speed_model_dir(args.random_model) if args.random_model else "default"
     for mode in ("off", "ngram"):
-        engine = Engine(model="default", spec=SpecConfig(method=mode, adaptive=adaptive), device=args.device,
-                        max_running_seqs=args.prompts * args.n)
+        engine = Engine(model=model, spec=SpecConfig(method=mode, adaptive=adaptive), device=args.device,
+                        max_running_seqs=args.prompts * args.n, load_format="dummy" if args.random_model else "auto")
         freeze_heap()
         opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
         prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
@@ -591,6 +594,8 @@ def main() -> None:
         p.add_argument("--temperature", type=float, default=1.0)
         p.add_argument("--output-len", type=int, default=output_len)
         p.add_argument("--device", default="cuda")
+        p.add_argument("--random-model", choices=sorted(SPEED_SHAPES), default=None,
+                       help="random weights of this shape (host-probe: a forward that costs next to nothing on a CPU)")
     h.add_argument("--fixed", action="store_true", help="n-gram: every step verifies as many drafts as fit (the budget off)")
     h.add_argument("--top", type=int, default=25)
     u = sub.add_parser("budget", help="the speculation object's host work per step (no model, any machine)")
