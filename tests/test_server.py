@@ -106,8 +106,9 @@ def test_a_batch_with_n_is_a_flat_prompt_major_list_carrying_the_given_rids(serv
 
 def test_streaming_yields_the_same_tokens_and_text_as_non_streaming(server):
     # long enough that the front end cannot receive everything in one engine message (it coalesces
-    # what arrived while it was busy), so the stream has several chunks per sample
-    body = {"input_ids": [PROMPT, [50, 51]], "sampling_params": {"n": 2, "max_new_tokens": 64, "seed": 11, "ignore_eos": True}}
+    # what arrived while it was busy), so the stream has several chunks per sample: at 64 tokens a
+    # front end starved of the CPU by other work once took a whole sample in one chunk
+    body = {"input_ids": [PROMPT, [50, 51]], "sampling_params": {"n": 2, "max_new_tokens": 192, "seed": 11, "ignore_eos": True}}
     plain = generate(server, body).json()
     with generate(server, {**body, "stream": True}, stream=True) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
