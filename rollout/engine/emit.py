@@ -80,9 +80,11 @@ class Emitter:
         while the step ran takes none. Returns the tokens appended, and each drafter's SourceStep. (Runs for every
         sequence of every step: it is kept lean, and a sequence that cannot stop in this step
         takes its tokens in three list extends.)"""
-        top = e.top
         if e.overflowed is not None:
             self._abort_overflowed(e, updated)
+        if e.single:
+            return self._append_single(e, updated, version, totals), {}
+        top = e.top
         # the step's totals, recorded once after the loop (a call per sequence costs ~1 us at 512 of them)
         appended_all = plain = plain_appended = 0
         by_source: dict[str, SourceStep] = {}
@@ -125,6 +127,38 @@ class Emitter:
         for source, t in by_source.items():
             totals.record(source, t.drafted, t.accepted, t.appended, steps=t.sequences)
         return appended_all, by_source
+
+    def _append_single(self, e: Emitted, updated: dict, version: int, totals: SpecCounters) -> int:
+        """`append` for a step of one token a sequence and no drafts (Emitted.single), the common
+        step of a large batch: the same work without a list per sequence. A sequence still running
+        takes its token (a stop condition ends it after it)."""
+        top = e.top
+        appended = counted_steps = 0
+        for i, (seq, token, logprob, counted) in enumerate(zip(e.seqs, e.tokens, e.logprobs, e.counted)):
+            if seq.finish_reason is not None:  # (Sequence.finished, without the call)
+                continue
+            req = seq.request
+            updated[id(req)] = req
+            if req.plain and len(seq.tokens) + 1 < req.max_len and token not in req.stop_ids:
+                seq.tokens.append(token)
+                seq.logprobs.append(logprob)
+                seq.weight_versions.append(version)
+                reason = None
+            else:
+                _, reason = self._append_checked(seq, [token], [logprob], version)
+            if top is not None:
+                seq.top_logprobs.extend(top[i])
+            appended += 1
+            if counted:  # what SpecCounters.record does for a step without drafts, inline
+                spec = seq.spec
+                spec.verify_steps += 1
+                spec.emitted_tokens += 1
+                counted_steps += 1
+            if reason is not None:
+                self.finish(seq, reason, None)
+        totals.verify_steps += counted_steps
+        totals.emitted_tokens += counted_steps
+        return appended
 
     def _abort_overflowed(self, e: Emitted, updated: dict) -> None:
         """End every sample of a request one of whose forwards overflowed, its tokens of this step

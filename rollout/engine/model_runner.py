@@ -308,9 +308,9 @@ class ModelRunner:
             if item.samples:
                 seqs += [item.seq, *item.seq.forks]
                 counted += [item.decode] * (1 + len(item.seq.forks))
-        return Emitted(seqs, [[t] for t in drawn], [[lp] for lp in logprobs], counted, [0] * len(seqs),
+        return Emitted(seqs, drawn, logprobs, counted, [0] * len(seqs),
                        top=[top_of([d]) for d in range(len(seqs))] if step.top else None,
-                       overflowed=_nan_rows(host[0][1][:, None]))
+                       overflowed=_nan_rows(host[0][1][:, None]), single=True)
 
     def _emit_decode(self, step: StepInFlight, host: list[np.ndarray]) -> Emitted:
         """Tokens by depth, and the nodes accepted (`step.accepted`, `step.first_row`: for
@@ -322,7 +322,8 @@ class ModelRunner:
         step.accepted = ((bits[:, None] >> np.arange(n)) & 1).astype(bool)  # [S, N]: node order is depth order
         step.first_row = np.cumsum(counts) - counts
         if n == 1:  # plain decoding: one token each
-            tokens, logprobs = ints[:, :1].tolist(), lps.tolist()
+            tokens, logprobs = ints[:, 0].tolist(), lps[:, 0].tolist()
+            lengths = [1] * s
             overflowed = _nan_rows(lps)
         else:
             lengths = ints[:, n + OutCol.LENGTH].tolist()
@@ -332,13 +333,13 @@ class ModelRunner:
         top = None
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
-            top = [top_of([first[i] + j for j in _path(bits[i], len(t))]) for i, t in enumerate(tokens)]
+            top = [top_of([first[i] + j for j in _path(bits[i], k)]) for i, k in enumerate(lengths)]
         codes = ints[:, n + OutCol.SOURCE]
         names = self.drafters.source_names
         sources = [names[c] for c in codes.tolist()]
         misses, coupled = self.drafters.counts(codes, step.drafting)
         return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses,
-                       coupled=coupled, overflowed=overflowed)
+                       coupled=coupled, overflowed=overflowed, single=n == 1)
 
     # ---------------- the model ----------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

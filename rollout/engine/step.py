@@ -60,8 +60,8 @@ class Emitted:
     Columns rather than an object per sequence: at 512 sequences a step's host work is its budget."""
 
     seqs: list[Sequence]
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
+    tokens: list[list[int]] | list[int]  # (`single`: the token itself)
+    logprobs: list[list[float]] | list[float]
     counted: list[bool]  # a decode/verify step's tokens (they count toward accept length), not a prefill's first
     drafted: list[int]  # draft tokens verified for each sequence (accepted: its tokens less one)
     sources: list[str] | None = None  # each sequence's drafter (decode and verify steps)
@@ -69,6 +69,10 @@ class Emitted:
     index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
     coupled: int | None = None  # a drafting step: sequences that followed their earlier rollout (Source.COUPLED)
     overflowed: list[int] | None = None  # sequences whose emitted logprobs are NaN: the forward overflowed (inf or NaN)
+    # One token each, nothing drafted (plain decode steps, prefills): tokens[i] and logprobs[i] are the
+    # token and its logprob, not lists, which at 512 sequences saves the host a list per sequence and
+    # column, and the collector their allocations.
+    single: bool = False
 
 
 class I64Row(IntEnum):
