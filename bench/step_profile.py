@@ -65,6 +65,12 @@ import torch
 from kernels import skinny_gemm
 from rollout.tools.bench import SPEED_SHAPES
 
+HOST_PROBE = {  # a forward and a draw that cost next to nothing on a CPU: what is left of a step is the host's own work
+    "model_type": "llama", "vocab_size": 512, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "eos_token_id": 2, "rope_theta": 10000.0,
+}
+
 
 def draft(args: argparse.Namespace) -> None:
     import triton
@@ -144,13 +150,16 @@ def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
     from rollout.engine.engine import freeze_heap, thaw_heap
     from rollout.tools.bench import speed_model_dir, workload_prompts
 
-    model = speed_model_dir(args.random_model) if args.random_model else "default"
+    shape = args.random_model
+    model = speed_model_dir(shape, HOST_PROBE if shape == "host-probe" else None) if shape else "default"
     for mode in ("off", "ngram"):
         engine = Engine(model=model, spec=SpecConfig(method=mode, adaptive=adaptive), device=args.device,
                         max_running_seqs=args.prompts * args.n, load_format="dummy" if args.random_model else "auto")
         freeze_heap()
         opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
         prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
+        vocab = engine.model_config.vocab_size
+        prompts = [[t % vocab for t in p] for p in prompts]  # (host-probe's 512 ids)
         params = SamplingParams(n=n, temperature=args.temperature, max_new_tokens=args.output_len, seed=0)
         engine.generate(prompts, params)
         engine.clear_speculation_history()
@@ -594,8 +603,8 @@ def main() -> None:
         p.add_argument("--temperature", type=float, default=1.0)
         p.add_argument("--output-len", type=int, default=output_len)
         p.add_argument("--device", default="cuda")
-        p.add_argument("--random-model", choices=sorted(SPEED_SHAPES), default=None,
-                       help="random weights of this shape (host-probe: a forward that costs next to nothing on a CPU)")
+        p.add_argument("--random-model", choices=[*sorted(SPEED_SHAPES), "host-probe"], default=None,
+                       help="random weights of this shape (host-probe: a step that costs next to nothing but the host's work)")
     h.add_argument("--fixed", action="store_true", help="n-gram: every step verifies as many drafts as fit (the budget off)")
     h.add_argument("--top", type=int, default=25)
     u = sub.add_parser("budget", help="the speculation object's host work per step (no model, any machine)")

@@ -57,11 +57,6 @@ SPEED_SHAPES = {
         "eos_token_id": 2, "rope_theta": 1000000.0, "num_experts": 128, "num_experts_per_tok": 8,
         "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
     },
-    "host-probe": {  # a forward that costs next to nothing on a CPU: what is left of a step is the host's own work
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True, "eos_token_id": 2, "rope_theta": 10000.0,
-    },
     "qwen2.5-32b": {  # 65.5 GB in bf16: tensor parallelism's shape
         "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
@@ -100,14 +95,15 @@ class Row:
     prefix_median: float = 0.0  # its sample of the epoch before (same prompt and index), and that prefix's median length
 
 
-def speed_model_dir(shape: str) -> str:
-    """An HF directory with a speed-shape config and the default model's tokenizer (weights: random)."""
+def speed_model_dir(shape: str, config: dict | None = None) -> str:
+    """An HF directory with a speed shape's config (or `config`, named `shape`) and the default
+    model's tokenizer (weights: random)."""
     from transformers import AutoTokenizer
 
     from rollout.models.default_model import ensure_default_model
 
     path = Path(tempfile.mkdtemp(prefix=f"rollout-{shape}-"))
-    (path / "config.json").write_text(json.dumps(SPEED_SHAPES[shape]))
+    (path / "config.json").write_text(json.dumps(config or SPEED_SHAPES[shape]))
     AutoTokenizer.from_pretrained(ensure_default_model()).save_pretrained(path)
     return str(path)
 
