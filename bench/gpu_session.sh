@@ -11,10 +11,10 @@
 #   call 2: carry .devcache/smol.part.ab .whl
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (carry .whl; while the machine is warm)
-#   the recipe stage needs .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 25 MB,
-#   too much beside a model part: carry it in a later call)
+#   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
+#   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | numerics | islands | admission | deterministic | invariant | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: kernels | engine | check | numerics | islands | admission | deterministic | invariant | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -81,6 +81,13 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
         --coupled-sampling $step --dtype ${DTYPE:-bfloat16} ${ENGINE_FLAGS:-} --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
         | grep -E "^\| rollout|coupled" | sed "s|^|$name $between |")
     done
+  done
+  ;;
+recipe-dtypes)  # issue 62: $STEPS (30) GRPO steps in bf16 and in fp16 with --tis 2, same seeds otherwise: each run's step
+  # table (reward, mismatch); plot them here with bench/plot_grpo_logs.py (the machines have no matplotlib)
+  for dtype in bfloat16 float16; do
+    python3 recipes/grpo.py --steps ${STEPS:-30} --prompts 32 --n 8 --max-new-tokens 256 --dataset-size 256 --dtype $dtype \
+      --tis 2.0 --out "/tmp/recipe-$dtype" 2>&1 | grep -E "^\|" | tee "$OUT/grpo-$dtype.log" | tail -3
   done
   ;;
 sampling)  # the sampling kernels' cost by rows and vocabulary (151,936: Qwen3-8B), against a decode step of each shape at 512

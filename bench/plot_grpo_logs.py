@@ -1,5 +1,6 @@
 """Plot GRPO runs from the step tables `recipes/grpo.py` prints: reward and accept rate per
-step, and rollout time per step, one line per run (e.g. speculation on and off).
+step, rollout time per step and, where the tables have it, the rollout's logprob mismatch against
+the trainer, one line per run (e.g. speculation on and off, or bf16 and fp16).
 
     python bench/plot_grpo_logs.py bench/results/grpo-h100/grpo-ngram.log bench/results/grpo-h100/grpo-off.log \
         --out bench/results/grpo-h100/grpo.png
@@ -18,7 +19,7 @@ def read_table(path: Path) -> dict[str, list[float]]:
     cols: dict[str, list[float]] = {h: [] for h in head}
     for row in rows[1:]:
         for h, cell in zip(head, row):
-            cols[h].append(float(cell))
+            cols[h].append(float(cell) if cell.strip() != "-" else float("nan"))  # ("-": not applicable)
     return cols
 
 
@@ -32,16 +33,18 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_a, ax_t) = plt.subplots(1, 3, figsize=(13, 3.5))
-    for log in args.logs:
-        t = read_table(log)
-        name = log.stem
-        ax_r.plot(t["step"], t["reward"], marker="o", label=name)
-        ax_a.plot(t["step"], t["accept rate"], marker="s", label=name)
-        ax_t.plot(t["step"], t["rollout s"], marker=".", label=name)
+    tables = {log.stem: read_table(log) for log in args.logs}
+    panels = {"reward": "mean reward", "accept rate": "n-gram accept rate", "rollout s": "rollout s"}
+    if all("mismatch" in t for t in tables.values()):
+        panels["mismatch"] = "mean abs logprob mismatch"
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.5))
+    for name, t in tables.items():
+        for ax, column in zip(axes, panels):
+            ax.plot(t["step"], t[column], marker=".", label=name)
         print(f"{name}: reward {t['reward'][0]:.3f} -> {t['reward'][-1]:.3f}, "
-              f"rollout s median {statistics.median(t['rollout s']):.2f}, mean {statistics.mean(t['rollout s']):.2f}")
-    for ax, label in ((ax_r, "mean reward"), (ax_a, "n-gram accept rate"), (ax_t, "rollout s")):
+              f"rollout s median {statistics.median(t['rollout s']):.2f}, mean {statistics.mean(t['rollout s']):.2f}"
+              + (f", mismatch median {statistics.median(t['mismatch']):.2e}" if "mismatch" in t else ""))
+    for ax, label in zip(axes, panels.values()):
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.legend()
