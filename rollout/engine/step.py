@@ -70,8 +70,7 @@ class Emitted:
     coupled: int | None = None  # a drafting step: sequences that followed their earlier rollout (Source.COUPLED)
     overflowed: list[int] | None = None  # sequences whose emitted logprobs are NaN: the forward overflowed (inf or NaN)
     # One token each, nothing drafted (plain decode steps, prefills): tokens[i] and logprobs[i] are the
-    # token and its logprob, not lists, which at 512 sequences saves the host a list per sequence and
-    # column, and the collector their allocations.
+    # token and its logprob, not lists, which at 512 sequences saves the host a list per sequence and column.
     single: bool = False
 
 
