@@ -225,8 +225,12 @@ class Engine:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         reqs = [self.add_request(p, sp, return_logprob=return_logprob) for p, sp in zip(prompts, sampling_params)]
-        while not all(r.finished for r in reqs):
-            self.step()
+        first = 0  # the requests before it have finished (a scan of all of them each step: ~0.1 ms at 64 x 8 on a CPU)
+        while first < len(reqs):
+            if reqs[first].finished:
+                first += 1
+            else:
+                self.step()
         return [[self.output(s) for s in r.sequences] for r in reqs]
 
     def output(self, seq: Sequence) -> Output:
