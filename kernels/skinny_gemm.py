@@ -37,13 +37,12 @@ and sums are unchanged: the result is bitwise the same.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
-from kernels import fused, pdl
+from kernels import fused, pdl, sm_count
 
 try:
     import triton
@@ -230,17 +229,12 @@ def invariant_tile(m: int, n: int, device: torch.device) -> dict:
     times, small ones keep a few rows' product streaming the weight from every SM."""
     if INTERPRET:  # (no SMs to fill; the interpreter's products are numpy's, batch-invariant or not)
         return INVARIANT_TILES[-1]
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     for tile in INVARIANT_TILES:
         rows_fill = tile["BLOCK_M"] <= max(m, 64)
         if rows_fill and triton.cdiv(m, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"]) >= sms:
             return tile
     return INVARIANT_TILES[-1]
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

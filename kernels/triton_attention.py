@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, sm_count
 from kernels.attention import MAX_TREE_TOKENS, AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -338,7 +338,6 @@ class TritonAttention:
         self.batch_invariant = batch_invariant
         self._meta_bounds: tuple[int, int, int, bool] | None = None  # num_seqs, max_q_len, max_kv_len, has_tree
         self._configs: dict[tuple, LaunchConfig] = {}
-        self._sm_count: dict[torch.device, int] = {}
 
     def plan(self, meta: AttentionMetadata) -> None:
         if meta.max_q_len > DECODE_MAX_Q_LEN and meta.tree_mask is not None:
@@ -391,17 +390,9 @@ class TritonAttention:
             num_splits = self._forced_splits
         else:
             programs = num_seqs * num_kv_heads * num_m_blocks
-            wanted = triton.cdiv(PROGRAMS_PER_SM * self._sms(device), max(programs, 1))
+            wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(programs, 1))
             num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
         return LaunchConfig(group, block_m, block_n, num_m_blocks, num_splits, num_warps, num_stages)
-
-    def _sms(self, device: torch.device) -> int:
-        if device not in self._sm_count:
-            if device.type == "cuda":
-                self._sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
-            else:  # Triton's interpreter on CPU: any small number exercises the same code
-                self._sm_count[device] = 8
-        return self._sm_count[device]
 
     def _alloc_partials(self, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device):
         """Split-KV scratch: per-split normalised outputs and their base-2 log-sum-exp."""
