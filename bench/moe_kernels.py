@@ -1,9 +1,11 @@
 """One Qwen3-30B-A3B MoE layer's kernels timed alone, against the weights they must read at 4.8 TB/s.
 
-    python bench/moe_kernels.py [--rows 1,8,64,512,4096] [--dtype bfloat16]
+    python bench/moe_kernels.py [--rows 1,8,32,64,256,512,4096] [--dtype bfloat16] [--blocks 16,32,64]
 
 Per row count (a decode step's rows, or a prefill's tokens): microseconds of the routing (top-k
-and placement), of the fused path whole, and of the torch reference (every expert over every
+and placement; where a step is small enough to route in one program, also in the two kernels a
+larger step takes), of the fused path whole (at the block of rows `block_rows` picks, and at each
+block of `--blocks`), and of the torch reference (every expert over every
 row) where it runs in reasonable time; and the bound: the
 distinct experts the rows took times one expert's bytes, over 4.8 TB/s. Each call is replayed
 in a CUDA graph (as a decode step runs it), on a layer's own weights (48 layers' worth would not
@@ -13,6 +15,7 @@ sit in the L2 cache either: one expert is 9.4 MB).
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import triton.testing
@@ -33,10 +36,22 @@ def graph_us(fn, calls: int = 10) -> float:
     return triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median") * 1e3 / calls
 
 
+@contextlib.contextmanager
+def patched(name: str, value):
+    """fused_moe's `name` set to `value` while graphs are captured: the choices it makes per call."""
+    old = getattr(fused_moe, name)
+    setattr(fused_moe, name, value)
+    try:
+        yield
+    finally:
+        setattr(fused_moe, name, old)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,8,64,512,4096")
+    ap.add_argument("--rows", default="1,8,32,64,256,512,4096")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--blocks", default="16,32,64", help="rows per block to time the fused path at, besides the rule's")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = "cuda"
@@ -44,18 +59,31 @@ def main() -> None:
     gate_up = (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, device=dev) / HIDDEN**0.5).to(dtype)
     down = (torch.randn(EXPERTS, HIDDEN, WIDTH, device=dev) / WIDTH**0.5).to(dtype)
     expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    print("| rows | routing us | fused us | reference us | bound us | fused / bound |")
-    print("|---|---|---|---|---|---|")
+    blocks = [int(b) for b in args.blocks.split(",") if b]
+    print("| rows | routing us | routing us, two kernels | block | fused us | " + " | ".join(f"fused us, block {b}" for b in blocks)
+          + " | reference us | bound us | fused / bound |")
+    print("|---" * (8 + len(blocks)) + "|")
     for rows in (int(r) for r in args.rows.split(",")):
         h = torch.randn(rows, HIDDEN, device=dev).to(dtype)
         logits = torch.randn(rows, EXPERTS, device=dev).to(dtype)
         call = (h, logits, gate_up, down, TOP_K, True)
         route = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+        two = "-"
+        if rows <= fused_moe.ONE_PROGRAM_ROUTE_ROWS:
+            with patched("ONE_PROGRAM_ROUTE_ROWS", 0):
+                two = f"{graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype)):.1f}"
         fused = graph_us(lambda: fused_moe.experts(*call))
+        by_block = []
+        for b in blocks:
+            with patched("block_rows", lambda assignments, experts, b=b: b):
+                by_block.append(f"{graph_us(lambda: fused_moe.experts(*call)):.1f}")
         ref = f"{graph_us(lambda: fused_moe.experts_ref(*call), calls=2):.0f}" if rows <= 64 else "-"
         distinct = len(torch.unique(fused_moe.Route(logits, TOP_K, True, dtype).ids))
         bound = distinct * expert_bytes / BANDWIDTH * 1e6
-        print(f"| {rows} | {route:.1f} | {fused:.1f} | {ref} | {bound:.1f} | {fused / bound:.2f} |", flush=True)
+        block = fused_moe.block_rows(rows * TOP_K, EXPERTS)
+        print(f"| {rows} | {route:.1f} | {two} | {block} | {fused:.1f} | " + " | ".join(by_block)
+              + f" | {ref} | {bound:.1f} | {fused / bound:.2f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

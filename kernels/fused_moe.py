@@ -11,15 +11,16 @@ The Triton path reads only the experts the step's rows took, each once per block
    to sum to one when asked, then rounded to the activation dtype, as transformers does), and the
    rows each expert took, added up over the programs.
 2. `_place_kernel`: each expert's run of slots padded to whole blocks, every pick placed in its
-   expert's run, and the expert of every block.
+   expert's run, and the expert of every block. A step of few rows (decode at small batch) does
+   1 and 2 in one program (`_route_kernel`): one launch, and no counts to zero before it.
 3. `_expert_gemm_kernel` with GATED: per block of slots, the rows' hidden states times the block's
    expert's gate and up rows, SiLU(gate) x up, into [rows x top-k, width].
 4. `_expert_gemm_kernel`: that times the expert's down projection, times the routing weight,
    into [rows x top-k, hidden].
 5. `_combine_kernel`: each row's k outputs summed in pick order in float32, rounded once.
 
-A block's rows follow the step's rows per expert (16 at decode, up to 64 at prefill, so that an
-expert's weights are read by as few blocks as its rows fill), and the tile is timed per shape on
+A block's rows follow the step's rows per expert (16 at small decode batches, 64 from 512 rows on,
+so that an expert's weights are read by as few blocks as its rows fill), and the tile is timed per shape on
 the first call, outside CUDA-graph capture (the runner's warm-up makes it). A path without the
 sort for steps of at most four rows (a program per pick, a GEMV per tile, the down product
 summing a row's picks as it goes: three launches instead of six) was no faster on an H200
@@ -47,6 +48,7 @@ except ImportError:  # CPU-only installs: the torch reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROUTE_ROWS = 16  # rows per iteration of the routing program
+ONE_PROGRAM_ROUTE_ROWS = 32  # steps of at most this many rows route in one program
 INVARIANT_TILE = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 INVARIANT_BLOCK_ROWS = 16
 
@@ -98,15 +100,17 @@ def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
 
 
 def block_rows(assignments: int, experts: int) -> int:
-    """Slots per block: the rows an expert takes on average, as a power of two within 16..64."""
-    return min(64, max(16, triton.next_power_of_2(-(-assignments // experts))))
+    """Slots per block: twice the rows an expert takes on average, as a power of two within 16..64, so
+    that an expert with more rows than the mean still fits one block and its weights are read once."""
+    return min(64, max(16, triton.next_power_of_2(-(-2 * assignments // experts))))
 
 
 class Route:
     """A step's routing on the device: each row's picks (`ids`, `weights` [T, k]) and its slots grouped
     by expert in blocks of `block` (`slots`: the flat pick index in each slot; `block_expert`: each
-    block's expert, -1 past the used ones; `starts`, `counts` per expert). Both kernels run a
-    program per ROUTE_ROWS rows."""
+    block's expert, -1 past the used ones; `starts`, `counts` per expert). A step of at most
+    ONE_PROGRAM_ROUTE_ROWS rows routes in one program; a larger one in two kernels of a program per
+    ROUTE_ROWS rows."""
 
     def __init__(self, logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype,
                  block: int | None = None):
@@ -116,23 +120,28 @@ class Route:
         self.top_k = top_k
         self.ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
         self.weights = torch.empty(rows, top_k, dtype=dtype, device=dev)
-        # counts and cursors, zeroed: the programs add their rows' picks to them
-        counting = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)
         shape = dict(E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k), R=ROUTE_ROWS,
                      num_warps=4, **_pdl())
-        grid = (triton.cdiv(rows, ROUTE_ROWS),)
-        _topk_kernel[grid](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
-                           RENORM=renormalise, **shape)
         self.block = block or block_rows(picks, num_experts)
         # the blocks: each expert's run rounds up by at most block - 1 slots, and at most `picks` experts have rows
         self.num_blocks = picks // self.block + min(num_experts, picks) + 1
+        counting = (torch.empty if rows <= ONE_PROGRAM_ROUTE_ROWS else torch.zeros)(
+            2, num_experts, dtype=torch.int32, device=dev)  # counts, cursors
         self.counts = counting[0]
         self.starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
         self.slots = torch.empty(self.num_blocks * self.block, dtype=torch.int32, device=dev)
         self.block_expert = torch.empty(self.num_blocks, dtype=torch.int32, device=dev)
+        runs = dict(BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)))
+        if rows <= ONE_PROGRAM_ROUTE_ROWS:
+            _route_kernel[(1,)](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
+                                self.starts, self.slots, self.block_expert, self.num_blocks, RENORM=renormalise,
+                                **shape, **runs)
+            return
+        grid = (triton.cdiv(rows, ROUTE_ROWS),)
+        _topk_kernel[grid](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
+                           RENORM=renormalise, **shape)
         _place_kernel[grid](self.ids, rows, num_experts, counting, self.starts, self.slots, self.block_expert,
-                            self.num_blocks, BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)),
-                            **shape)
+                            self.num_blocks, **shape, **runs)
 
 
 def _expert_gemm(route: Route, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool,
@@ -158,14 +167,12 @@ def _pdl() -> dict:
 if triton is not None:
 
     @triton.jit
-    def _topk_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, counts_ptr, E: tl.constexpr,
-                     K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-        """Each row's top-k of its float32 softmax, and the rows each expert took, added to counts."""
-        pdl.wait_for_previous(PDL)
+    def _topk_rows(logits_ptr, stride_l, r, rows, num_experts, weights_ptr, ids_ptr, E: tl.constexpr,
+                   K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr):
+        """Rows `r`'s top-k of their float32 softmax, stored; returns how many of them took each expert."""
         es = tl.arange(0, E)
         picks = tl.arange(0, KP)
         expert_ok = es < num_experts
-        r = tl.program_id(0) * R + tl.arange(0, R)
         row_ok = r < rows
         x = tl.load(logits_ptr + r[:, None].to(tl.int64) * stride_l + es[None, :],
                     mask=row_ok[:, None] & expert_ok[None, :], other=0.0).to(tl.float32)
@@ -189,7 +196,43 @@ if triton is not None:
         ok = row_ok[:, None] & (picks[None, :] < K)
         tl.store(weights_ptr + where, top.to(weights_ptr.dtype.element_ty), mask=ok)
         tl.store(ids_ptr + where, chosen, mask=ok)
-        tl.atomic_add(counts_ptr + es, taken, mask=expert_ok)
+        return taken
+
+    @triton.jit
+    def _store_runs(padded, ends, num_experts, starts_ptr, block_expert_ptr, num_blocks, E: tl.constexpr,
+                    BLOCK_M: tl.constexpr, NB: tl.constexpr):
+        """Each expert's run start, and each block's expert (-1 past the used blocks)."""
+        es = tl.arange(0, E)
+        expert_ok = es < num_experts
+        tl.store(starts_ptr + es, ends - padded, mask=expert_ok)
+        for b0 in range(0, num_blocks, NB):
+            b = b0 + tl.arange(0, NB)
+            passed = (ends[None, :] <= b[:, None] * BLOCK_M) & expert_ok[None, :]
+            expert = tl.sum(passed.to(tl.int32), axis=1)  # the first expert whose run reaches past the block's start
+            tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
+
+    @triton.jit
+    def _place_rows(ids_ptr, r, rows, padded, cursors_ptr, slots_ptr, E: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, R: tl.constexpr):
+        """Rows `r`'s picks placed in their experts' runs (`padded`: each run's length)."""
+        es = tl.arange(0, E)
+        where = r[:, None] * K + tl.arange(0, KP)[None, :]
+        ok = (r[:, None] < rows) & (tl.arange(0, KP)[None, :] < K)
+        chosen = tl.load(ids_ptr + where, mask=ok, other=0)
+        where, ok, chosen = tl.reshape(where, (R * KP,)), tl.reshape(ok, (R * KP,)), tl.reshape(chosen, (R * KP,))
+        start = tl.sum(tl.where(es[None, :] < chosen[:, None], padded[None, :], 0), axis=1)
+        cursor = tl.atomic_add(cursors_ptr + chosen, 1, mask=ok)  # (the order inside a run changes no row)
+        tl.store(slots_ptr + start + cursor, where, mask=ok)
+
+    @triton.jit
+    def _topk_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, counts_ptr, E: tl.constexpr,
+                     K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+        """A program's rows' top-k, and the rows each expert took, added to counts."""
+        pdl.wait_for_previous(PDL)
+        r = tl.program_id(0) * R + tl.arange(0, R)
+        taken = _topk_rows(logits_ptr, stride_l, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R, RENORM)
+        es = tl.arange(0, E)
+        tl.atomic_add(counts_ptr + es, taken, mask=es < num_experts)
 
     @triton.jit
     def _place_kernel(ids_ptr, rows, num_experts, counting_ptr, starts_ptr, slots_ptr, block_expert_ptr, num_blocks,
@@ -199,24 +242,36 @@ if triton is not None:
         rows placed in its expert's run, and (program 0) the runs' starts and each block's expert."""
         pdl.wait_for_previous(PDL)
         es = tl.arange(0, E)
-        expert_ok = es < num_experts
-        padded = (tl.load(counting_ptr + es, mask=expert_ok, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
+        padded = (tl.load(counting_ptr + es, mask=es < num_experts, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         if tl.program_id(0) == 0:
-            tl.store(starts_ptr + es, ends - padded, mask=expert_ok)
-            for b0 in range(0, num_blocks, NB):
-                b = b0 + tl.arange(0, NB)
-                passed = (ends[None, :] <= b[:, None] * BLOCK_M) & expert_ok[None, :]
-                expert = tl.sum(passed.to(tl.int32), axis=1)  # the first expert whose run reaches past the block's start
-                tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
+            _store_runs(padded, tl.cumsum(padded, axis=0), num_experts, starts_ptr, block_expert_ptr, num_blocks, E,
+                        BLOCK_M, NB)
         r = tl.program_id(0) * R + tl.arange(0, R)
-        where = r[:, None] * K + tl.arange(0, KP)[None, :]
-        ok = (r[:, None] < rows) & (tl.arange(0, KP)[None, :] < K)
-        chosen = tl.load(ids_ptr + where, mask=ok, other=0)
-        where, ok, chosen = tl.reshape(where, (R * KP,)), tl.reshape(ok, (R * KP,)), tl.reshape(chosen, (R * KP,))
-        start = tl.sum(tl.where(es[None, :] < chosen[:, None], padded[None, :], 0), axis=1)
-        cursor = tl.atomic_add(counting_ptr + num_experts + chosen, 1, mask=ok)  # (the order inside a run changes no row)
-        tl.store(slots_ptr + start + cursor, where, mask=ok)
+        _place_rows(ids_ptr, r, rows, padded, counting_ptr + num_experts, slots_ptr, E, K, KP, R)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, counting_ptr, starts_ptr,
+                      slots_ptr, block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                      R: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                      PDL: tl.constexpr):
+        """A small step's whole routing in one program: the top-k, the runs, the placement (no counts to
+        zero beforehand and one launch where the two kernels above take three with the zeroing)."""
+        pdl.wait_for_previous(PDL)
+        es = tl.arange(0, E)
+        expert_ok = es < num_experts
+        tl.store(counting_ptr + num_experts + es, tl.zeros((E,), dtype=tl.int32), mask=expert_ok)  # the cursors
+        taken = tl.zeros((E,), dtype=tl.int32)
+        for r0 in range(0, rows, R):
+            r = r0 + tl.arange(0, R)
+            taken += _topk_rows(logits_ptr, stride_l, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R, RENORM)
+        tl.store(counting_ptr + es, taken, mask=expert_ok)
+        padded = (taken + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        _store_runs(padded, tl.cumsum(padded, axis=0), num_experts, starts_ptr, block_expert_ptr, num_blocks, E,
+                    BLOCK_M, NB)
+        tl.debug_barrier()  # every thread's ids and zeroed cursors stored before any thread reads them
+        for r0 in range(0, rows, R):
+            _place_rows(ids_ptr, r0 + tl.arange(0, R), rows, padded, counting_ptr + num_experts, slots_ptr, E, K,
+                        KP, R)
 
     @triton.jit
     def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, counts_ptr, starts_ptr, weights_ptr,
