@@ -14,18 +14,23 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: kernels | engine | check | numerics | islands | admission | deterministic | invariant | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | invariant | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
 wheels=$(ls .whl/*.whl .whl_server/*.whl 2>/dev/null)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
+stamp=/tmp/site/.installed-$(echo $wheels | md5sum | cut -c1-8)  # (stages run side by side on two GPUs install once: `setup` first)
+[ -e "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels &&
+  touch "$stamp"; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
 bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-/tmp/bench-files}" "$@" 2>&1 | grep -v -e Warning -e warn; }
 RL="--workload rl --spec-modes off,ngram --batch-sizes 512 --n 8 --max-running-seqs 512 --repeats 3"
 
 case "$stage" in
+setup)  # the wheels and the default model, before stages start side by side (CUDA_VISIBLE_DEVICES=0 and =1)
+  python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
+  ;;
 kernels)
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
   timeout 420 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_draft_rows_kernel.py \
@@ -257,9 +262,9 @@ invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alik
   ;;
 moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's kernels against their bound, then the Qwen3-30B-A3B shape's decode (random weights)
   timeout 240 python3 -m pytest -q -m gpu tests/test_fused_moe_kernel.py tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -4
-  timeout 120 python3 bench/moe_kernels.py 2>&1 | tee "$OUT/moe-kernels.log"
+  timeout 240 python3 bench/moe_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/moe-kernels.log"
   LIMIT=${LIMIT:-360} bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64,512} \
-    --max-running-seqs 512 --prompt-len 128 --output-len 64 | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
+    --max-running-seqs 512 --prompt-len 128 --output-len ${OUTPUT_LEN:-256} ${MOE_FLAGS:-} | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"
