@@ -14,7 +14,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | invariant | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -253,6 +253,22 @@ deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference
       --output-len 128 $flag | grep -E "^\| rollout"
   done | tee -a "$OUT/deterministic.log"
   ;;
+deterministic-ab)  # issue 62: deterministic mode's speed, each version in ab/ (`bench/ab_versions.sh prepare REV`) against
+  # this checkout in turns (CYCLES, default 2), then this checkout's default mode; SHAPE=rl (64 x 8, T=1.0, spec off) or 8b
+  # (the Llama-3.1-8B shape, b64, 1,024-token prompts); TESTS=1 first runs the GPU tests of invariant attention and of the mode
+  if [ -n "${TESTS:-}" ]; then
+    timeout 170 python3 -m pytest -q -m gpu tests/test_triton_attention.py tests/test_engine_gpu.py tests/test_numerics_gpu.py \
+      -k "invariant or deterministic" 2>&1 | tail -5 | tee "$OUT/deterministic-tests.log"
+  fi
+  case ${SHAPE:-rl} in
+  rl) args=(--workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0) ;;
+  8b) args=(--workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 128) ;;
+  esac
+  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run $(cd ab && ls -d */ | tr -d /) head -- "${args[@]}" \
+    --enable-deterministic-inference 2>&1 | tee "$OUT/deterministic-ab-${SHAPE:-rl}.log"
+  echo "== head, default mode" | tee -a "$OUT/deterministic-ab-${SHAPE:-rl}.log"
+  LIMIT=150 bench "${args[@]}" | grep -E "^\| rollout" | tee -a "$OUT/deterministic-ab-${SHAPE:-rl}.log"
+  ;;
 invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alike, rows alike in any batch, deterministic
   # inference bitwise, coupled sampling), then its tiles by shape and rows against cuBLAS
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
@@ -261,8 +277,8 @@ invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alik
   timeout 200 python3 bench/invariant_tiles.py --rows 1,64,512 2>&1 | grep -v -i warn | tee "$OUT/invariant-tiles.log"
   ;;
 moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's kernels against their bound, then the Qwen3-30B-A3B shape's decode (random weights)
-  timeout 240 python3 -m pytest -q -m gpu tests/test_fused_moe_kernel.py tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -4
-  timeout 240 python3 bench/moe_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/moe-kernels.log"
+  timeout ${TEST_LIMIT:-240} python3 -m pytest -q -m gpu tests/test_fused_moe_kernel.py tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -4
+  timeout ${KERNEL_LIMIT:-240} python3 bench/moe_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/moe-kernels.log"
   LIMIT=${LIMIT:-360} bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64,512} \
     --max-running-seqs 512 --prompt-len 128 --output-len ${OUTPUT_LEN:-256} ${MOE_FLAGS:-} | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
   ;;
