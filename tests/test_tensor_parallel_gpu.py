@@ -16,8 +16,8 @@ PROMPTS = [[5 + k, 9, 13 + 2 * k, 7, 11 + k] for k in range(12)]
 PARAMS = [SamplingParams(temperature=0, max_new_tokens=48)] * 6 + [SamplingParams(temperature=1.0, max_new_tokens=48, n=4, seed=9)] * 6
 
 
-def tokens(model, **kw) -> list[list[int]]:
-    engine = Engine(model=str(model), device="cuda", dtype="float32", kv_cache_tokens=20_000, **kw)
+def tokens(model, dtype="float32", **kw) -> list[list[int]]:
+    engine = Engine(model=str(model), device="cuda", dtype=dtype, kv_cache_tokens=20_000, **kw)
     try:
         return [o.token_ids for r in engine.generate(PROMPTS, PARAMS) for o in r]
     finally:
@@ -30,6 +30,13 @@ def test_tp2_with_graphs_gives_eager_tp1_and_spec_off_tokens(tmp_path):
     assert tokens(tmp_path, spec="off", tp_size=2) == one
     assert tokens(tmp_path, spec="off", tp_size=2, cuda_graphs=False) == one
     assert tokens(tmp_path, spec=SpecConfig(method="ngram", adaptive=False), tp_size=2) == one
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tp2_in_half_precision_with_graphs_gives_eager_tokens(tmp_path, dtype):
+    """The ranks' one-shot collectives in each serving dtype (torch's kernel sums no float16: it goes as float32)."""
+    make_tiny_model("llama", tmp_path)
+    assert tokens(tmp_path, dtype, spec="off", tp_size=2) == tokens(tmp_path, dtype, spec="off", tp_size=2, cuda_graphs=False)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="the default model's 9 heads split over 3 GPUs")

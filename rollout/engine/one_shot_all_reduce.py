@@ -86,7 +86,7 @@ class OneShotAllReduce:
         group._set_group_name(self.name)
         _register(group)
         self._group = group
-        self._buffer = symm_mem.empty(MAX_BYTES, dtype=torch.uint8, device=device)
+        self._buffer = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)  # (fp16 staged as fp32)
         if rank == 0:
             store.set(COUNT_KEY, str(_rendezvous_made))
         else:
@@ -140,11 +140,15 @@ class OneShotAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks, in place (the kernel copies `x` into the buffer itself)."""
+        if x.dtype == torch.float16:  # torch's kernel sums bf16 and fp32 only: fp16 in fp32, rounded once (as bf16 is)
+            return x.copy_(self.all_reduce(x.float()))
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(self._staged(x.dtype, x.shape), x, "sum", self.name, x)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[L, V] of each rank -> [L, size * V], rank order along the last dimension."""
+        if x.dtype == torch.float16:  # (as all_reduce; fp16's values are exact in fp32)
+            return self.all_gather(x.float()).to(torch.float16)
         rows, cols = x.shape
         staged = self._staged(x.dtype, (rows, self.size, cols))
         staged.zero_()
