@@ -39,3 +39,20 @@ def test_moe_in_half_precision_gives_finite_logprobs(moe, dtype):
     engine = Engine(model=str(path), device="cuda", dtype=dtype, spec="ngram", kv_cache_tokens=20_000)
     outs = engine.generate(PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=32, seed=2), return_logprob=True)
     assert all(o.finish_reason in ("stop", "length") and torch.isfinite(torch.tensor(o.logprobs)).all() for g in outs for o in g)
+
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_moe_over_two_gpus_in_graphs_with_speculation_gives_one_gpus_eager_tokens(moe):
+    """Each rank's share of every expert's width, its part summed by the layer's all-reduce, in the captured graphs."""
+    path, _ = moe
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+
+    def tokens(**kw) -> list[list[int]]:
+        engine = Engine(model=str(path), device="cuda", dtype="float32", kv_cache_tokens=20_000, **kw)
+        try:
+            return [o[0].token_ids for o in engine.generate(PROMPTS, params)]
+        finally:
+            engine.close()
+
+    assert tokens(spec="ngram", tp_size=2) == tokens(spec="off", cuda_graphs=False)
