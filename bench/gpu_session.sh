@@ -277,7 +277,7 @@ invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alik
   timeout 200 python3 bench/invariant_tiles.py --rows 1,64,512 2>&1 | grep -v -i warn | tee "$OUT/invariant-tiles.log"
   ;;
 multi-gpu)  # 2+ GPUs: the collectives' and tensor parallelism's GPU tests (fp16 included) and the MoE engine's, then
-  # fp16 against bf16 at TP2 on the 8B shape (b1, b64, b512) and the MoE shape's decode at TP2
+  # fp16 against bf16 at TP2 on the 8B shape (b1, b64, b512), in turns
   timeout 420 python3 -m pytest -q -m gpu tests/test_all_reduce_norm_gpu.py tests/test_tensor_parallel_gpu.py \
     tests/test_moe_gpu.py 2>&1 | tail -6 | tee "$OUT/multi-gpu-tests.log"
   for dtype in bfloat16 float16 bfloat16 float16; do
