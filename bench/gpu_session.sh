@@ -14,7 +14,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -276,15 +276,20 @@ invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alik
     -k "invariant or float32_input or deterministic or coupled" 2>&1 | tee "$OUT/invariant-tests.log" | tail -4
   timeout 200 python3 bench/invariant_tiles.py --rows 1,64,512 2>&1 | grep -v -i warn | tee "$OUT/invariant-tiles.log"
   ;;
-multi-gpu)  # 2+ GPUs: the collectives' and tensor parallelism's GPU tests (fp16 included) and the MoE engine's, then
-  # fp16 against bf16 at TP2 on the 8B shape (b1, b64, b512), in turns
+multi-gpu-tests)  # 2+ GPUs: the collectives' and tensor parallelism's GPU tests (fp16 included) and the MoE engine's
   timeout 420 python3 -m pytest -q -m gpu tests/test_all_reduce_norm_gpu.py tests/test_tensor_parallel_gpu.py \
     tests/test_moe_gpu.py 2>&1 | tail -6 | tee "$OUT/multi-gpu-tests.log"
+  ;;
+tp2-dtypes)  # 2 GPUs: fp16 against bf16 at TP2 on the 8B shape (b1, b64, b512), in turns
   for dtype in bfloat16 float16 bfloat16 float16; do
     echo "== 8B TP2 $dtype"
     LIMIT=120 bench --workload decode --random-model llama3-8b --tp-size 2 --spec-modes off --batch-sizes 1,64,512 \
       --max-running-seqs 512 --prompt-len 128 --output-len 128 --dtype $dtype | grep -E "^\| rollout" | sort -u
   done | tee "$OUT/dtype-speed-8b-tp2.log"
+  ;;
+moe-push)  # issue 64, 2 GPUs: the Qwen3-30B-A3B shape pushed over NCCL by its 18,432 expert tensors' names, trainer on GPU 0
+  timeout 400 python3 recipes/bench_weight_sync.py --methods distributed --models 30b-a3b --repeats 3 2>&1 \
+    | grep -v -i warn | tail -4 | tee "$OUT/push-30b-a3b.log"
   ;;
 moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's kernels against their bound, then the Qwen3-30B-A3B shape's decode (random weights)
   timeout ${TEST_LIMIT:-240} python3 -m pytest -q -m gpu tests/test_fused_moe_kernel.py tests/test_moe_gpu.py 2>&1 | tee "$OUT/moe-tests.log" | tail -4

@@ -5,11 +5,12 @@
     python recipes/bench_weight_sync.py --methods ipc --models 8b --bucket-mb 0,128
     python recipes/bench_weight_sync.py --methods distributed --models 8b --dp-size 2   # 3+ GPUs: one push, 2 replicas
     python recipes/bench_weight_sync.py --methods distributed --models 8b,32b --tp-size 2   # 3+ GPUs: one push, 2 ranks
+    python recipes/bench_weight_sync.py --methods distributed --models 30b-a3b   # 2+ GPUs: Qwen3-30B-A3B's 18,432 experts
 
 The engine is a real `rollout serve` (started here, one per model, random weights for the
-8B and 32B (Qwen2.5-32B) shapes); a trainer subprocess holds the weights (the default model's checkpoint, or
-random weights of the 8B shape) and pushes them with `WeightPusher` over HTTP, as a
-training loop would. Reported per row: the trainer's wall time for `push()` (median of the
+8B, 32B (Qwen2.5-32B) and 30B-A3B (Qwen3-MoE) shapes); a trainer subprocess holds the weights (the
+default model's checkpoint, or random weights of the shape by the checkpoint's names, each expert's
+own) and pushes them with `WeightPusher` over HTTP, as a training loop would. Reported per row: the trainer's wall time for `push()` (median of the
 repeats after a warm-up push that also builds the group), the engine's receive and swap
 times, and the effective bandwidth (bytes sent / push time).
 
@@ -39,6 +40,9 @@ from rollout.tools.launch import launched_server  # noqa: E402
 
 
 # ---------------- trainer side (a subprocess) ----------------
+SHAPES = {"8b": "llama3-8b", "32b": "qwen2.5-32b", "30b-a3b": "qwen3-30b-a3b"}  # --models: random weights of these shapes
+
+
 def trainer_tensors(model_dir: str, random_weights: bool, device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     from rollout.models.config import ModelConfig
     from rollout.models.loader import build_model, randomize
@@ -48,10 +52,9 @@ def trainer_tensors(model_dir: str, random_weights: bool, device: torch.device, 
         cfg = ModelConfig.from_dir(model_dir)
         model = build_model(cfg, device, dtype)
         randomize(model, seed=1)
-        targets = model.weight_targets()
-        if cfg.tie_word_embeddings:
-            targets.pop("lm_head.weight")
-        return [(name, t.view()) for name, t in targets.items()]
+        # by the checkpoint's names: not a tied LM head, nor the stacked names a mixture of experts' tensors also go by
+        skip = model.optional_weights()
+        return [(name, t.view()) for name, t in model.weight_targets().items() if name not in skip]
     return [(n, t.to(device=device, dtype=dtype)) for n, t in iter_checkpoint(model_dir)]
 
 
@@ -97,10 +100,10 @@ def bench(args: argparse.Namespace) -> None:
     for model in args.models.split(","):
         if model == "default":
             model_dir, random_weights = str(ensure_default_model()), False
-        elif model in ("8b", "32b"):
-            model_dir, random_weights = speed_model_dir("llama3-8b" if model == "8b" else "qwen2.5-32b"), True
+        elif model in SHAPES:
+            model_dir, random_weights = speed_model_dir(SHAPES[model]), True
         else:
-            raise SystemExit(f"--models: default, 8b or 32b, not {model!r}")
+            raise SystemExit(f"--models: default or one of {', '.join(SHAPES)}, not {model!r}")
         dtype = "bfloat16" if cuda else "float32"
         with serve(model_dir, "cuda" if cuda else "cpu", dtype, random_weights, args.dp_size, args.tp_size, base_gpu_id) as url:
             for method in args.methods.split(","):
@@ -144,7 +147,7 @@ def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=None, help="comma list of default, 8b, 32b (default: default on CPU, default,8b on GPU)")
+    ap.add_argument("--models", default=None, help="comma list of default, 8b, 32b, 30b-a3b (default: default on CPU, default,8b on GPU)")
     ap.add_argument("--methods", default=None, help="comma list of distributed, disk, ipc (default: all that the machine allows)")
     ap.add_argument("--bucket-mb", default="auto", help="comma list of bucket sizes in MB; 0 = one broadcast/handle per tensor; "
                     "auto = the pusher's default (128 for NCCL, 0 for gloo and IPC)")
