@@ -1,6 +1,6 @@
 """One Qwen3-30B-A3B MoE layer's kernels timed alone, against the weights they must read at 4.8 TB/s.
 
-    python bench/moe_kernels.py [--rows 1,8,32,64,256,512,4096] [--dtype bfloat16] [--blocks 16,32,64]
+    python bench/moe_kernels.py [--rows 1,8,32,64,256,512,4096] [--dtype bfloat16] [--blocks 16,32,64,128]
 
 Per row count (a decode step's rows, or a prefill's tokens): microseconds of the routing (top-k
 and placement; where a step is small enough to route in one program, also in the two kernels a
@@ -51,7 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32,64,256,512,4096")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--blocks", default="16,32,64", help="rows per block to time the fused path at, besides the rule's")
+    ap.add_argument("--blocks", default="16,32,64,128", help="rows per block to time the fused path at, besides the rule's")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = "cuda"
