@@ -11,6 +11,8 @@
 #   call 2: carry .devcache/smol.part.ab .whl
 #           cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf && bash bench/gpu_session.sh engine
 #   later:  bash bench/gpu_session.sh <stage>   (carry .whl; while the machine is warm)
+#   two GPUs: bash bench/gpu_session.sh setup; (CUDA_VISIBLE_DEVICES=1 bash bench/gpu_session.sh A > /tmp/a.txt 2>&1) &
+#             CUDA_VISIBLE_DEVICES=0 bash bench/gpu_session.sh B; wait   (two one-GPU stages side by side)
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
