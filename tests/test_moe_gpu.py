@@ -41,7 +41,6 @@ def test_moe_in_half_precision_gives_finite_logprobs(moe, dtype):
     assert all(o.finish_reason in ("stop", "length") and torch.isfinite(torch.tensor(o.logprobs)).all() for g in outs for o in g)
 
 
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_moe_over_two_gpus_in_graphs_with_speculation_gives_one_gpus_eager_tokens(moe):
     """Each rank's share of every expert's width, its part summed by the layer's all-reduce, in the captured graphs."""

@@ -2,12 +2,10 @@
 wall on the CPU when the forward and the draw cost next to nothing (step_profile.py's host-probe shape), so that it is
 the host's own work: 64 prompts x 8 samples x 256 tokens, spec off, two rounds after a warm-up, the median decode step
 and the collector's time. Run it on two trees in turns (`cd TREE && PYTHONPATH=TREE python
-/work/main/bench/probes/host_step_probe.py TREE`), the shape taken from this repository's step_profile.py."""
+REPO/bench/probes/host_step_probe.py TREE`), the shape taken from this repository's step_profile.py."""
 
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,16 +13,12 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (this repository's bench/, for the shape)
 
 from step_profile import HOST_PROBE  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.engine.engine import freeze_heap  # noqa: E402
-from rollout.models.default_model import ensure_default_model  # noqa: E402
-from rollout.tools.bench import GcTimer  # noqa: E402
+from rollout.tools.bench import GcTimer, speed_model_dir  # noqa: E402
 
-model = tempfile.mkdtemp()
-(Path(model) / "config.json").write_text(json.dumps(HOST_PROBE))
-AutoTokenizer.from_pretrained(ensure_default_model()).save_pretrained(model)
+model = speed_model_dir("host-probe", HOST_PROBE)
 engine = Engine(model=model, spec="off", device="cpu", max_running_seqs=512, load_format="dummy")
 freeze_heap()
 prompts = [[(7 * i + j) % 500 + 3 for j in range(40)] for i in range(64)]

@@ -323,7 +323,6 @@ class ModelRunner:
         step.first_row = np.cumsum(counts) - counts
         if n == 1:  # plain decoding: one token each
             tokens, logprobs = ints[:, 0].tolist(), lps[:, 0].tolist()
-            lengths = [1] * s
             overflowed = _nan_rows(lps)
         else:
             lengths = ints[:, n + OutCol.LENGTH].tolist()
@@ -333,10 +332,10 @@ class ModelRunner:
         top = None
         if step.top:  # by row: a sequence's accepted nodes are rows from its first on
             top_of, first = _top_rows(host[-2:]), step.first_row.tolist()
-            top = [top_of([first[i] + j for j in _path(bits[i], k)]) for i, k in enumerate(lengths)]
+            top = [top_of([first[i] + j for j in _path(bits[i], k)]) for i, k in enumerate(lengths if n > 1 else [1] * s)]
         codes = ints[:, n + OutCol.SOURCE]
         names = self.drafters.source_names
-        sources = [names[c] for c in codes.tolist()]
+        sources = [names[c] for c in codes.tolist()] if n > 1 else None  # (a sequence's drafter: read only where it drafted)
         misses, coupled = self.drafters.counts(codes, step.drafting)
         return Emitted(step.batch.seqs, tokens, logprobs, [True] * s, (counts - 1).tolist(), sources, top, index_misses=misses,
                        coupled=coupled, overflowed=overflowed, single=n == 1)

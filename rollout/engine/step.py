@@ -64,7 +64,7 @@ class Emitted:
     logprobs: list[list[float]] | list[float]
     counted: list[bool]  # a decode/verify step's tokens (they count toward accept length), not a prefill's first
     drafted: list[int]  # draft tokens verified for each sequence (accepted: its tokens less one)
-    sources: list[str] | None = None  # each sequence's drafter (decode and verify steps)
+    sources: list[str] | None = None  # each sequence's drafter (verify steps; what `append` reads where drafts were verified)
     top: list[list[tuple[list[int], list[float]]]] | None = None  # per token: the most likely tokens and their logprobs
     index_misses: int | None = None  # a hybrid's drafting step: sequences the n-gram index found nothing for
     coupled: int | None = None  # a drafting step: sequences that followed their earlier rollout (Source.COUPLED)
