@@ -16,7 +16,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-spec | kernel-tables | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -298,6 +298,17 @@ moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's 
   timeout ${KERNEL_LIMIT:-240} python3 bench/moe_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/moe-kernels.log"
   LIMIT=${LIMIT:-360} bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64,512} \
     --max-running-seqs 512 --prompt-len 128 --output-len ${OUTPUT_LEN:-256} ${MOE_FLAGS:-} | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
+  ;;
+moe-spec)  # issue 64: speculation never slower than off on MoE: the grpo rows on the Qwen3-30B-A3B shape (random weights)
+  LIMIT=${LIMIT:-560} bench --workload grpo --random-model qwen3-30b-a3b --spec-modes off,ngram --batch-sizes 1,64,512 \
+    --max-running-seqs 512 --temperature 0.7,1.0 --output-len 256 --repeats ${REPEATS:-3} | tee "$OUT/moe-spec.log" | grep -E "^\| rollout"
+  ;;
+kernel-tables)  # issues 62 and 64: the unmet rows' steps kernel by kernel (eager, bench/tp_profile.py --kernels): the MoE
+  # shape at b1, the 8B shape at b64 (prompt 1,024) deterministic against default, at b512 fp16 against bf16
+  P="timeout ${LIMIT:-200} python3 bench/tp_profile.py --tp-sizes 1 --tokens 32 --kernels ${TOP:-25}"
+  $P --shape qwen3-30b-a3b 2>&1 | grep "^|" | tee "$OUT/kernels-moe-b1.log"
+  $P --batch 64 --prompt-len 1024 --variants default,deterministic 2>&1 | grep "^|" | tee "$OUT/kernels-8b-b64-deterministic.log"
+  $P --batch 512 --variants default,float16 2>&1 | grep "^|" | tee "$OUT/kernels-8b-b512-fp16.log"
   ;;
 quick)  # one round of each table's riskiest rows, when little device time is left
   LIMIT=240 bench $RL --repeats 1 --temperature 1.0,0.7 | tee "$OUT/quick-rl.log" | grep -E "^\| rollout|budget"

@@ -1,12 +1,13 @@
 """Where a tensor-parallel decode step's time goes: --batch sequences (one by default) of the
 Llama-3.1-8B shape (random weights), decode steps' wall, device and host time (Engine.step_log,
 medians), by setting; and where the run's time went: its prefill, its decode steps, their slowest,
-and the time outside steps. The kernel tables run eager: at a large batch the ranks' hosts drift
-apart and a collective's kernel absorbs the wait (once seen at 32B b64 TP4, where NCCL's
-all-reduce took most of an eager step; that run's log was not kept), so they read true at b1 only.
+and the time outside steps. The kernel tables (--kernels) profile decode steps as the variant runs
+them (CUDA graphs, PDL): at TP > 1 a collective's kernel absorbs its wait for the other ranks
+(once seen at 32B b64 TP4, where NCCL's all-reduce took most of an eager step), so they read true
+at TP1 and at b1.
 
     python bench/tp_profile.py --tp-sizes 1,2 --variants default,no-pdl,no-overlap,no-graphs
-    python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step (eager)
+    python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill --host 14   # the prefill's kernels and host ops
     python bench/tp_profile.py --shape default --tp-sizes 1 --batch 512 --variants default,deterministic --kernels 20
     PYTHONPATH=. python bench/tp_profile.py --tp-sizes 2 --ranks   # each rank's prefill and decode steps
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 
@@ -26,7 +26,8 @@ from rollout.models.default_model import ensure_default_model
 from rollout.tools.bench import speed_model_dir
 
 VARIANTS = {"default": {}, "no-pdl": {"pdl": False}, "no-overlap": {"overlap_schedule": False},
-            "no-graphs": {"cuda_graphs": False}, "deterministic": {"enable_deterministic_inference": True}}
+            "no-graphs": {"cuda_graphs": False}, "deterministic": {"enable_deterministic_inference": True},
+            "float16": {"dtype": "float16"}}
 
 
 def main() -> None:
@@ -111,14 +112,14 @@ def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> 
 Rows = list[tuple[str, int, float]]  # (name, count, us), costliest first
 
 
-def profiled(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Rows]:
-    """Rank 0's work in one run of the prompts, costliest first: "device", its kernels (name,
-    launches, device us); "host", the host's ops (name, calls, self CPU us: the time in the op
-    itself, its launches included)."""
+def profiled(engine: Engine, run) -> dict[str, Rows]:
+    """Rank 0's work while `run()` runs, costliest first: "device", its kernels (name, launches,
+    device us; CUPTI reports the kernels inside a CUDA graph's replay one by one); "host", the
+    host's ops (name, calls, self CPU us: the time in the op itself, its launches included)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, params)
+        run()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     events = prof.key_averages()
@@ -127,32 +128,24 @@ def profiled(engine: Engine, prompts: list[list[int]], params: SamplingParams) -
             for kind, f in fields.items()}
 
 
-def less(rows: Rows, other: Rows) -> Rows:
-    """`rows` less `other`, name by name (what is left positive), costliest first."""
-    minus = {name: (count, us) for name, count, us in other}
-    rows = [(name, count - minus.get(name, (0, 0))[0], us - minus.get(name, (0, 0))[1]) for name, count, us in rows]
-    return sorted((r for r in rows if r[2] > 0), key=lambda k: -k[2])
-
-
 def kernel_tables(model: str, args: argparse.Namespace) -> None:
-    """Eager decode steps (or the prefill) under torch.profiler: rank 0's kernels, us per step,
-    costliest first (in a CUDA graph the same kernels run, without the launch gaps), and the steps'
-    wall time in the run before, unprofiled; with --host K, the K costliest host ops too (the rest
-    of the wall is Python). Without PDL: a kernel launched early would count its wait for the one
-    before. A collective counts its wait for the other ranks."""
-    steps = 1 if args.prefill else args.tokens
-    params = SamplingParams(temperature=0, max_new_tokens=steps, ignore_eos=True)
+    """Rank 0's kernels, us per step, costliest first, with --host K the K costliest host ops too
+    (the rest of the wall is Python), and the profiled steps' median wall. Decode steps run as the
+    variant runs them (graphs and PDL by default): every prompt is prefilled first, then --tokens
+    steps are profiled. The prefill (--prefill) runs eagerly, as it always does. Aten ops that
+    launch kernels (aten::mm) count their kernels' time again. A collective counts its wait for
+    the other ranks."""
     print("| tp | variant | kernel or host op | per step | us per step |\n|---|---|---|---|---|", flush=True)
     for tp, variant in ((tp, v) for tp in map(int, args.tp_sizes.split(",")) for v in args.variants.split(",")):
-        engine = profiled_engine(model, tp, args, **{**VARIANTS[variant], "cuda_graphs": False, "pdl": False})
-        engine.generate(prompts(args), params)
+        engine = profiled_engine(model, tp, args, **VARIANTS[variant])
+        engine.generate(prompts(args), SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True))
+        if args.prefill:
+            steps, run = 1, lambda: engine.generate(prompts(args), SamplingParams(temperature=0, max_new_tokens=1))
+        else:
+            steps, run = args.tokens, decoding(engine, args)
         engine.reset_stats()
-        engine.generate(prompts(args), params)
-        wall_us = 1e3 * sum(r.wall_ms for r in engine.step_log if r.prefill == args.prefill) / steps
-        work = profiled(engine, prompts(args), params)
-        if not args.prefill:  # the decode steps' work: the whole run's less the prefill's
-            alone = profiled(engine, prompts(args), replace(params, max_new_tokens=1))
-            work = {kind: less(rows, alone[kind]) for kind, rows in work.items()}
+        work = profiled(engine, run)
+        profiled_steps = [r for r in engine.step_log if r.prefill == args.prefill]
         for kind, top in (("device", args.kernels), ("host", args.host)):
             for name, count, us in work[kind][:top]:
                 print(f"| {tp} | {variant} | {kind}: {name[:70]} | {count / steps:.0f} | {us / steps:.1f} |",
@@ -160,9 +153,30 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
             if top:
                 total = sum(k[2] for k in work[kind]) / steps
                 print(f"| {tp} | {variant} | {kind}: all {len(work[kind])} | | {total:.1f} |", flush=True)
-        print(f"| {tp} | {variant} | the steps' wall (unprofiled, eager) | | {wall_us:.1f} |", flush=True)
+        wall = statistics.median(r.wall_ms for r in profiled_steps) * 1e3
+        print(f"| {tp} | {variant} | the profiled steps' median wall ({len(profiled_steps)} steps) | | {wall:.1f} |",
+              flush=True)
+        engine.abort_all()
         engine.close()
         del engine
+
+
+def decoding(engine: Engine, args: argparse.Namespace):
+    """Every prompt added and prefilled (steps until one decodes them all); returns the run that
+    takes the next --tokens steps, then ends the requests."""
+    params = SamplingParams(temperature=0, max_new_tokens=4 * args.tokens + 64, ignore_eos=True)
+    engine.reset_stats()  # (the step log: from these requests on)
+    for p in prompts(args):
+        engine.add_request(p, params)
+    while not (engine.step_log and not engine.step_log[-1].prefill and engine.step_log[-1].num_seqs == args.batch):
+        engine.step()
+
+    def run() -> None:
+        for _ in range(args.tokens):
+            engine.step()
+
+    return run
+
 
 if __name__ == "__main__":
     main()
