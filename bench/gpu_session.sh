@@ -306,7 +306,7 @@ moe-spec)  # issue 64: speculation never slower than off on MoE: the grpo rows o
 kernel-tables)  # issues 62 and 64: the unmet rows' steps kernel by kernel (eager, bench/tp_profile.py --kernels): the MoE
   # shape at b1, the 8B shape at b64 (prompt 1,024) deterministic against default, at b512 fp16 against bf16
   P="timeout ${LIMIT:-200} python3 bench/tp_profile.py --tp-sizes 1 --tokens 32 --kernels ${TOP:-25}"
-  $P --shape qwen3-30b-a3b 2>&1 | grep "^|" | tee "$OUT/kernels-moe-b1.log"
+  [ -n "${SKIP_MOE:-}" ] || $P --shape qwen3-30b-a3b 2>&1 | grep "^|" | tee "$OUT/kernels-moe-b1.log"
   $P --batch 64 --prompt-len 1024 --variants default,deterministic 2>&1 | grep "^|" | tee "$OUT/kernels-8b-b64-deterministic.log"
   $P --batch 512 --variants default,float16 2>&1 | grep "^|" | tee "$OUT/kernels-8b-b512-fp16.log"
   ;;

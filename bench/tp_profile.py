@@ -2,7 +2,7 @@
 Llama-3.1-8B shape (random weights), decode steps' wall, device and host time (Engine.step_log,
 medians), by setting; and where the run's time went: its prefill, its decode steps, their slowest,
 and the time outside steps. The kernel tables (--kernels) profile decode steps as the variant runs
-them (CUDA graphs, PDL): at TP > 1 a collective's kernel absorbs its wait for the other ranks
+them (CUDA graphs; PDL off): at TP > 1 a collective's kernel absorbs its wait for the other ranks
 (once seen at 32B b64 TP4, where NCCL's all-reduce took most of an eager step), so they read true
 at TP1 and at b1.
 
@@ -106,7 +106,12 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> Engine:
     hooks = "bench.tp_profile:rank_handlers" if args.ranks else None
     return Engine(model=model, load_format="dummy", spec="off", tp_size=tp, max_running_seqs=max(8, args.batch),
-                  kv_cache_tokens=args.batch * (args.prompt_len + args.tokens) + 4096, tp_hooks=hooks, **config)
+                  kv_cache_tokens=args.batch * (args.prompt_len + new_tokens(args)) + 4096, tp_hooks=hooks, **config)
+
+
+def new_tokens(args: argparse.Namespace) -> int:
+    """A request's new tokens at most: the kernel tables' decoding runs past --tokens (the pool holds it all)."""
+    return 4 * args.tokens + 64
 
 
 Rows = list[tuple[str, int, float]]  # (name, count, us), costliest first
@@ -131,13 +136,14 @@ def profiled(engine: Engine, run) -> dict[str, Rows]:
 def kernel_tables(model: str, args: argparse.Namespace) -> None:
     """Rank 0's kernels, us per step, costliest first, with --host K the K costliest host ops too
     (the rest of the wall is Python), and the profiled steps' median wall. Decode steps run as the
-    variant runs them (graphs and PDL by default): every prompt is prefilled first, then --tokens
-    steps are profiled. The prefill (--prefill) runs eagerly, as it always does. Aten ops that
+    variant runs them (CUDA graphs by default) but without PDL: a kernel placed early counts its
+    wait for the one before, and the table stops adding up (MoE b1: 5.5 ms of kernels in a 3.6 ms
+    step). Every prompt is prefilled first, then --tokens steps are profiled. The prefill (--prefill) runs eagerly, as it always does. Aten ops that
     launch kernels (aten::mm) count their kernels' time again. A collective counts its wait for
     the other ranks."""
     print("| tp | variant | kernel or host op | per step | us per step |\n|---|---|---|---|---|", flush=True)
     for tp, variant in ((tp, v) for tp in map(int, args.tp_sizes.split(",")) for v in args.variants.split(",")):
-        engine = profiled_engine(model, tp, args, **VARIANTS[variant])
+        engine = profiled_engine(model, tp, args, **{**VARIANTS[variant], "pdl": False})
         engine.generate(prompts(args), SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True))
         if args.prefill:
             steps, run = 1, lambda: engine.generate(prompts(args), SamplingParams(temperature=0, max_new_tokens=1))
@@ -164,12 +170,17 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
 def decoding(engine: Engine, args: argparse.Namespace):
     """Every prompt added and prefilled (steps until one decodes them all); returns the run that
     takes the next --tokens steps, then ends the requests."""
-    params = SamplingParams(temperature=0, max_new_tokens=4 * args.tokens + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens(args), ignore_eos=True)
     engine.reset_stats()  # (the step log: from these requests on)
     for p in prompts(args):
         engine.add_request(p, params)
-    while not (engine.step_log and not engine.step_log[-1].prefill and engine.step_log[-1].num_seqs == args.batch):
+    for _ in range(new_tokens(args)):
         engine.step()
+        last = engine.step_log[-1] if engine.step_log else None
+        if last is not None and not last.prefill and last.num_seqs == args.batch:
+            break
+    else:
+        raise RuntimeError(f"no decode step of all {args.batch} sequences")
 
     def run() -> None:
         for _ in range(args.tokens):
