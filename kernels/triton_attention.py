@@ -3,11 +3,9 @@
 One step = `plan(meta)` once on the host, then `forward(...)` once per layer, which launches:
 
   _store_kv_kernel      grid (T,): writes this step's K/V at meta.out_slots.
-  _attention_kernel     grid (m_blocks * split_step, num_kv_heads, num_seqs): flash attention
+  _attention_kernel     grid (m_blocks * num_splits, num_kv_heads, num_seqs): flash attention
                         over the slots of one sequence, for one kv head, one block of query rows
-                        and one slice ("split") of the keys (batch-invariant: each program takes
-                        every split_step-th of the fixed splits, so the grid fits the GPU, not
-                        the splits a graph's bound may need).
+                        and one slice ("split") of the keys.
   _merge_splits_kernel  grid (T, num_heads), only when num_splits > 1: log-sum-exp merge of
                         the splits' partial outputs (flash-decoding).
 
@@ -150,7 +148,7 @@ def _attention_kernel(
     part_out_ptr,  # [T, num_heads, num_splits, head_dim] fp32, written when SPLIT
     part_lse_ptr,  # [T, num_heads, num_splits] fp32 (base 2), written when SPLIT
     seq_rows_ptr, kv_lens_ptr, qo_indptr_ptr, slot_table_ptr, tree_mask_ptr,
-    qk_scale, num_splits, split_step, keys_per_split, num_heads,
+    qk_scale, num_splits, keys_per_split, num_heads,
     stride_q_tok, stride_q_head,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_o_tok, stride_o_head,
@@ -161,10 +159,9 @@ def _attention_kernel(
 ):
     pdl.wait_for_previous(PDL)
     # axis 0 varies fastest, so the row blocks and splits of one (sequence, kv head) run side by
-    # side and share its K/V through L2. A program takes the splits first_split, first_split +
-    # split_step, ... (one each, unless batch-invariant: launch_config)
-    m_block = tl.program_id(0) // split_step
-    first_split = tl.program_id(0) % split_step
+    # side and share its K/V through L2
+    m_block = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
 
@@ -195,55 +192,55 @@ def _attention_kernel(
         last_tok = tl.minimum((m_start + BLOCK_M - 1) // GROUP, q_len - 1)
         kv_end = num_cached + last_tok + 1
         tree = tok  # unused
-    # A split's keys [lo, hi): whole BLOCK_N tiles, sized from the real kv_len read here, so a
+    # This split's keys [lo, hi): whole BLOCK_N tiles, sized from the real kv_len read here, so a
     # graph captured for an upper-bound max_kv_len still spreads the real keys over all splits;
     # or, batch-invariant, a fixed number of keys, so a query's splits depend on its position alone.
     if keys_per_split > 0:
         chunk = keys_per_split
     else:
         chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
+    if SPLIT:
+        if lo >= kv_end:  # past this block's keys (fixed splits, a graph's bound): the merge skips it
+            part = (q_rows * num_heads + head) * num_splits + split
+            tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            return
+    # whole tiles before `mid` lie in the cached prefix: no mask needed there. Batch-invariant:
+    # every tile masked, since where the cached prefix ends depends on the step (a decode step
+    # caches all but its token, a verify step only the root), and with the unmasked tiles the
+    # two kinds of step came out in other bits (bench/coupled_divergence.py, bench/RESULTS.md)
+    if keys_per_split > 0:
+        mid = lo
+    else:
+        mid = lo + tl.maximum(tl.minimum(hi, num_cached) - lo, 0) // BLOCK_N * BLOCK_N
+
     k_head_ptr = k_cache_ptr + kv_head * stride_k_head
     v_head_ptr = v_cache_ptr + kv_head * stride_v_head
-    for split in range(first_split, num_splits, split_step):
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_end)
-        part = (q_rows * num_heads + head) * num_splits + split  # [BLOCK_M] row in the partials (SPLIT)
-        if lo >= kv_end:  # past this block's keys (fixed splits, a graph's bound): the merge skips it
-            if SPLIT:  # (split 0 always has keys)
-                tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
-        else:
-            # whole tiles before `mid` lie in the cached prefix: no mask needed there. Batch-invariant:
-            # every tile masked, since where the cached prefix ends depends on the step (a decode step
-            # caches all but its token, a verify step only the root), and with the unmasked tiles the
-            # two kinds of step came out in other bits (bench/coupled_divergence.py, bench/RESULTS.md)
-            if keys_per_split > 0:
-                mid = lo
-            else:
-                mid = lo + tl.maximum(tl.minimum(hi, num_cached) - lo, 0) // BLOCK_N * BLOCK_N
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for start in range(lo, mid, BLOCK_N):
-                acc, m_i, l_i = _attend_block(
-                    acc, m_i, l_i, q, start, hi, num_cached, slot_row_ptr, stride_slot_col,
-                    k_head_ptr, v_head_ptr, stride_k_slot, stride_v_slot, tok, tree, qk_scale, dims,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_TREE, DOT_PRECISION)
-            for start in range(mid, hi, BLOCK_N):
-                acc, m_i, l_i = _attend_block(
-                    acc, m_i, l_i, q, start, hi, num_cached, slot_row_ptr, stride_slot_col,
-                    k_head_ptr, v_head_ptr, stride_k_slot, stride_v_slot, tok, tree, qk_scale, dims,
-                    HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_TREE, DOT_PRECISION)
-            # l_i == 0 only for a split with no keys (or a malformed mask): output 0 there, never NaN
-            seen = l_i > 0
-            o = acc / tl.where(seen, l_i, 1.0)[:, None]
-            if SPLIT:
-                _store_tile(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, row_ok, dims, HEAD_DIM,
-                            BLOCK_D)
-                tl.store(part_lse_ptr + part, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")),
-                         mask=row_ok)
-            else:
-                _store_tile(out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
-                            o.to(out_ptr.dtype.element_ty), row_ok, dims, HEAD_DIM, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, mid, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, start, hi, num_cached, slot_row_ptr, stride_slot_col,
+            k_head_ptr, v_head_ptr, stride_k_slot, stride_v_slot, tok, tree, qk_scale, dims,
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_TREE, DOT_PRECISION)
+    for start in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, start, hi, num_cached, slot_row_ptr, stride_slot_col,
+            k_head_ptr, v_head_ptr, stride_k_slot, stride_v_slot, tok, tree, qk_scale, dims,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_TREE, DOT_PRECISION)
+
+    # l_i == 0 only for a split with no keys (or a malformed mask): output 0 there, never NaN
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SPLIT:
+        part = (q_rows * num_heads + head) * num_splits + split  # [BLOCK_M] row in the partials
+        _store_tile(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, row_ok, dims, HEAD_DIM, BLOCK_D)
+        tl.store(part_lse_ptr + part, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+    else:
+        _store_tile(out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+                    o.to(out_ptr.dtype.element_ty), row_ok, dims, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -290,7 +287,6 @@ class LaunchConfig:
     block_n: int
     num_m_blocks: int
     num_splits: int
-    split_step: int  # programs per row block: each takes every split_step-th split
     num_warps: int
     num_stages: int
 
@@ -388,21 +384,15 @@ class TritonAttention:
         # a thread and spill (seen in sm_90 compiles), so use 8
         num_warps = 8 if block_m * block_d >= 64 * 128 else 4
         num_m_blocks = triton.cdiv(rows, block_m)
-        programs = num_seqs * num_kv_heads * num_m_blocks
-        wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(programs, 1))
-        split_step = None  # a program per split
         if self.batch_invariant:
-            # splits of fixed keys up to the graph's bound (8k: 17), most of them past the real keys; as
-            # many programs as fill the GPU take them in turn (the 8B shape at b64, 1k keys: 17 programs
-            # per (sequence, kv head), 14 with nothing to do, made attention 1.29x the default's)
             num_splits = triton.cdiv(max(max_kv_len, 1), INVARIANT_KEYS_PER_SPLIT)
-            split_step = max(1, min(wanted, num_splits))
         elif self._forced_splits is not None:
             num_splits = self._forced_splits
         else:
+            programs = num_seqs * num_kv_heads * num_m_blocks
+            wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(programs, 1))
             num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
-        return LaunchConfig(group, block_m, block_n, num_m_blocks, num_splits, split_step or num_splits, num_warps,
-                            num_stages)
+        return LaunchConfig(group, block_m, block_n, num_m_blocks, num_splits, num_warps, num_stages)
 
     def _alloc_partials(self, num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device):
         """Split-KV scratch: per-split normalised outputs and their base-2 log-sum-exp."""
@@ -471,12 +461,11 @@ class TritonAttention:
         else:
             part_out, part_lse = out, out  # not touched when SPLIT is False
         tree_mask = meta.tree_mask if meta.tree_mask is not None else meta.out_slots  # dummy pointer when causal
-        grid = (config.num_m_blocks * config.split_step, num_kv_heads, meta.num_seqs)
+        grid = (config.num_m_blocks * config.num_splits, num_kv_heads, meta.num_seqs)
         _attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse,
             meta.seq_rows, meta.kv_lens, meta.qo_indptr, meta.slot_table, tree_mask,
-            scale * LOG2E, config.num_splits, config.split_step, INVARIANT_KEYS_PER_SPLIT if self.batch_invariant else 0,
-            num_heads,
+            scale * LOG2E, config.num_splits, INVARIANT_KEYS_PER_SPLIT if self.batch_invariant else 0, num_heads,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1),
