@@ -8,6 +8,7 @@ import random
 import pytest
 
 from rollout import Engine, SamplingParams
+from rollout.engine.memory import MemoryStateError
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 
@@ -145,3 +146,22 @@ def test_after_kv_exhaustion_an_idle_engine_holds_no_kv_and_releases_its_memory(
     assert engine.release_memory(["kv_cache"])["released"] == ["kv_cache"]
     engine.resume_memory(["kv_cache"])
     assert len(engine.generate([[5, 6, 7]], GREEDY)[0][0].token_ids) == 16
+
+
+def test_engines_sharing_one_model_give_their_own_tokens_and_keep_its_weights(model_dir):
+    """A benchmark keeps an engine per speculation mode; on one GPU they serve one model object
+    (share_weights_with), or a model of 61 GB could not be held twice: each gives the tokens an
+    engine of its own gives, neither lets the shared weights go, and engines that would treat the
+    weights differently are refused."""
+    first = Engine(model=str(model_dir), spec="off", device="cpu")
+    ngram = Engine(model=str(model_dir), spec="ngram", device="cpu", share_weights_with=first)
+    own = Engine(model=str(model_dir), spec="ngram", device="cpu")
+    assert ngram.model is first.model and own.model is not first.model
+    prompts = random_prompts(4, seed=11)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=5)
+    tokens = lambda e: [[s.token_ids for s in out] for out in e.generate(prompts, params)]  # noqa: E731
+    assert tokens(ngram) == tokens(own) == tokens(first)
+    with pytest.raises(MemoryStateError, match="share_weights_with"):
+        ngram.release_memory(["weights"])
+    with pytest.raises(ValueError, match="differ in dtype"):
+        Engine(model=str(model_dir), spec="off", device="cpu", dtype="bfloat16", share_weights_with=first)

@@ -54,23 +54,48 @@ class Parts:
     runner: ModelRunner
 
 
+SHARED_FIELDS = ("model", "dtype", "device", "load_format", "seed", "tp_size", "batch_invariant", "enable_fp32_residual",
+                 "enable_fp32_lm_head")  # what engines serving one model object must agree on
+
+
+def check_shareable(cfg: EngineConfig, other: EngineConfig) -> None:
+    """Engines of one process may serve one model object (a benchmark's engine per speculation mode
+    on a model too large to hold twice) when nothing they would do to its weights differs. They
+    share its weight updates too, and neither can release its memory (rollout/engine/memory.py)."""
+    differ = [f for f in SHARED_FIELDS if getattr(cfg, f) != getattr(other, f)]
+    if differ or cfg.tp_size > 1:
+        why = f"they differ in {', '.join(differ)}" if differ else "tensor parallelism holds the weights in rank processes"
+        raise ValueError(f"share_weights_with: these engines cannot serve one model ({why})")
+
+
+def served_model(cfg: EngineConfig, model_config: ModelConfig, model_path: Path, device: torch.device,
+                 dtype: torch.dtype, shard: Shard, shared=None) -> CausalLM:
+    """The model this rank serves: built and loaded (or randomised), or `shared`'s (an Engine's)."""
+    if shared is not None:
+        check_shareable(cfg, shared.config)
+        shared.model.shared = True
+        return shared.model
+    model = build_model(model_config, device, dtype, shard)
+    if cfg.load_format == "dummy":
+        randomize(model, cfg.seed + shard.rank)
+    else:
+        load_checkpoint(model, model_path)
+    return model
+
+
 def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower | None, model_path: Path,
-                model_config: ModelConfig) -> Parts:
-    """Everything a rank steps with (`tp`: its group under tensor parallelism, else None)."""
-    rank = tp.rank if tp is not None else 0
+                model_config: ModelConfig, shared=None) -> Parts:
+    """Everything a rank steps with (`tp`: its group under tensor parallelism, else None);
+    `shared`: an Engine whose model this one serves too (check_shareable)."""
     dtype = resolve_dtype(cfg.dtype, device)
-    shard = Shard(rank, cfg.tp_size, tp.group if tp is not None else None)
+    shard = Shard(tp.rank if tp is not None else 0, cfg.tp_size, tp.group if tp is not None else None)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     max_model_len = cfg.max_model_len or min(model_config.max_context, DEFAULT_MAX_MODEL_LEN)
     if max_model_len > model_config.max_context:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_config.max_context}")
 
     pdl.set_enabled(cfg.pdl and pdl.supported(device))  # before any kernel is timed or captured
-    model = build_model(model_config, device, dtype, shard)
-    if cfg.load_format == "dummy":
-        randomize(model, cfg.seed + rank)
-    else:
-        load_checkpoint(model, model_path)
+    model = served_model(cfg, model_config, model_path, device, dtype, shard, shared)
     head = draft_head(cfg, model_path, model_config, dtype, shard, device)
     layers = model_config.num_layers + (head is not None)  # the head's KV: one more layer
     pool = KVPool(

@@ -72,11 +72,13 @@ class Engine:
         *,
         tp_follower: tuple | None = None,
         tp_hooks: str | None = None,
+        share_weights_with: "Engine | None" = None,
         **overrides,
     ):
         """Tensor parallelism (rollout/engine/tensor_parallel.py): `tp_follower` is (rank, port, pipe)
         of a rank > 0, given by the process rank 0 starts; `tp_hooks` ("module:function") gives
-        those processes handlers of their own (a server's)."""
+        those processes handlers of their own (a server's). `share_weights_with`: serve that engine's
+        model object instead of building one (build.check_shareable)."""
         spec_overrides = {k.removeprefix("spec_"): overrides.pop(k) for k in list(overrides) if k.startswith("spec_")}
         if spec_overrides:  # Engine(spec="eagle", spec_draft_model=PATH), as the CLI's --spec-draft-model
             spec = replace(spec, **spec_overrides) if isinstance(spec, SpecConfig) else SpecConfig(method=spec, **spec_overrides)
@@ -94,7 +96,7 @@ class Engine:
             keep_host_heap()
             if cfg.cpu_threads or cfg.tp_size > 1:  # processes that share the cores
                 torch.set_num_threads(cfg.cpu_threads or core_share(cfg.tp_size))
-        p = build_parts(cfg, self.device, self.tp, self.model_path, self.model_config)
+        p = build_parts(cfg, self.device, self.tp, self.model_path, self.model_config, share_weights_with)
         self.dtype, self.shard = p.dtype, p.shard
         self.tokenizer = p.tokenizer
         self.max_model_len, self.max_prefill_tokens = p.max_model_len, p.max_prefill_tokens

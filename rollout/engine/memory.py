@@ -42,6 +42,8 @@ class DeviceMemory:
     def release(self, tags: set[str]) -> dict:
         if self.runner.graphs is None:
             tags.discard("cuda_graph")
+        if "weights" in tags and self.model.shared:
+            raise MemoryStateError("the weights are served by another engine too (share_weights_with): they stay")
         before = self._bytes()
         new = tags - self.released
         if new:

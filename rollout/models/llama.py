@@ -304,6 +304,7 @@ class CausalLM(nn.Module):
 
     batch_invariant = False
     fp32_lm_head = False  # the LM head's input in float32 (keep_float32)
+    shared = False  # served by more than one engine of this process (Engine's share_weights_with)
 
     def layer_mlp(self, cfg: ModelConfig, layer: int, shard: Shard) -> nn.Module | None:
         """Layer `layer`'s MLP, if not the dense one."""

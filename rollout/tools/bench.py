@@ -381,12 +381,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     engines = {}
     draft_model = getattr(args, "spec_draft_model", None)
     pool_share = _pool_shares(args.kv_cache_memory_fraction, len(modes), args.device)
-    for spec in modes:  # one engine per mode, kept across rounds: GPU memory split between them
+    for spec in modes:  # one engine per mode, kept across rounds, serving one model: GPU memory split between their pools
         args.spec, args.spec_draft_model = spec, draft_model if spec in ("eagle", "auto") else None  # (a head's modes)
         config = EngineConfig.from_args(args)
         if pool_share is not None and not config.kv_cache_tokens:
             config.kv_cache_memory_fraction = pool_share()
-        engines[spec] = Engine(config=config)
+        first = engines[modes[0]] if engines and config.tp_size == 1 else None  # (rank processes hold their own)
+        engines[spec] = Engine(config=config, share_weights_with=first)
     freeze_heap()  # as the server's engine process does
     trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples, args.epoch_update_start)
                if args.epoch_update else None)
