@@ -1,6 +1,7 @@
 """One Qwen3-30B-A3B MoE layer's kernels timed alone, against the weights they must read at 4.8 TB/s.
 
     python bench/moe_kernels.py [--rows 1,8,32,64,256,512,4096] [--dtype bfloat16] [--blocks 16,32,64,128]
+    python bench/moe_kernels.py --route-warps 1,2,4   # the routing alone, by its programs' warps
 
 Per row count (a decode step's rows, or a prefill's tokens): microseconds of the routing (top-k
 and placement; where a step is small enough to route in one program, also in the two kernels a
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32,64,256,512,4096")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--blocks", default="16,32,64,128", help="rows per block to time the fused path at, besides the rule's")
+    ap.add_argument("--route-warps", default="", help="instead: the routing's us by warps a program (fused_moe.ROUTE_WARPS)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = "cuda"
@@ -60,6 +62,8 @@ def main() -> None:
     down = (torch.randn(EXPERTS, HIDDEN, WIDTH, device=dev) / WIDTH**0.5).to(dtype)
     expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
     blocks = [int(b) for b in args.blocks.split(",") if b]
+    if args.route_warps:
+        return routing_by_warps(args, dtype, [int(w) for w in args.route_warps.split(",")])
     print("| rows | routing us | routing us, two kernels | block | fused us | " + " | ".join(f"fused us, block {b}" for b in blocks)
           + " | reference us | bound us | fused / bound |")
     print("|---" * (8 + len(blocks)) + "|")
@@ -83,6 +87,23 @@ def main() -> None:
         block = fused_moe.block_rows(rows * TOP_K, EXPERTS)
         print(f"| {rows} | {route:.1f} | {two} | {block} | {fused:.1f} | " + " | ".join(by_block)
               + f" | {ref} | {bound:.1f} | {fused / bound:.2f} |", flush=True)
+
+
+def routing_by_warps(args: argparse.Namespace, dtype: torch.dtype, warps: list[int]) -> None:
+    """The routing's microseconds at each row count, by warps a program: in one program where the
+    step is small enough, and in the two kernels a larger step takes."""
+    print("| rows | " + " | ".join(f"{w} warps: one program / two kernels us" for w in warps) + " |")
+    print("|---" * (1 + len(warps)) + "|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        logits = torch.randn(rows, EXPERTS, device="cuda").to(dtype)
+        cells = []
+        for w in warps:
+            with patched("ROUTE_WARPS", w):
+                one = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+                with patched("ONE_PROGRAM_ROUTE_ROWS", 0):
+                    two = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+            cells.append(f"{one:.1f} / {two:.1f}" if rows <= fused_moe.ONE_PROGRAM_ROUTE_ROWS else f"- / {two:.1f}")
+        print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ ROUTE_ROWS = 16  # rows per routing program
 # a step of at most this many rows (<= ROUTE_ROWS) routes in one program (H200: 9.0 against the two kernels' 13.9 us at
 # 1 row, 12.5 against 16.2 at 8; that program looping over two chunks was slower than the two kernels: 23.6 against 18.2)
 ONE_PROGRAM_ROUTE_ROWS = ROUTE_ROWS
+ROUTE_WARPS = 4  # warps of every routing program (all alike: a row's weights then sum alike in any step)
 INVARIANT_TILE = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 INVARIANT_BLOCK_ROWS = 16
 
@@ -123,7 +124,7 @@ class Route:
         self.ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
         self.weights = torch.empty(rows, top_k, dtype=dtype, device=dev)
         shape = dict(E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k), R=ROUTE_ROWS,
-                     num_warps=4, **_pdl())
+                     num_warps=ROUTE_WARPS, **_pdl())
         self.block = block or block_rows(picks, num_experts)
         # the blocks: each expert's run rounds up by at most block - 1 slots, and at most `picks` experts have rows
         self.num_blocks = picks // self.block + min(num_experts, picks) + 1
