@@ -117,7 +117,7 @@ def new_tokens(args: argparse.Namespace) -> int:
 Rows = list[tuple[str, int, float]]  # (name, count, us), costliest first
 
 
-def profiled(engine: Engine, run) -> dict[str, Rows]:
+def profiled(run) -> dict[str, Rows]:
     """Rank 0's work while `run()` runs, costliest first: "device", its kernels (name, launches,
     device us; CUPTI reports the kernels inside a CUDA graph's replay one by one); "host", the
     host's ops (name, calls, self CPU us: the time in the op itself, its launches included)."""
@@ -138,9 +138,9 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
     (the rest of the wall is Python), and the profiled steps' median wall. Decode steps run as the
     variant runs them (CUDA graphs by default) but without PDL: a kernel placed early counts its
     wait for the one before, and the table stops adding up (MoE b1: 5.5 ms of kernels in a 3.6 ms
-    step). Every prompt is prefilled first, then --tokens steps are profiled. The prefill (--prefill) runs eagerly, as it always does. Aten ops that
-    launch kernels (aten::mm) count their kernels' time again. A collective counts its wait for
-    the other ranks."""
+    step). Every prompt is prefilled first, then --tokens steps are profiled; with --prefill, the
+    prompts' prefill instead. Aten ops that launch kernels (aten::mm) count their kernels' time
+    again. A collective counts its wait for the other ranks."""
     print("| tp | variant | kernel or host op | per step | us per step |\n|---|---|---|---|---|", flush=True)
     for tp, variant in ((tp, v) for tp in map(int, args.tp_sizes.split(",")) for v in args.variants.split(",")):
         engine = profiled_engine(model, tp, args, **{**VARIANTS[variant], "pdl": False})
@@ -150,7 +150,7 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
         else:
             steps, run = args.tokens, decoding(engine, args)
         engine.reset_stats()
-        work = profiled(engine, run)
+        work = profiled(run)
         profiled_steps = [r for r in engine.step_log if r.prefill == args.prefill]
         for kind, top in (("device", args.kernels), ("host", args.host)):
             for name, count, us in work[kind][:top]:
@@ -169,7 +169,7 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
 
 def decoding(engine: Engine, args: argparse.Namespace):
     """Every prompt added and prefilled (steps until one decodes them all); returns the run that
-    takes the next --tokens steps, then ends the requests."""
+    takes the next --tokens steps (the requests outlive it: the caller aborts them)."""
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens(args), ignore_eos=True)
     engine.reset_stats()  # (the step log: from these requests on)
     for p in prompts(args):
