@@ -10,7 +10,6 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
@@ -30,9 +29,6 @@ from spec.drafters import DraftOrder
 from spec.head_drafter import HeadDrafter
 from spec.speculator import Speculator
 from spec.token_table import TokenTable
-
-if TYPE_CHECKING:
-    from rollout.engine.engine import Engine
 
 log = logging.getLogger("rollout")
 
@@ -73,7 +69,7 @@ def check_shareable(cfg: EngineConfig, other: EngineConfig) -> None:
 
 
 def served_model(cfg: EngineConfig, model_config: ModelConfig, model_path: Path, device: torch.device,
-                 dtype: torch.dtype, shard: Shard, shared: Engine | None = None) -> CausalLM:
+                 dtype: torch.dtype, shard: Shard, shared=None) -> CausalLM:
     """The model this rank serves: built and loaded (or randomised), or `shared`'s (an Engine's)."""
     if shared is not None:
         check_shareable(cfg, shared.config)
@@ -88,7 +84,7 @@ def served_model(cfg: EngineConfig, model_config: ModelConfig, model_path: Path,
 
 
 def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower | None, model_path: Path,
-                model_config: ModelConfig, shared: Engine | None = None) -> Parts:
+                model_config: ModelConfig, shared=None) -> Parts:
     """Everything a rank steps with (`tp`: its group under tensor parallelism, else None);
     `shared`: an Engine whose model this one serves too (check_shareable)."""
     dtype = resolve_dtype(cfg.dtype, device)
