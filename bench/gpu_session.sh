@@ -16,7 +16,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-spec | moe-routing | kernel-tables | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-spec | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -302,6 +302,22 @@ moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's 
 moe-routing)  # issue 64: the MoE routing's cost by warps a program (fused_moe.ROUTE_WARPS), one program and two kernels
   timeout 120 python3 bench/moe_kernels.py --route-warps 1,2,4 --rows 1,4,8,16,64,512,4096 2>&1 | grep -v -i warn \
     | tee "$OUT/moe-routing-warps.log"
+  ;;
+prefill-ab)  # issue 65: a b1 request's prefill (128 tokens, the 8B shape) in each version in ab/ against this checkout, in
+  # turns (CYCLES, default 2): bench/tp_profile.py's prefill ms (TP_SIZES: default 1; 1,2 on two GPUs); TESTS=1 first runs
+  # the engine's prefill-graph GPU test
+  if [ -n "${TESTS:-}" ]; then
+    timeout 200 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -k "prefill or graphs_match or greedy_matches" 2>&1 \
+      | tail -3 | tee "$OUT/prefill-tests.log"
+  fi
+  for cycle in $(seq "${CYCLES:-2}"); do
+    for v in $(cd ab && ls -d */ | tr -d /) head; do
+      root=$PWD/ab/$v; [ "$v" = head ] && root=$PWD
+      echo "== $v (cycle $cycle)"
+      (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 200 python3 $PWD/bench/tp_profile.py --tp-sizes ${TP_SIZES:-1} --tokens 32 \
+        2>&1 | grep "^| [0-9]")
+    done
+  done | tee "$OUT/prefill-ab.log"
   ;;
 moe-spec)  # issue 64: speculation never slower than off on MoE: the grpo rows on the Qwen3-30B-A3B shape (random weights)
   LIMIT=${LIMIT:-560} bench --workload grpo --random-model qwen3-30b-a3b --spec-modes off,ngram --batch-sizes 1,64,512 \

@@ -13,6 +13,7 @@ import torch
 from engine_probes import count_chained, draft_every_other_step
 
 from rollout import Engine, SamplingParams
+from rollout.engine.prefill_graphs import BUCKETS
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids
 from spec.step import to_device
 from spec.token_table import TokenTable
@@ -71,6 +72,24 @@ def test_cuda_graphs_match_eager(engines, prompts):
     a = run(engines["graphs_spec_off"], prompts, temperature=0)
     b = run(engines["eager_spec_off"], prompts, temperature=0)
     assert agreement(a, b) == 1.0
+
+
+def test_prefill_graphs_of_a_request_alone_match_eager(engines, prompts, hf_default):
+    """A request alone prefills by replaying its token bucket's graph (rollout/engine/prefill_graphs.py);
+    its tokens are the eager prefill's and HF's, its logprobs the eager ones' within float32 noise."""
+    graphs = engines["graphs_spec_off"].runner.prefill_graphs
+    assert graphs is not None and len(graphs._graphs) == len(BUCKETS)
+    gen = torch.Generator().manual_seed(9)
+    long = torch.randint(100, 20000, (300,), generator=gen).tolist()  # (bucket 512, from a start of 0)
+    for prompt in [*prompts, long]:
+        a, b = (run(engines[k], [prompt], temperature=0)[0] for k in ("graphs_spec_off", "eager_spec_off"))
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    hf = hf_default.to("cuda")
+    ids = torch.tensor([prompts[0]], device="cuda")
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+    assert run(engines["graphs_spec_off"], [prompts[0]], temperature=0)[0].token_ids == ref[0, len(prompts[0]):].tolist()
+    hf.to("cpu")
 
 
 def test_decode_graphs_over_a_long_context_match_eager(engines):

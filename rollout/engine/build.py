@@ -150,13 +150,15 @@ def draft_head(cfg: EngineConfig, model_path: Path, model_config: ModelConfig, d
 
 
 def capture_graphs(cfg: EngineConfig, runner: ModelRunner, spec: Speculator, heads: int, dtype: torch.dtype) -> None:
-    """A CUDA graph of every decode-step shape the engine can ask for (rollout/engine/cuda_graphs.py);
+    """A CUDA graph of every decode-step shape the engine can ask for (rollout/engine/cuda_graphs.py)
+    and of small one-sequence prefill steps (rollout/engine/prefill_graphs.py);
     with a draft head, what its work costs a step against what it drafts (spec/head_watch.py HeadCycle)."""
     max_tokens = max(cfg.max_running_seqs, cfg.spec.max_verify_tokens if cfg.spec.enabled else 0)
     capacities = spec.budget.capacities if cfg.spec.enabled else (lambda b: [0])
     attn_out = torch.zeros(max_tokens, heads, runner.model.config.head_dim, dtype=dtype, device=runner.device)
     t0 = time.perf_counter()
     count = runner.capture_graphs(attn_out, cfg.max_running_seqs, capacities, spec.step_kinds)
+    count += runner.capture_prefill_graphs(heads)
     log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - t0)
     if runner.drafters.head is not None:
         spec.cycle.costs = runner.graphs.head_costs()

@@ -10,7 +10,8 @@ ones with the dump slot 0); each launch copies the
 host's arrays in (pinned staging, two sets used in turn: a step chained after another of the
 same shape may be staged while the earlier copy is still queued) and replays. Attention reads
 real lengths on the device, so one graph serves every context length. `capture_all` captures
-every shape the engine can ask for up front. Prefill steps run eagerly.
+every shape the engine can ask for up front. Prefill steps run eagerly, except one sequence's
+short chunk alone (rollout/engine/prefill_graphs.py).
 """
 
 from __future__ import annotations

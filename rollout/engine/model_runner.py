@@ -3,7 +3,8 @@ steps laid out on the device.
 
 A prefill step (prompt chunks, with one decode token of every running sequence riding along)
 runs eagerly: the host knows every token, position and KV slot, lays them out, and records
-the prompt and the drawn tokens in the token table (spec/token_table.py).
+the prompt and the drawn tokens in the token table (spec/token_table.py). One sequence's short
+chunk alone replays a CUDA graph of its token bucket (rollout/engine/prefill_graphs.py).
 
 A decode or verify step is one device function (`run_decode`), captured as a CUDA graph per
 (batch bucket, draft rows, drafting, a draft head's work, sampling mode) on the GPU. The host gives
@@ -84,6 +85,7 @@ class ModelRunner:
         self.cos, self.sin = rope_tables(model.config, pool.max_context, device)
         drafters.attach(backend, self.cos, self.sin)
         self.graphs = None  # rollout.engine.cuda_graphs.CudaGraphs, once captured (capture_graphs)
+        self.prefill_graphs = None  # rollout.engine.prefill_graphs.PrefillGraphs, likewise
         self._rows: BatchRows | None = None  # the last decode batch's
 
     def capture_graphs(self, attn_out: torch.Tensor, max_batch: int, capacities, step_kinds) -> int:
@@ -92,6 +94,15 @@ class ModelRunner:
 
         self.graphs = CudaGraphs(self.run_decode, attn_out, self.table.padding_row, max_batch, capacities, step_kinds)
         return self.graphs.capture_all()
+
+    def capture_prefill_graphs(self, heads: int) -> int:
+        """Capture a CUDA graph of a one-sequence prefill step per token bucket (rollout/engine/prefill_graphs.py)."""
+        from rollout.engine.prefill_graphs import BUCKETS, PrefillGraphs
+
+        attn_out = torch.zeros(BUCKETS[-1], heads, self.model.config.head_dim, dtype=self.pool.dtype, device=self.device)
+        self.prefill_graphs = PrefillGraphs(self.forward, self.pool.slot_table, self.table.padding_row,
+                                            self.pool.max_context, attn_out)
+        return self.prefill_graphs.capture_all()
 
     # ---------------- decode and verify steps ----------------
     @torch.inference_mode()
@@ -223,7 +234,8 @@ class ModelRunner:
         """Prompt chunks (and decode tokens riding along) in the KV slots the scheduler placed them
         (Scheduler.place_prefill: each token's slot and position, each item's start); a finished prompt
         draws for its sample and its forks, which take the prompt's tokens now. `head`: a draft
-        head runs over the step's rows (else it sleeps: spec/head_watch.py HeadCycle)."""
+        head runs over the step's rows (else it sleeps: spec/head_watch.py HeadCycle). One
+        sequence's short chunk alone replays a CUDA graph (rollout/engine/prefill_graphs.py)."""
         ids, q_lens, rows, logits_rows, draw_seqs = [], [], [], [], []
         num_tokens = 0
         for item, start in zip(batch.items, starts.tolist()):
@@ -235,30 +247,19 @@ class ModelRunner:
             if item.samples:
                 logits_rows.append(num_tokens - 1)
                 draw_seqs += [seq, *seq.forks]
-        q_lens_a, starts_a = np.array(q_lens, dtype=np.int32), starts
-        rows_a = np.array(rows, dtype=np.int64)
         input_ids = np.concatenate(ids)
-        self.table.write(np.repeat(rows_a, q_lens_a), positions, input_ids)
+        self.table.write(np.repeat(np.array(rows, dtype=np.int64), q_lens), positions, input_ids)
         for item in batch.items:  # forks take the finished prompt's tokens
             if item.samples and item.seq.forks:
                 self.table.copy_prefix(item.seq.row, [f.row for f in item.seq.forks], item.seq.num_cached)
-        meta = AttentionMetadata(
-            seq_rows=to_device(rows_a.astype(np.int32), self.device),
-            kv_lens=to_device((starts_a + q_lens_a).astype(np.int32), self.device),
-            qo_indptr=to_device(np.concatenate([[0], np.cumsum(q_lens_a)]).astype(np.int32), self.device),
-            slot_table=self.pool.slot_table, out_slots=to_device(slots, self.device), tree_mask=None,
-            max_q_len=int(q_lens_a.max()), max_kv_len=int((starts_a + q_lens_a).max()),
-        )
-        draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
         work = HeadWork.PASS if head else HeadWork.NONE
         self.drafters.start_step(work)
-        working, reader = self.drafters.working(work), self.drafters.reading(work)
-        aux = None if reader is None else torch.empty(num_tokens, reader.aux_width, dtype=self.pool.dtype, device=self.device)
-        positions_d = to_device(positions, self.device)
-        logits_at = to_device(np.array(logits_rows, dtype=np.int64), self.device)
-        # (with a reader of hidden states, every row's logits: the forward writes them all)
-        logits = self.forward(to_device(input_ids, self.device), positions_d, meta, None if reader else logits_at, aux=aux)
-        logits = logits[logits_at] if reader else logits
+        graphs, after = self.prefill_graphs, None
+        if graphs is not None and len(rows) == 1 and graphs.bucket(num_tokens) and not self.drafters.working(work):
+            logits = graphs.run(input_ids, positions, slots, rows[0], int(starts[0]))[: len(logits_rows)]
+        else:
+            logits, after = self._eager_prefill(batch, input_ids, slots, positions, starts, q_lens, rows, logits_rows, work)
+        draw_rows = np.repeat(np.arange(len(logits_rows)), [1 + len(item.seq.forks) for item in batch.items if item.samples])
         sampling = SamplingRows.of(draw_seqs)
         out_pos = np.array([q.num_output for q in draw_seqs], dtype=np.int64)
         st = sampling_tensors(to_device(sampling.i64, self.device), to_device(sampling.f32, self.device),
@@ -269,14 +270,41 @@ class ModelRunner:
             edits.to(self.device).apply(logits)
         drawn, lps = sample(logits, st)
         self._record_prefill(batch, draw_seqs, drawn)
-        for d in working:
-            d.after_prefill(batch, starts, self._context(meta, positions_d), aux, drawn, logits_rows, self.table)
+        if after is not None:
+            after(drawn)
         tensors = [torch.stack([drawn.double(), lps.double()])]
         top = max((q.request.top_logprobs_num for q in draw_seqs), default=0)
         if top:
             values, ids_ = processed_logprobs(logits, st).topk(top, dim=-1)
             tensors += [ids_, values]
         return StepInFlight(batch, 0, HostCopy(tensors), top=bool(top))
+
+    def _eager_prefill(self, batch: Batch, input_ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                       starts: np.ndarray, q_lens: list[int], rows: list[int], logits_rows: list[int], work: HeadWork):
+        """The prefill's forward, eagerly: the logits of `logits_rows`, and what the working drafters
+        do once the step drew (`after(drawn)`; None if none works)."""
+        q_lens_a = np.array(q_lens, dtype=np.int32)
+        meta = AttentionMetadata(
+            seq_rows=to_device(np.array(rows, dtype=np.int32), self.device),
+            kv_lens=to_device((starts + q_lens_a).astype(np.int32), self.device),
+            qo_indptr=to_device(np.concatenate([[0], np.cumsum(q_lens_a)]).astype(np.int32), self.device),
+            slot_table=self.pool.slot_table, out_slots=to_device(slots, self.device), tree_mask=None,
+            max_q_len=int(q_lens_a.max()), max_kv_len=int((starts + q_lens_a).max()),
+        )
+        working, reader = self.drafters.working(work), self.drafters.reading(work)
+        aux = None if reader is None else torch.empty(len(input_ids), reader.aux_width, dtype=self.pool.dtype,
+                                                      device=self.device)
+        positions_d = to_device(positions, self.device)
+        logits_at = to_device(np.array(logits_rows, dtype=np.int64), self.device)
+        # (with a reader of hidden states, every row's logits: the forward writes them all)
+        logits = self.forward(to_device(input_ids, self.device), positions_d, meta, None if reader else logits_at, aux=aux)
+        logits = logits[logits_at] if reader else logits
+
+        def after(drawn: torch.Tensor) -> None:
+            for d in working:
+                d.after_prefill(batch, starts, self._context(meta, positions_d), aux, drawn, logits_rows, self.table)
+
+        return logits, after if working else None
 
     def _record_prefill(self, batch: Batch, draw_seqs: list[Sequence], drawn: torch.Tensor) -> None:
         """The token table after a prefill step: every row's length, and the tokens drawn after each sampled sequence."""
@@ -357,9 +385,11 @@ class ModelRunner:
                               self.cos[positions], self.sin[positions], attn_out)
 
     def drop_graphs(self) -> None:
-        """Forget the captured graphs (they hold the addresses of the weights and the KV pool)."""
-        if self.graphs is not None:
-            self.graphs.clear()
+        """Forget the captured graphs (they hold the addresses of the weights and the KV pool; prefill
+        graphs are captured again as their buckets are next used)."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.clear()
 
 
 def _path(bits: int, length: int) -> list[int]:
