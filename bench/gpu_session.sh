@@ -310,12 +310,13 @@ prefill-ab)  # issue 65: a b1 request's prefill (128 tokens, the 8B shape) in ea
     timeout 200 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -k "prefill or graphs_match or greedy_matches" 2>&1 \
       | tail -3 | tee "$OUT/prefill-tests.log"
   fi
+  script=$PWD/bench/tp_profile.py  # (this checkout's, over each version's code)
   for cycle in $(seq "${CYCLES:-2}"); do
     for v in $(cd ab && ls -d */ | tr -d /) head; do
       root=$PWD/ab/$v; [ "$v" = head ] && root=$PWD
       echo "== $v (cycle $cycle)"
-      (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 200 python3 $PWD/bench/tp_profile.py --tp-sizes ${TP_SIZES:-1} --tokens 32 \
-        2>&1 | grep "^| [0-9]")
+      (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 200 python3 "$script" --tp-sizes ${TP_SIZES:-1} --tokens 32 2>&1 \
+        | grep "^| [0-9]")
     done
   done | tee "$OUT/prefill-ab.log"
   ;;
