@@ -172,26 +172,13 @@ def _attention_kernel(
         return
     kv_len = tl.load(kv_lens_ptr + seq)
     num_cached = kv_len - q_len
-    slot_row_ptr = slot_table_ptr + tl.load(seq_rows_ptr + seq).to(tl.int64) * stride_slot_row
-
-    rows = m_start + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP  # [BLOCK_M] index among the sequence's new tokens
-    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
-    row_ok = tok < q_len
-    q_rows = (q_start + tok).to(tl.int64)  # [BLOCK_M] row in q / out
-    dims = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
-                   row_ok, dims, True, HEAD_DIM, BLOCK_D)
-
     if HAS_TREE:
         # tree bits may name any new token, so every block reads up to kv_len (at most 64 extra keys)
         kv_end = kv_len
-        tree = tl.load(tree_mask_ptr + q_rows, mask=row_ok, other=0)
     else:
         # causal: nothing past the block's last new token
         last_tok = tl.minimum((m_start + BLOCK_M - 1) // GROUP, q_len - 1)
         kv_end = num_cached + last_tok + 1
-        tree = tok  # unused
     # This split's keys [lo, hi): whole BLOCK_N tiles, sized from the real kv_len read here, so a
     # graph captured for an upper-bound max_kv_len still spreads the real keys over all splits;
     # or, batch-invariant, a fixed number of keys, so a query's splits depend on its position alone.
@@ -201,11 +188,26 @@ def _attention_kernel(
         chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
+
+    rows = m_start + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP  # [BLOCK_M] index among the sequence's new tokens
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+    row_ok = tok < q_len
+    q_rows = (q_start + tok).to(tl.int64)  # [BLOCK_M] row in q / out
     if SPLIT:
-        if lo >= kv_end:  # past this block's keys (fixed splits, a graph's bound): the merge skips it
+        if lo >= kv_end:  # past this block's keys (fixed splits up to a graph's bound): decided before any
+            # load, as most of a batch-invariant step's programs are (the merge skips the split)
             part = (q_rows * num_heads + head) * num_splits + split
             tl.store(part_lse_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             return
+    slot_row_ptr = slot_table_ptr + tl.load(seq_rows_ptr + seq).to(tl.int64) * stride_slot_row
+    dims = tl.arange(0, BLOCK_D)
+    q = _load_tile(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+                   row_ok, dims, True, HEAD_DIM, BLOCK_D)
+    if HAS_TREE:
+        tree = tl.load(tree_mask_ptr + q_rows, mask=row_ok, other=0)
+    else:
+        tree = tok  # unused
     # whole tiles before `mid` lie in the cached prefix: no mask needed there. Batch-invariant:
     # every tile masked, since where the cached prefix ends depends on the step (a decode step
     # caches all but its token, a verify step only the root), and with the unmasked tiles the
@@ -257,13 +259,15 @@ def _merge_splits_kernel(
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     first = (tok * num_heads + head) * num_splits
-    lse_max = tl.max(tl.load(part_lse_ptr + first + splits, mask=splits < num_splits, other=float("-inf")), 0)
+    lses = tl.load(part_lse_ptr + first + splits, mask=splits < num_splits, other=float("-inf"))
+    lse_max = tl.max(lses, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    used = tl.max(tl.where(lses > float("-inf"), splits + 1, 0), 0)  # past the last split with keys: nothing
     # one split after another, skipping the empty ones: the sum's order does not depend on how
     # many splits the step has, so a batch-invariant step merges a query's splits alike in any step
     total = 0.0
     merged = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(num_splits):
+    for split in range(used):
         lse = tl.load(part_lse_ptr + first + split)
         if lse > float("-inf"):
             weight = tl.exp2(lse - lse_max)
