@@ -88,24 +88,32 @@ def rope_and_store(
     k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     out_slots: torch.Tensor,  # [T] int64
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """RoPE on q and k, and the rotated k with v written into the KV cache: one kernel on the GPU.
+    `qk_norm`: q's and k's RMSNorm weights over a head and their eps (Qwen3's), each head
+    normalised first in the same kernel (two launches a layer fewer than the norms apart).
 
     Returns the rotated q [T, num_heads, head_dim].
     """
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
     if not use_triton(q):
+        if qk_norm is not None:
+            q_weight, k_weight, eps = qk_norm
+            q = rms_norm_ref(q.reshape(-1, dim), q_weight, eps).view(tokens, heads, dim)
+            k = rms_norm_ref(k.reshape(-1, dim), k_weight, eps).view(tokens, kv_heads, dim)
         k_cache.index_copy_(0, out_slots, rope_ref(k, cos, sin).to(k_cache.dtype))
         v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
         return rope_ref(q, cos, sin)
-    tokens, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # (pointers unread without the norm)
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     if tokens:
         _rope_store_kernel[(tokens,)](
-            q, k, v, cos, sin, out, k_cache, v_cache, out_slots,
+            q, k, v, cos, sin, out, k_cache, v_cache, out_slots, q_weight, k_weight, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            heads, kv_heads, HALF=dim // 2,
+            heads, kv_heads, HALF=dim // 2, QK_NORM=qk_norm is not None,
             BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads), num_warps=4,
             **pdl.launch_args(),
         )
@@ -151,12 +159,26 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, y.to(dtype), mask=ok)
 
     @triton.jit
-    def _rotate(x_ptrs, ok, c, s, HALF: tl.constexpr):
-        """Rotated halves of the [heads, 2 * HALF] tile at x_ptrs, rounded like the eager
-        `x * cos + rotate_half(x) * sin`: each product to x's dtype, then the sum."""
+    def _halves(x_ptrs, ok, HALF: tl.constexpr):
+        """The two halves of the [heads, 2 * HALF] tile at x_ptrs."""
         d = tl.arange(0, HALF)[None, :]
-        x1 = tl.load(x_ptrs + d, mask=ok, other=0.0)
-        x2 = tl.load(x_ptrs + HALF + d, mask=ok, other=0.0)
+        return tl.load(x_ptrs + d, mask=ok, other=0.0), tl.load(x_ptrs + HALF + d, mask=ok, other=0.0)
+
+    @triton.jit
+    def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr):
+        """Each head's [x1 | x2] through RMSNorm over the head, rounded as _rms_norm_kernel rounds:
+        the normalised values to x's dtype, times the weight, rounded again."""
+        dtype = x1.dtype
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        w1, w2 = tl.load(w_ptr + d).to(tl.float32), tl.load(w_ptr + HALF + d).to(tl.float32)
+        return ((a * inv).to(dtype).to(tl.float32) * w1).to(dtype), ((b * inv).to(dtype).to(tl.float32) * w2).to(dtype)
+
+    @triton.jit
+    def _rotate(x1, x2, c, s):
+        """Rotated halves, rounded like the eager `x * cos + rotate_half(x) * sin`: each product to
+        x's dtype, then the sum."""
         dtype = x1.dtype
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         c, s = c.to(dtype).to(tl.float32), s.to(dtype).to(tl.float32)
@@ -166,10 +188,11 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, slots_ptr,
+        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, slots_ptr, qw_ptr, kw_ptr, eps,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
         stride_kcs, stride_kch, stride_vcs, stride_vch,
-        heads, kv_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
+        heads, kv_heads, HALF: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         pdl.wait_for_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
@@ -181,14 +204,20 @@ if triton is not None:
 
         h = tl.arange(0, BLOCK_H)[:, None]
         ok = h < heads
-        lo, hi = _rotate(q_ptr + t * stride_qt + h * stride_qh, ok, c, s, HALF)
+        x1, x2 = _halves(q_ptr + t * stride_qt + h * stride_qh, ok, HALF)
+        if QK_NORM:
+            x1, x2 = _head_norm(x1, x2, qw_ptr, eps, HALF)
+        lo, hi = _rotate(x1, x2, c, s)
         q_out = q_out_ptr + t * heads * 2 * HALF + h * 2 * HALF
         tl.store(q_out + d, lo, mask=ok)
         tl.store(q_out + HALF + d, hi, mask=ok)
 
         g = tl.arange(0, BLOCK_KV)[:, None]
         ok = g < kv_heads
-        lo, hi = _rotate(k_ptr + t * stride_kt + g * stride_kh, ok, c, s, HALF)
+        x1, x2 = _halves(k_ptr + t * stride_kt + g * stride_kh, ok, HALF)
+        if QK_NORM:
+            x1, x2 = _head_norm(x1, x2, kw_ptr, eps, HALF)
+        lo, hi = _rotate(x1, x2, c, s)
         k_out = kc_ptr + slot * stride_kcs + g * stride_kch
         tl.store(k_out + d, lo.to(kc_ptr.dtype.element_ty), mask=ok)
         tl.store(k_out + HALF + d, hi.to(kc_ptr.dtype.element_ty), mask=ok)

@@ -54,9 +54,12 @@ def test_rms_norm_keeps_a_float32_residual_unrounded_and_rounds_the_norm_to_the_
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (33, 9, 3, 64), (7, 32, 8, 128), (5, 8, 8, 128)])
-def test_rope_and_store_on_qkv_views_matches_reference(dtype, tokens, heads, kv_heads, dim):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_store_on_qkv_views_matches_reference(dtype, tokens, heads, kv_heads, dim, qk_norm):
+    """RoPE (after Qwen3's per-head RMSNorm of q and k, with `qk_norm`) and the KV write, against
+    the norms apart then the reference rope."""
     g = torch.Generator(device=DEVICE).manual_seed(tokens * heads)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device=DEVICE).to(dtype)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device=DEVICE) * 3).to(dtype)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # views, as in the model
     q, k, v = (x.view(tokens, -1, dim) for x in (q, k, v))
     pos = torch.randint(0, 4000, (tokens,), generator=g, device=DEVICE)
@@ -64,7 +67,11 @@ def test_rope_and_store_on_qkv_views_matches_reference(dtype, tokens, heads, kv_
     emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
     slots = torch.randperm(64, generator=g, device=DEVICE)[:tokens]
     caches = [torch.full((64, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
-    out = fused.rope_and_store(q, k, v, emb.cos(), emb.sin(), caches[0], caches[1], slots)
+    norms = tuple((1 + torch.randn(dim, generator=g, device=DEVICE) / 4).to(dtype) for _ in range(2)) + (1e-6,)
+    out = fused.rope_and_store(q, k, v, emb.cos(), emb.sin(), caches[0], caches[1], slots, norms if qk_norm else None)
+    if qk_norm:  # what the model ran before: each head through the norm kernel, then rope
+        q = fused.rms_norm(q.reshape(-1, dim), norms[0], 1e-6).view(tokens, heads, dim)
+        k = fused.rms_norm(k.reshape(-1, dim), norms[1], 1e-6).view(tokens, kv_heads, dim)
     close(out, fused.rope_ref(q, emb.cos(), emb.sin()), dtype)
     close(caches[0][slots], fused.rope_ref(k, emb.cos(), emb.sin()), dtype)
     assert torch.equal(caches[1][slots], v)

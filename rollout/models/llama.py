@@ -204,11 +204,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None  # (in the rope kernel)
         k_cache, v_cache = ctx.k_caches[self.layer], ctx.v_caches[self.layer]
-        q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots)
+        q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots, norms)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, out=ctx.attn_out)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
