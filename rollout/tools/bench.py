@@ -335,19 +335,16 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 GRAPH_SHARE = 0.05  # of the GPU's free memory, left per engine after the first for its CUDA graphs
 
 
-def _pool_shares(fraction: float, engines: int, device: str):
-    """For `engines` engines on one GPU: a function giving the next engine's
-    kv_cache_memory_fraction (of the memory free as it is built) such that every engine's KV
-    pool is the same share of the memory free before the first, all of them together `fraction`
-    of it less GRAPH_SHARE per engine after the first. Each engine's graphs and activations come
-    out of what the pools leave: the last of three engines taking `fraction` of what the others
-    left had too little for a draft head's graphs on an H100 (4.9 GB: out of memory at capture).
-    None off the GPU or for one engine (its own config decides)."""
+def first_pool_fraction(fraction: float, engines: int, device: str) -> float | None:
+    """For `engines` engines on one GPU: the first engine's kv_cache_memory_fraction (of the
+    memory free after its weights, which the others share), such that the pools of all of them,
+    each as large as the first's, take `fraction` of it less GRAPH_SHARE per engine after the
+    first. Each engine's graphs and activations come out of what the pools leave (the
+    Qwen3-30B-A3B shape's at b512: 6.8 GB an engine). None off the GPU or for one engine (its
+    own config decides)."""
     if engines == 1 or device == "cpu" or not torch.cuda.is_available():
         return None
-    gpu = torch.device("cuda" if device == "auto" else device)
-    pool = max(fraction - GRAPH_SHARE * (engines - 1), GRAPH_SHARE) * torch.cuda.mem_get_info(gpu)[0] / engines
-    return lambda: min(pool / torch.cuda.mem_get_info(gpu)[0], fraction)
+    return max(fraction - GRAPH_SHARE * (engines - 1), GRAPH_SHARE) / engines
 
 
 def bench_grid(args: argparse.Namespace) -> tuple[list[float], list[int]]:
@@ -380,12 +377,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
     modes = args.spec_modes.split(",")
     engines = {}
     draft_model = getattr(args, "spec_draft_model", None)
-    pool_share = _pool_shares(args.kv_cache_memory_fraction, len(modes), args.device)
+    pool_fraction = first_pool_fraction(args.kv_cache_memory_fraction, len(modes), args.device)
     for spec in modes:  # one engine per mode, kept across rounds, serving one model: GPU memory split between their pools
         args.spec, args.spec_draft_model = spec, draft_model if spec in ("eagle", "auto") else None  # (a head's modes)
         config = EngineConfig.from_args(args)
-        if pool_share is not None and not config.kv_cache_tokens:
-            config.kv_cache_memory_fraction = pool_share()
+        if pool_fraction is not None and not config.kv_cache_tokens:
+            if engines:
+                config.kv_cache_tokens = engines[modes[0]].pool.num_slots - 1
+            else:
+                config.kv_cache_memory_fraction = pool_fraction
         first = engines[modes[0]] if engines and config.tp_size == 1 else None  # (rank processes hold their own)
         engines[spec] = Engine(config=config, share_weights_with=first)
     freeze_heap()  # as the server's engine process does
