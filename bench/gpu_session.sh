@@ -16,7 +16,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-spec | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-spec | moe-steps | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -298,6 +298,13 @@ moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's 
   timeout ${KERNEL_LIMIT:-240} python3 bench/moe_kernels.py 2>&1 | grep -v -i warn | tee "$OUT/moe-kernels.log"
   LIMIT=${LIMIT:-360} bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64,512} \
     --max-running-seqs 512 --prompt-len 128 --output-len ${OUTPUT_LEN:-256} ${MOE_FLAGS:-} | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
+  ;;
+moe-steps)  # issue 64: the Qwen3-30B-A3B shape's decode steps alone (the bench's tok/s includes the prefill) at b64 and b512,
+  # greedy and sampled (how rows spread over the experts)
+  for b in ${BATCHES:-64 512}; do
+    timeout ${LIMIT:-240} python3 bench/tp_profile.py --shape qwen3-30b-a3b --tp-sizes 1 --batch $b --tokens 64 \
+      --temperatures 0,1.0 2>&1 | grep "^|"
+  done | tee "$OUT/moe-steps.log"
   ;;
 moe-routing)  # issue 64: the MoE routing's cost by warps a program (fused_moe.ROUTE_WARPS), one program and two kernels
   timeout 120 python3 bench/moe_kernels.py --route-warps 1,2,4 --rows 1,4,8,16,64,512,4096 2>&1 | grep -v -i warn \

@@ -10,6 +10,7 @@ at TP1 and at b1.
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill --host 14   # the prefill's kernels and host ops
     python bench/tp_profile.py --shape default --tp-sizes 1 --batch 512 --variants default,deterministic --kernels 20
+    python bench/tp_profile.py --shape qwen3-30b-a3b --tp-sizes 1 --batch 512 --temperatures 0,1.0   # greedy and sampled
     PYTHONPATH=. python bench/tp_profile.py --tp-sizes 2 --ranks   # each rank's prefill and decode steps
 """
 
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--tp-sizes", default="1,2")
     ap.add_argument("--variants", default="default")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens a sequence")
+    ap.add_argument("--temperatures", default="0", help="each a run of the variant's engine (a MoE step's time depends "
+                    "on how its rows spread over the experts, which greedy and sampled tokens may do differently); "
+                    "kernel tables: the first")
     ap.add_argument("--batch", type=int, default=1, help="sequences, each its own prompt")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--kernels", type=int, default=0, metavar="K", help="instead: rank 0's K costliest kernels per step")
@@ -48,24 +52,25 @@ def main() -> None:
     if args.kernels:
         return kernel_tables(model, args)
     rank_rows = []
-    print("| tp | variant | step ms | device ms | host ms | tok/s | run ms | prefill ms | decode steps ms | slowest step ms "
-          "| outside steps ms |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| tp | variant | temp | step ms | device ms | host ms | tok/s | run ms | prefill ms | decode steps ms "
+          "| slowest step ms | outside steps ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for tp in map(int, args.tp_sizes.split(",")):
         for variant in args.variants.split(","):
             engine = profiled_engine(model, tp, args, **VARIANTS[variant])
-            params = SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True)
-            for _ in range(2):  # the first run warms up
-                engine.reset_stats()
-                start = time.perf_counter()
-                engine.generate(prompts(args), params)
-                run_ms = (time.perf_counter() - start) * 1e3
-            steps = [r for r in engine.step_log if not r.prefill]
-            prefill = sum(r.wall_ms for r in engine.step_log if r.prefill)
-            med = lambda k: statistics.median(getattr(r, k) for r in steps)  # noqa: E731
-            walls = sum(r.wall_ms for r in steps)
-            print(f"| {tp} | {variant} | {med('wall_ms'):.2f} | {med('device_ms'):.2f} | {med('host_ms'):.2f} | "
-                  f"{1e3 / med('wall_ms'):.1f} | {run_ms:.1f} | {prefill:.1f} | {walls:.1f} | "
-                  f"{max(r.wall_ms for r in steps):.1f} | {run_ms - prefill - walls:.1f} |", flush=True)
+            for temperature in map(float, args.temperatures.split(",")):
+                params = sampling(temperature, args.tokens)
+                for _ in range(2):  # the first run warms up
+                    engine.reset_stats()
+                    start = time.perf_counter()
+                    engine.generate(prompts(args), params)
+                    run_ms = (time.perf_counter() - start) * 1e3
+                steps = [r for r in engine.step_log if not r.prefill]
+                prefill = sum(r.wall_ms for r in engine.step_log if r.prefill)
+                med = lambda k: statistics.median(getattr(r, k) for r in steps)  # noqa: E731
+                walls = sum(r.wall_ms for r in steps)
+                print(f"| {tp} | {variant} | {temperature} | {med('wall_ms'):.2f} | {med('device_ms'):.2f} | "
+                      f"{med('host_ms'):.2f} | {args.batch * 1e3 / med('wall_ms'):.1f} | {run_ms:.1f} | {prefill:.1f} | "
+                      f"{walls:.1f} | {max(r.wall_ms for r in steps):.1f} | {run_ms - prefill - walls:.1f} |", flush=True)
             if args.ranks and engine.tp is not None:
                 engine.tp.record("rank_steps")
                 engine.tp.flush()
@@ -97,6 +102,10 @@ def rank_steps(engine: Engine) -> list[list[float]]:
 def rank_handlers(engine: Engine) -> dict:
     """The other ranks' side of `--ranks` (Engine's `tp_hooks`)."""
     return {"rank_steps": lambda: rank_steps(engine)}
+
+
+def sampling(temperature: float, max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True)
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -142,11 +151,12 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
     prompts' prefill instead. Aten ops that launch kernels (aten::mm) count their kernels' time
     again. A collective counts its wait for the other ranks."""
     print("| tp | variant | kernel or host op | per step | us per step |\n|---|---|---|---|---|", flush=True)
+    temperature = float(args.temperatures.split(",")[0])
     for tp, variant in ((tp, v) for tp in map(int, args.tp_sizes.split(",")) for v in args.variants.split(",")):
         engine = profiled_engine(model, tp, args, **{**VARIANTS[variant], "pdl": False})
-        engine.generate(prompts(args), SamplingParams(temperature=0, max_new_tokens=args.tokens, ignore_eos=True))
+        engine.generate(prompts(args), sampling(temperature, args.tokens))
         if args.prefill:
-            steps, run = 1, lambda: engine.generate(prompts(args), SamplingParams(temperature=0, max_new_tokens=1))
+            steps, run = 1, lambda: engine.generate(prompts(args), sampling(temperature, 1))
         else:
             steps, run = args.tokens, decoding(engine, args)
         engine.reset_stats()
@@ -170,7 +180,7 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
 def decoding(engine: Engine, args: argparse.Namespace):
     """Every prompt added and prefilled (steps until one decodes them all); returns the run that
     takes the next --tokens steps (the requests outlive it: the caller aborts them)."""
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens(args), ignore_eos=True)
+    params = sampling(float(args.temperatures.split(",")[0]), new_tokens(args))
     engine.reset_stats()  # (the step log: from these requests on)
     for p in prompts(args):
         engine.add_request(p, params)
