@@ -325,7 +325,7 @@ class EngineConfig:
                                               "fits now, and preempt when the pool runs dry)")
     kv_cache_tokens: int | None = option(None, "KV pool size in tokens (default: from the memory fraction on CUDA, 16,384 on CPU)")
     kv_cache_memory_fraction: float = option(0.85, "share of free GPU memory the KV pool takes when its size is not given")
-    cuda_graphs: bool = option(True, "capture decode steps as CUDA graphs")
+    cuda_graphs: bool = option(True, "decode steps, and a lone request's prefill chunks (<= 512 tokens), as CUDA graphs")
     overlap_schedule: bool = option(True, "launch each decode step before the host has the previous step's tokens")
     pdl: bool = option(True, "use programmatic dependent launch for the Triton kernels on Hopper (process-wide)")
     tp_size: int = option(1, "GPUs (CPU processes) one engine runs over, the model split across them (tensor "
