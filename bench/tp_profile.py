@@ -10,7 +10,7 @@ at TP1 and at b1.
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14   # rank 0's kernels per decode step
     python bench/tp_profile.py --tp-sizes 1,2 --kernels 14 --prefill --host 14   # the prefill's kernels and host ops
     python bench/tp_profile.py --shape default --tp-sizes 1 --batch 512 --variants default,deterministic --kernels 20
-    python bench/tp_profile.py --shape qwen3-30b-a3b --tp-sizes 1 --batch 512 --temperatures 0,1.0   # greedy and sampled
+    python bench/tp_profile.py --shape qwen3-30b-a3b --tp-sizes 1 --batch 512 --temperatures 0,1.0   # decode steps alone
     PYTHONPATH=. python bench/tp_profile.py --tp-sizes 2 --ranks   # each rank's prefill and decode steps
 """
 
@@ -38,8 +38,7 @@ def main() -> None:
     ap.add_argument("--tp-sizes", default="1,2")
     ap.add_argument("--variants", default="default")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens a sequence")
-    ap.add_argument("--temperatures", default="0", help="each a run of the variant's engine (a MoE step's time depends "
-                    "on how its rows spread over the experts, which greedy and sampled tokens may do differently); "
+    ap.add_argument("--temperatures", default="0", help="sampling temperatures, each a run of the variant's engine; "
                     "kernel tables: the first")
     ap.add_argument("--batch", type=int, default=1, help="sequences, each its own prompt")
     ap.add_argument("--prompt-len", type=int, default=128)
