@@ -6,10 +6,11 @@
 #   on the GPU:  [CYCLES=N] bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
 #
 # `run` takes "head" for the checkout itself; each version runs in its own directory, so it
-# imports its own code. CYCLES=N runs the versions in turn N times (A B A B ...) and ends with
-# bench/ab_summary.py's table: each mode's same-run ratio to spec off per cycle and their median,
-# by version. The machine drifts within a session (spec off's rounds of identical code moved
-# by 36% between two versions run one after the other on 2026-11-26): taking turns spreads
+# imports its own code. CYCLES=N runs the versions in turn N times (A B A B ...); it ends with
+# bench/ab_summary.py's tables: each mode's same-run ratio to spec off per cycle and their median,
+# by version, and each row's median step ms against the first version's. The machine drifts
+# within a session (spec off's rounds of identical code moved by 36% between two versions run
+# one after the other on 2026-11-26): taking turns spreads
 # the drift over every version (the benches' files go to $BENCH_OUT, default /tmp/ab-out: a call
 # brings back 8 files). Each cycle draws its own samples (--seed), the versions of a
 # cycle the same ones (rollout bench's rounds do the same).
@@ -37,6 +38,6 @@ run)
           END { printf "%s", (medians != "" ? medians : rows) }')
     done
   done
-  if [ "${CYCLES:-1}" -gt 1 ]; then python3 bench/ab_summary.py "${BENCH_OUT:-/tmp/ab-out}" "${revs[@]}"; fi
+  python3 bench/ab_summary.py "${BENCH_OUT:-/tmp/ab-out}" "${revs[@]}"
   ;;
 esac
