@@ -16,7 +16,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-spec | moe-steps | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-ab | moe-spec | moe-steps | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -266,7 +266,7 @@ deterministic-ab)  # issue 62: deterministic mode's speed, each version in ab/ (
   rl) args=(--workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0) ;;
   8b) args=(--workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 128) ;;
   esac
-  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run $(cd ab && ls -d */ | tr -d /) head -- "${args[@]}" \
+  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run head $(cd ab && ls -d */ | tr -d /) -- "${args[@]}" \
     --enable-deterministic-inference 2>&1 | tee "$OUT/deterministic-ab-${SHAPE:-rl}.log"
   echo "== head, default mode (cycle 1's seed)" | tee -a "$OUT/deterministic-ab-${SHAPE:-rl}.log"
   LIMIT=150 bench "${args[@]}" --seed 1000000 | grep -E "^\| rollout" | tee -a "$OUT/deterministic-ab-${SHAPE:-rl}.log"
@@ -305,6 +305,19 @@ moe-steps)  # issue 64: the Qwen3-30B-A3B shape's decode steps alone (the decode
     timeout ${LIMIT:-240} python3 bench/tp_profile.py --shape qwen3-30b-a3b --tp-sizes 1 --batch $b --tokens 64 \
       --temperatures 0,1.0 2>&1 | grep "^|"
   done | tee "$OUT/moe-steps.log"
+  ;;
+moe-ab)  # issue 64: this checkout against each version in ab/ (`bench/ab_versions.sh prepare REV`): one MoE layer's kernels
+  # (bench/moe_kernels.py, this checkout's script over each version's code), then the Qwen3-30B-A3B shape's decode (BATCHES,
+  # default 1,64) in turns (CYCLES, default 2), ending with the step ms of each version against this checkout's
+  script=$PWD/bench/moe_kernels.py
+  for v in head $(cd ab && ls -d */ | tr -d /); do
+    root=$PWD/ab/$v; [ "$v" = head ] && root=$PWD
+    echo "== $v"
+    (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 150 python3 "$script" --rows 1,8,64,512 --blocks "" 2>&1 | grep "^|")
+  done | tee "$OUT/moe-ab-kernels.log"
+  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run head $(cd ab && ls -d */ | tr -d /) -- --workload decode \
+    --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64} --max-running-seqs 64 --prompt-len 128 \
+    --output-len 256 2>&1 | tee "$OUT/moe-ab.log"
   ;;
 moe-routing)  # issue 64: the MoE routing's cost by warps a program (fused_moe.ROUTE_WARPS), one program and two kernels
   timeout 120 python3 bench/moe_kernels.py --route-warps 1,2,4 --rows 1,4,8,16,64,512,4096 2>&1 | grep -v -i warn \
