@@ -339,8 +339,8 @@ def first_pool_fraction(fraction: float, engines: int, device: str) -> float | N
     """For `engines` engines on one GPU: the first engine's kv_cache_memory_fraction (of the
     memory free after its weights, which the others share at TP1), such that the pools of all of
     them, each as large as the first's, take `fraction` of it less GRAPH_SHARE per engine after
-    the first. Each engine's graphs and activations (the Qwen3-30B-A3B shape's at b512: 6.8 GB
-    an engine), and at TP > 1 the later engines' own weights, come out of what the pools leave.
+    the first. Each engine's graphs and activations (several GB at the Qwen3-30B-A3B shape's b512
+    graphs), and at TP > 1 the later engines' own weights, come out of what the pools leave.
     None off the GPU or for one engine (its own config decides)."""
     if engines == 1 or device == "cpu" or not torch.cuda.is_available():
         return None
