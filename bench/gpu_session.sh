@@ -27,6 +27,8 @@ stamp=/tmp/site/.installed-$(echo $wheels | md5sum | cut -c1-8)  # (stages run s
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
 bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-/tmp/bench-files}" "$@" 2>&1 | grep -v -e Warning -e warn; }
+versions() { echo head $(cd ab 2>/dev/null && ls -d */ | tr -d /); }  # this checkout, then each version in ab/
+root_of() { if [ "$1" = head ]; then echo "$PWD"; else echo "$PWD/ab/$1"; fi; }
 RL="--workload rl --spec-modes off,ngram --batch-sizes 512 --n 8 --max-running-seqs 512 --repeats 3"
 
 case "$stage" in
@@ -48,12 +50,12 @@ check)  # after a change to the drafting path: its kernel tests, the engine's GP
   timeout 240 python3 -m pytest -q -m gpu -x tests/test_ngram_draft_kernel.py tests/test_draft_rows_kernel.py \
     tests/test_tree_accept.py tests/test_triton_attention.py 2>&1 | tee "$OUT/kernels.log" | tail -3
   timeout 420 python3 -m pytest -q -m gpu -x -s tests/test_engine_gpu.py tests/test_eagle_engine.py -k "${TESTS:-.}" 2>&1 | tee "$OUT/engine.log" | tail -12
-  versions=$(ls -d ab/*/ 2>/dev/null)  # each version `bench/ab_versions.sh prepare` left in ab/, if any
-  for v in $versions ""; do  # ... then this checkout
+  for v in $(versions); do  # this checkout, then each version `bench/ab_versions.sh prepare` left in ab/, if any
     for shape in "128 2000" "512 300"; do
       set -- $shape
-      echo "== ${v:-head}"
-      PYTHONPATH=/tmp/site:$PWD/$v timeout 100 python3 bench/step_profile.py verify --seqs $1 --context $2 2>&1 | grep -v -i warn
+      echo "== $v"
+      PYTHONPATH=/tmp/site:$(root_of "$v") timeout 100 python3 bench/step_profile.py verify --seqs $1 --context $2 2>&1 \
+        | grep -v -i warn
     done
   done | tee "$OUT/verify.log"
   ;;
@@ -266,7 +268,7 @@ deterministic-ab)  # issue 62: deterministic mode's speed, each version in ab/ (
   rl) args=(--workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0) ;;
   8b) args=(--workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 128) ;;
   esac
-  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run head $(cd ab && ls -d */ | tr -d /) -- "${args[@]}" \
+  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run $(versions) -- "${args[@]}" \
     --enable-deterministic-inference 2>&1 | tee "$OUT/deterministic-ab-${SHAPE:-rl}.log"
   echo "== head, default mode (cycle 1's seed)" | tee -a "$OUT/deterministic-ab-${SHAPE:-rl}.log"
   LIMIT=150 bench "${args[@]}" --seed 1000000 | grep -E "^\| rollout" | tee -a "$OUT/deterministic-ab-${SHAPE:-rl}.log"
@@ -310,12 +312,12 @@ moe-ab)  # issue 64: this checkout against each version in ab/ (`bench/ab_versio
   # (bench/moe_kernels.py, this checkout's script over each version's code), then the Qwen3-30B-A3B shape's decode (BATCHES,
   # default 1,64) in turns (CYCLES, default 2), ending with the step ms of each version against this checkout's
   script=$PWD/bench/moe_kernels.py
-  for v in head $(cd ab && ls -d */ | tr -d /); do
-    root=$PWD/ab/$v; [ "$v" = head ] && root=$PWD
+  for v in $(versions); do
+    root=$(root_of "$v")
     echo "== $v"
     (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 150 python3 "$script" --rows 1,8,64,512 --blocks "" 2>&1 | grep "^|")
   done | tee "$OUT/moe-ab-kernels.log"
-  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run head $(cd ab && ls -d */ | tr -d /) -- --workload decode \
+  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run $(versions) -- --workload decode \
     --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64} --max-running-seqs 64 --prompt-len 128 \
     --output-len 256 2>&1 | tee "$OUT/moe-ab.log"
   ;;
@@ -332,8 +334,8 @@ prefill-ab)  # issue 65: a b1 request's prefill (128 tokens, the 8B shape) in ea
   fi
   script=$PWD/bench/tp_profile.py  # (this checkout's, over each version's code)
   for cycle in $(seq "${CYCLES:-2}"); do
-    for v in $(cd ab && ls -d */ | tr -d /) head; do
-      root=$PWD/ab/$v; [ "$v" = head ] && root=$PWD
+    for v in $(versions); do
+      root=$(root_of "$v")
       echo "== $v (cycle $cycle)"
       (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 200 python3 "$script" --tp-sizes ${TP_SIZES:-1} --tokens 32 2>&1 \
         | grep "^| [0-9]")
