@@ -301,11 +301,13 @@ moe)  # issue 64: the fused MoE kernels and the engine's MoE tests, one layer's 
   LIMIT=${LIMIT:-360} bench --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes ${BATCHES:-1,64,512} \
     --max-running-seqs 512 --prompt-len 128 --output-len ${OUTPUT_LEN:-256} ${MOE_FLAGS:-} | grep -E "^\| rollout" | tee "$OUT/moe-decode.log"
   ;;
-moe-steps)  # issue 64: the Qwen3-30B-A3B shape's decode steps alone (the decode bench's tok/s counts its prefill of
-  # 512 x 128 prompt tokens) at b64 and b512, greedy and sampled
+moe-steps)  # issue 64: the Qwen3-30B-A3B shape's decode steps alone (the decode bench's tok/s counts its prefill) at b64
+  # and b512: every sequence its own prompt, greedy and sampled, then 8 samples a prompt (grpo's shape: its b64 stepped in
+  # 8.3 ms where the decode bench's stepped in 16.6)
   for b in ${BATCHES:-64 512}; do
-    timeout ${LIMIT:-240} python3 bench/tp_profile.py --shape qwen3-30b-a3b --tp-sizes 1 --batch $b --tokens 64 \
-      --temperatures 0,1.0 2>&1 | grep "^|"
+    T="timeout ${LIMIT:-240} python3 bench/tp_profile.py --shape qwen3-30b-a3b --tp-sizes 1 --batch $b --tokens 64"
+    $T --temperatures 0,1.0 2>&1 | grep "^| [0-9]"
+    $T --temperatures 1.0 --n 8 2>&1 | grep "^| [0-9]" | sed 's/$/ n=8/'
   done | tee "$OUT/moe-steps.log"
   ;;
 moe-ab)  # issue 64: this checkout against each version in ab/ (`bench/ab_versions.sh prepare REV`): one MoE layer's kernels

@@ -40,7 +40,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens a sequence")
     ap.add_argument("--temperatures", default="0", help="sampling temperatures, each a run of the variant's engine; "
                     "kernel tables: the first")
-    ap.add_argument("--batch", type=int, default=1, help="sequences, each its own prompt")
+    ap.add_argument("--batch", type=int, default=1, help="sequences")
+    ap.add_argument("--n", type=int, default=1, help="samples a prompt (its sequences share its KV): --batch / n prompts")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--kernels", type=int, default=0, metavar="K", help="instead: rank 0's K costliest kernels per step")
     ap.add_argument("--prefill", action="store_true", help="with --kernels: the prompts' prefill, not decode steps")
@@ -57,7 +58,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             engine = profiled_engine(model, tp, args, **VARIANTS[variant])
             for temperature in map(float, args.temperatures.split(",")):
-                params = sampling(temperature, args.tokens)
+                params = sampling(temperature, args.tokens, args.n)
                 for _ in range(2):  # the first run warms up
                     engine.reset_stats()
                     start = time.perf_counter()
@@ -103,12 +104,13 @@ def rank_handlers(engine: Engine) -> dict:
     return {"rank_steps": lambda: rank_steps(engine)}
 
 
-def sampling(temperature: float, max_new_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True)
+def sampling(temperature: float, max_new_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, ignore_eos=True, n=n)
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
-    return [[100 + (i * args.prompt_len + j) % 32000 for j in range(args.prompt_len)] for i in range(args.batch)]
+    """--batch / --n prompts of --prompt-len tokens."""
+    return [[100 + (i * args.prompt_len + j) % 32000 for j in range(args.prompt_len)] for i in range(args.batch // args.n)]
 
 
 def profiled_engine(model: str, tp: int, args: argparse.Namespace, **config) -> Engine:
@@ -153,7 +155,7 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
     temperature = float(args.temperatures.split(",")[0])
     for tp, variant in ((tp, v) for tp in map(int, args.tp_sizes.split(",")) for v in args.variants.split(",")):
         engine = profiled_engine(model, tp, args, **{**VARIANTS[variant], "pdl": False})
-        engine.generate(prompts(args), sampling(temperature, args.tokens))
+        engine.generate(prompts(args), sampling(temperature, args.tokens, args.n))
         if args.prefill:
             steps, run = 1, lambda: engine.generate(prompts(args), sampling(temperature, 1))
         else:
@@ -179,7 +181,7 @@ def kernel_tables(model: str, args: argparse.Namespace) -> None:
 def decoding(engine: Engine, args: argparse.Namespace):
     """Every prompt added and prefilled (steps until one decodes them all); returns the run that
     takes the next --tokens steps (the requests outlive it: the caller aborts them)."""
-    params = sampling(float(args.temperatures.split(",")[0]), new_tokens(args))
+    params = sampling(float(args.temperatures.split(",")[0]), new_tokens(args), args.n)
     engine.reset_stats()  # (the step log: from these requests on)
     for p in prompts(args):
         engine.add_request(p, params)
