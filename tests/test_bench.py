@@ -89,17 +89,26 @@ def test_gc_timer_times_collections_only_inside_its_block():
     assert len(pauses) >= 2 and sum(pauses) == pytest.approx(inside)  # each collection, reported as it ends
 
 
-def test_engines_on_one_gpu_leave_room_for_their_graphs(monkeypatch):
-    """The first of three engines takes a third of `fraction` less GRAPH_SHARE per engine after
-    it, of the memory free after the weights they share; the others take pools as large as its
-    (cmd_bench), so GRAPH_SHARE per later engine stays free for graphs (the Qwen3-30B-A3B shape's
-    second engine ran out at capture when each pool was a share of the memory free before the
-    weights)."""
+def test_engines_on_one_gpu_take_the_first_ones_pool_and_leave_room_for_their_graphs(monkeypatch):
+    """The first of three engines takes a share of the memory free after the weights they share
+    that leaves GRAPH_SHARE per later engine for graphs; the later ones take its pool in tokens
+    (each pool as a share of the memory free before the weights left the Qwen3-30B-A3B shape's
+    second engine too little to capture its graphs); a configured pool size is kept."""
+    from types import SimpleNamespace
+
+    from rollout.config import EngineConfig
     from rollout.tools import bench
 
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
-    first = bench.first_pool_fraction(0.85, 3, "auto")
-    assert 3 * first == pytest.approx(0.85 - 2 * bench.GRAPH_SHARE)
+    fraction = bench.first_pool_fraction(0.85, 3, "auto")
+    assert 3 * fraction + 2 * bench.GRAPH_SHARE == pytest.approx(0.85)
+    first, later, fixed = EngineConfig(), EngineConfig(), EngineConfig(kv_cache_tokens=1000)
+    bench.size_pool(first, None, fraction)
+    built = SimpleNamespace(pool=SimpleNamespace(num_slots=40_001))  # (slot 0 is padding's)
+    bench.size_pool(later, built, fraction)
+    bench.size_pool(fixed, built, fraction)
+    assert first.kv_cache_memory_fraction == fraction and first.kv_cache_tokens is None
+    assert later.kv_cache_tokens == 40_000 and fixed.kv_cache_tokens == 1000
     assert bench.first_pool_fraction(0.85, 1, "auto") is None and bench.first_pool_fraction(0.85, 3, "cpu") is None
 
 

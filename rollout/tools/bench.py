@@ -347,6 +347,18 @@ def first_pool_fraction(fraction: float, engines: int, device: str) -> float | N
     return max(fraction - GRAPH_SHARE * (engines - 1), GRAPH_SHARE) / engines
 
 
+def size_pool(config: EngineConfig, first, pool_fraction: float | None) -> None:
+    """An engine's KV pool among the bench's engines on one GPU: the first takes `pool_fraction`
+    (first_pool_fraction), the later ones the first's size in tokens (`first`: that engine, or None
+    while building it); a configured size stays."""
+    if pool_fraction is None or config.kv_cache_tokens:
+        return
+    if first is None:
+        config.kv_cache_memory_fraction = pool_fraction
+    else:
+        config.kv_cache_tokens = first.pool.num_slots - 1
+
+
 def bench_grid(args: argparse.Namespace) -> tuple[list[float], list[int]]:
     """The temperatures and batch sizes a run covers; fills in the workload's default output length."""
     rl = args.workload == "rl"
@@ -381,11 +393,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for spec in modes:  # one engine per mode, kept across rounds, serving one model: GPU memory split between their pools
         args.spec, args.spec_draft_model = spec, draft_model if spec in ("eagle", "auto") else None  # (a head's modes)
         config = EngineConfig.from_args(args)
-        if pool_fraction is not None and not config.kv_cache_tokens:
-            if engines:
-                config.kv_cache_tokens = engines[modes[0]].pool.num_slots - 1
-            else:
-                config.kv_cache_memory_fraction = pool_fraction
+        size_pool(config, engines.get(modes[0]), pool_fraction)
         first = engines[modes[0]] if engines and config.tp_size == 1 else None  # (rank processes hold their own)
         engines[spec] = Engine(config=config, share_weights_with=first)
     freeze_heap()  # as the server's engine process does
