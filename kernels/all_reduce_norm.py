@@ -1,5 +1,8 @@
 """One kernel for a tensor-parallel decoder's row-parallel output: the ranks' parts summed, the
-residual added, RMSNorm (Triton, over symmetric memory: CUDA P2P, never NVLink multicast).
+residual added, RMSNorm (Triton, over symmetric memory: CUDA P2P, never NVLink multicast); and the
+same kernel without the norm, the ranks' parts summed alone, for float16 (torch's one-shot kernel
+sums bfloat16 and float32 only: float16 went through float32 copies, three kernels and twice the
+bytes where bfloat16 takes one).
 
 A decoder layer's o and down products end in an all-reduce whose result only ever goes into the
 next norm with the residual added. Apart, that is two kernels at every one of 2 x layers places in
@@ -40,6 +43,16 @@ except ImportError:
     triton = None
 
 
+def all_reduce_sum(x: torch.Tensor, buffer_ptrs: torch.Tensor, slot_bytes: int, signal_ptrs: torch.Tensor,
+                   epochs: torch.Tensor, rank: int) -> torch.Tensor:
+    """`x` [rows, n] (contiguous) summed over the ranks in place, in rank order in float32 and rounded
+    once: the same bits on every rank (a program reads its row before it writes it). The buffers,
+    flags and epochs of `all_reduce_rms_norm`, whose calls may take turns with these."""
+    if x.shape[0]:
+        _launch(x, x, x, x, x, buffer_ptrs, slot_bytes, signal_ptrs, epochs, rank, 0.0, norm=False)
+    return x
+
+
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         buffer_ptrs: torch.Tensor, slot_bytes: int, signal_ptrs: torch.Tensor, epochs: torch.Tensor,
                         rank: int, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,23 +62,29 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     (at least rows x world int32 flags, zeros at first); `epochs`: int32, a row's calls so far,
     at least rows (zeros at first). The sum is kept in the residual's dtype, the norm rounded to
     `out_dtype` (default x's), as `fused.rms_norm`."""
-    rows, n = x.shape
     out = torch.empty_like(x, dtype=out_dtype or x.dtype)
     summed = torch.empty_like(residual)
-    if rows:
-        block = triton.next_power_of_2(n)
-        _all_reduce_rms_norm_kernel[(rows,)](
-            x, residual, weight, out, summed, buffer_ptrs, slot_bytes // x.element_size(), signal_ptrs, epochs, rank, n,
-            eps, WORLD=buffer_ptrs.numel(), BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl.launch_args(),
-        )
+    if x.shape[0]:
+        _launch(x, residual, weight, out, summed, buffer_ptrs, slot_bytes, signal_ptrs, epochs, rank, eps, norm=True)
     return out, summed
+
+
+def _launch(x, residual, weight, out, summed, buffer_ptrs, slot_bytes, signal_ptrs, epochs, rank, eps, norm) -> None:
+    rows, n = x.shape
+    block = triton.next_power_of_2(n)
+    _all_reduce_rms_norm_kernel[(rows,)](
+        x, residual, weight, out, summed, buffer_ptrs, slot_bytes // x.element_size(), signal_ptrs, epochs, rank, n,
+        eps, WORLD=buffer_ptrs.numel(), NORM=norm, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **pdl.launch_args(),
+    )
 
 
 if triton is not None:
 
     @triton.jit
     def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, buffer_ptrs, slot, signal_ptrs, epoch_ptr,
-                                    rank, n, eps, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                                    rank, n, eps, WORLD: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                                    PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -92,12 +111,15 @@ if triton is not None:
         for peer in tl.static_range(WORLD):  # (rank order on every rank: the same bits)
             total += tl.load(mine + peer * slot, mask=ok, other=0.0, volatile=True).to(tl.float32)
         tl.store(epoch_ptr + row, epoch)
-        # as `fused.rms_norm` after the all-reduce: the sum rounded, the residual added and rounded to its dtype
-        x = total.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        x = x.to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + at, x, mask=ok)
-        x = x.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        out_dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + at, ((x * inv).to(out_dtype).to(tl.float32) * w.to(tl.float32)).to(out_dtype), mask=ok)
+        if NORM:
+            # as `fused.rms_norm` after the all-reduce: the sum rounded, the residual added and rounded to its dtype
+            x = total.to(dtype).to(tl.float32) + tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            x = x.to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + at, x, mask=ok)
+            x = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+            out_dtype = out_ptr.dtype.element_ty
+            tl.store(out_ptr + at, ((x * inv).to(out_dtype).to(tl.float32) * w.to(tl.float32)).to(out_dtype), mask=ok)
+        else:
+            tl.store(out_ptr + at, total.to(dtype), mask=ok)

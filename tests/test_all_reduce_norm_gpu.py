@@ -3,7 +3,10 @@
 order in float32 and rounded once (`RankGroup.ordered_sum`, a coupled engine's sum), then
 `fused.rms_norm`; over 2 GPUs bitwise the one-shot all-reduce then `fused.rms_norm` too (what steps
 of more than 16 rows run); the same bits on every rank, and the same again in each of two
-CUDA-graph replays (the buffer's halves taken in the other order, then in eager's)."""
+CUDA-graph replays (the buffer's halves taken in the other order, then in eager's). The same kernel
+without the norm, float16's all-reduce (torch's one-shot kernel sums bf16 and fp32 only), taking
+turns with the fused one on the same buffers and flags: bitwise the ordered sum up to 64 rows, on
+every rank, in graphs too."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ pytestmark = pytest.mark.gpu
 # (consecutive cases of other row counts: each row's buffer halves alternate on their own)
 CASES = [(torch.bfloat16, 1, 4096), (torch.bfloat16, 7, 576), (torch.bfloat16, 16, 4096), (torch.bfloat16, 3, 5120),
          (torch.float16, 1, 4096), (torch.float16, 7, 576), (torch.float32, 1, 576), (torch.float32, 16, 4096)]
+SUM_ROWS = [1, 17, 64, 5]  # float16's plain all-reduce, [rows, 4096], after each fused case
 
 
 def _rank(rank: int, size: int, port: int) -> None:
@@ -49,22 +53,43 @@ def _rank(rank: int, size: int, port: int) -> None:
                 if size == 2:
                     apart = torch.cat(fused.rms_norm(group.all_reduce(x.clone()), weight, 1e-5, residual), dim=1)
                     assert torch.equal(g, apart), f"fused != apart {dtype} {rows}x{n}"
-            everyone = group.nccl_all_gather(torch.stack(got).reshape(1, -1)).view(size, -1)
-            assert all(torch.equal(everyone[0], other) for other in everyone[1:]), "ranks differ"
-
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            static = [x.clone() for x in parts]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                outs = fused_calls(static)
-            for _ in range(2):  # (3 calls a replay: the halves in the other order, then in eager's)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert all(torch.equal(o, g) for o, g in zip(outs, got)), f"graph != eager {dtype} {rows}x{n}"
+            _same_on_every_rank_and_in_graphs(group, fused_calls, parts, got, f"{dtype} {rows}x{n}")
+            _check_float16_sum(group, SUM_ROWS[case % len(SUM_ROWS)], case)
         torch.cuda.synchronize()
     finally:
         group.close()
+
+
+def _check_float16_sum(group, rows: int, case: int) -> None:
+    device = group.device
+    own = torch.Generator(device=device).manual_seed(5000 * group.rank + case)
+    parts = [(torch.randn(rows, 4096, generator=own, device=device) * 3).half() for _ in range(2)]
+    assert group.one_shot.fits(parts[0])
+
+    def sums(xs):
+        return [group.all_reduce(x.clone()) for x in xs]  # (the sum is in place: the graph's input stays)
+
+    got = sums(parts)
+    for x, g in zip(parts, got):
+        assert torch.equal(g, group.ordered_sum(x)), f"float16 sum != the ordered sum, {rows} rows"
+    _same_on_every_rank_and_in_graphs(group, sums, parts, got, f"float16 sum, {rows} rows")
+
+
+def _same_on_every_rank_and_in_graphs(group, calls, parts, got, what: str) -> None:
+    """`got` (calls(parts), eager) the same on every rank, and again in each of two replays of calls captured
+    in a CUDA graph (the buffer's halves in the other order, then in eager's)."""
+    everyone = group.nccl_all_gather(torch.stack(got).reshape(1, -1)).view(group.size, -1)
+    assert all(torch.equal(everyone[0], other) for other in everyone[1:]), f"ranks differ: {what}"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    static = [x.clone() for x in parts]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = calls(static)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, g) for o, g in zip(outs, got)), f"graph != eager: {what}"
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

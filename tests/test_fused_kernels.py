@@ -228,6 +228,15 @@ def test_a_float32_input_over_a_half_precision_weight_is_the_float32_product(dty
     assert error(got) < 1e-4 and error(got) < error(rounded_first) / 20, (error(got), error(rounded_first))
 
 
+def _one_rank_buffers(slot: int):
+    """A group of one's buffer (two halves of a slot), flags and epochs (8 rows), and a tensor's pointer as the
+    kernels take them."""
+    buffer = torch.zeros(2 * slot, dtype=torch.uint8, device=DEVICE)
+    flags = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    epochs = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    return buffer, flags, epochs, lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device=DEVICE)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("float32_islands", [False, True])
 def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtype, float32_islands):
@@ -237,10 +246,7 @@ def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtyp
     from kernels.all_reduce_norm import all_reduce_rms_norm
 
     slot = 8 * 512 * 4  # (8 rows of 512, float32)
-    buffer = torch.zeros(2 * slot, dtype=torch.uint8, device=DEVICE)
-    flags = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    epochs = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    pointers = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    buffer, flags, epochs, pointers = _one_rank_buffers(slot)
     g = torch.Generator(device=DEVICE).manual_seed(5)
     w = (1 + torch.randn(300, generator=g, device=DEVICE) / 4).to(dtype)
     last = {}  # (half, row) -> the row last written there: a row's calls alternate halves, from half 1
@@ -258,3 +264,26 @@ def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtyp
     halves = buffer.view(2, slot)
     for (half, i), row in last.items():
         assert torch.equal(halves[half].view(dtype)[i * 300 : (i + 1) * 300], row), (half, i)
+
+
+def test_all_reduce_sum_over_one_rank_takes_turns_with_the_norm_on_its_buffer():
+    """float16's plain all-reduce (the kernel without the norm, in place) over a group of one: each
+    row unchanged bit for bit, its calls and the fused kernel's counted on the same epochs and flags."""
+    from kernels.all_reduce_norm import all_reduce_rms_norm, all_reduce_sum
+
+    dtype = torch.float16
+    slot = 8 * 512 * 2
+    buffer, flags, epochs, pointers = _one_rank_buffers(slot)
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    w = (1 + torch.randn(300, generator=g, device=DEVICE) / 4).to(dtype)
+    for kind, rows in (("norm", 3), ("sum", 5), ("norm", 1), ("sum", 2)):
+        x = (torch.randn(rows, 300, generator=g, device=DEVICE) * 3).to(dtype)
+        if kind == "sum":
+            got = all_reduce_sum(x.clone(), pointers(buffer), slot, pointers(flags), epochs, 0)
+            assert torch.equal(got, x)
+        else:
+            r = torch.randn(rows, 300, generator=g, device=DEVICE).to(dtype)
+            out, summed = all_reduce_rms_norm(x, r, w, 1e-5, pointers(buffer), slot, pointers(flags), epochs, 0)
+            want_out, want_sum = fused.rms_norm(x, w, 1e-5, r)
+            assert torch.equal(summed, want_sum) and torch.equal(out, want_out)
+    assert epochs.tolist() == [4, 3, 2, 1, 1, 0, 0, 0] and flags.tolist() == epochs.tolist()

@@ -12,7 +12,9 @@ that each rank places in its own columns of a zeroed buffer. Adding zeros is exa
 gather, bit for bit: [1, 64128] float32 a rank over 2 H200s took 13.1 us against NCCL's 21.2.
 
 All-reduce then RMSNorm (the decoder's o and down products, then the next norm), for few rows: one
-Triton kernel over a buffer of its own (kernels/all_reduce_norm.py).
+Triton kernel over a buffer of its own (kernels/all_reduce_norm.py). The same kernel without the norm
+sums float16, which torch's kernel does not take, up to as many rows as the flags allow (a decode
+step's 64 at TP4).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ log = logging.getLogger("rollout")
 
 MAX_BYTES = 64 * 5120 * 2  # the largest all-reduce measured: [64, 5120] bf16 over 4 H200s, 16.0 us against NCCL's 31.3
 MAX_NORM_ROWS = 16  # the most rows the fused all-reduce + RMSNorm takes, a program each (kernels/all_reduce_norm.py)
-NORM_SLOT_BYTES = MAX_NORM_ROWS * 8192 * 2  # a rank's slot in that kernel's buffer: 16 rows of a hidden size 8192, bf16
+SLOT_BYTES = MAX_BYTES  # a rank's slot in that kernel's buffer (16 rows of a hidden size 8192 in bf16 take 256 KiB)
 COUNT_KEY = "rollout-symm-rendezvous"  # rank 0's count of rendezvous, in the ranks' store
 
 _rendezvous_made = 0  # symmetric-memory rendezvous this process has made (`catch_up`)
@@ -86,19 +88,21 @@ class OneShotAllReduce:
         group._set_group_name(self.name)
         _register(group)
         self._group = group
-        self._buffer = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)  # (fp16 staged as fp32)
+        self._buffer = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)  # (fp16 gathers staged as fp32)
         if rank == 0:
             store.set(COUNT_KEY, str(_rendezvous_made))
         else:
             catch_up(int(store.get(COUNT_KEY)), device)
         _rendezvous(self._buffer, self.name)
-        # the Triton kernel's own buffer (kernels/all_reduce_norm.py): two halves of a slot per rank, and its signal pad
-        self._norm_buffer = symm_mem.empty(2 * size * NORM_SLOT_BYTES, dtype=torch.uint8, device=device)
-        handle = _rendezvous(self._norm_buffer, self.name)
-        self._norm_buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self._norm_signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
-        self._norm_rows = min(MAX_NORM_ROWS, getattr(symm_mem, "get_signal_pad_size", lambda: 2048)() // 4 // size)
-        self._norm_epochs = torch.zeros(self._norm_rows, dtype=torch.int32, device=device)
+        # the Triton kernel's own buffer (kernels/all_reduce_norm.py): two halves of a slot per rank, its signal pad
+        # (a flag per rank and row), and each row's calls
+        self._triton_buffer = symm_mem.empty(2 * size * SLOT_BYTES, dtype=torch.uint8, device=device)
+        handle = _rendezvous(self._triton_buffer, self.name)
+        self._triton_buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self._triton_signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self._flag_rows = getattr(symm_mem, "get_signal_pad_size", lambda: 2048)() // 4 // size
+        self._norm_rows = min(MAX_NORM_ROWS, self._flag_rows)
+        self._epochs = torch.zeros(self._flag_rows, dtype=torch.int32, device=device)
 
     @staticmethod
     def reachable(device: torch.device) -> bool:
@@ -126,13 +130,13 @@ class OneShotAllReduce:
         per rank for each row; x within a rank's slot of its buffer)."""
         return (all_reduce_norm.triton is not None and x.is_contiguous() and x.dim() == 2 and residual.is_contiguous()
                 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.shape[0] <= self._norm_rows
-                and x.numel() * x.element_size() <= NORM_SLOT_BYTES)
+                and x.numel() * x.element_size() <= SLOT_BYTES)
 
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual), that sum), in one kernel."""
-        return all_reduce_norm.all_reduce_rms_norm(x, residual, weight, eps, self._norm_buffers, NORM_SLOT_BYTES,
-                                                   self._norm_signals, self._norm_epochs, self.rank, out_dtype)
+        return all_reduce_norm.all_reduce_rms_norm(x, residual, weight, eps, self._triton_buffers, SLOT_BYTES,
+                                                   self._triton_signals, self._epochs, self.rank, out_dtype)
 
     def _staged(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -140,8 +144,11 @@ class OneShotAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks, in place (the kernel copies `x` into the buffer itself)."""
-        if x.dtype == torch.float16:  # torch's kernel sums bf16 and fp32 only: fp16 in fp32, rounded once (as bf16 is)
-            return x.copy_(self.all_reduce(x.float()))
+        if x.dtype == torch.float16:  # torch's kernel sums bf16 and fp32 only: the Triton kernel's sum, in place
+            if x.dim() == 2 and x.shape[0] <= self._flag_rows and all_reduce_norm.triton is not None:
+                return all_reduce_norm.all_reduce_sum(x, self._triton_buffers, SLOT_BYTES, self._triton_signals,
+                                                      self._epochs, self.rank)
+            return x.copy_(self.all_reduce(x.float()))  # (in float32, rounded once, as bf16 is)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(self._staged(x.dtype, x.shape), x, "sum", self.name, x)
         return x
 
