@@ -43,7 +43,7 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Batch-invariant steps (coupled sampling): splits of this many keys from the first, whatever the
 # step, so a query's partial sums, and their merge, depend on its position alone
-INVARIANT_KEYS_PER_SPLIT = 512
+INVARIANT_KEYS_PER_SPLIT = 2048
 
 
 @triton.jit
