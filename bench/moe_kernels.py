@@ -90,19 +90,25 @@ def main() -> None:
 
 
 def routing_by_warps(args: argparse.Namespace, dtype: torch.dtype, warps: list[int]) -> None:
-    """The routing's microseconds at each row count, by warps a program: in one program where the
-    step is small enough, and in the two kernels a larger step takes."""
-    print("| rows | " + " | ".join(f"{w} warps: one program / two kernels us" for w in warps) + " |")
+    """The routing's microseconds at each row count, by warps a program (ROUTE_WARPS and
+    FEW_ROUTE_WARPS alike): in one program where the step is small enough, its tile of as many
+    rows as the step's (up to FEW_ROUTE_ROWS) and of ROUTE_ROWS, and in the two kernels a larger
+    step takes."""
+    print("| rows | " + " | ".join(f"{w} warps: one program, rows' tile / 16-row tile / two kernels us" for w in warps)
+          + " |")
     print("|---" * (1 + len(warps)) + "|")
     for rows in (int(r) for r in args.rows.split(",")):
         logits = torch.randn(rows, EXPERTS, device="cuda").to(dtype)
         cells = []
         for w in warps:
-            with patched("ROUTE_WARPS", w):
+            with patched("ROUTE_WARPS", w), patched("FEW_ROUTE_WARPS", w):
                 one = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
-                with patched("ONE_PROGRAM_ROUTE_ROWS", 0):
+                with patched("FEW_ROUTE_ROWS", 0):
+                    wide = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+                with patched("ONE_PROGRAM_ROUTE_ROWS", 0), patched("FEW_ROUTE_ROWS", 0):
                     two = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
-            cells.append(f"{one:.1f} / {two:.1f}" if rows <= fused_moe.ONE_PROGRAM_ROUTE_ROWS else f"- / {two:.1f}")
+            small = rows <= fused_moe.ONE_PROGRAM_ROUTE_ROWS
+            cells.append(f"{one:.1f} / {wide:.1f} / {two:.1f}" if small else f"- / - / {two:.1f}")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 
 

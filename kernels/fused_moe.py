@@ -12,7 +12,8 @@ The Triton path reads only the experts the step's rows took, each once per block
    rows each expert took, added up over the programs.
 2. `_place_kernel`: each expert's run of slots padded to whole blocks, every pick placed in its
    expert's run, and the expert of every block. A step of few rows (decode at small batch) does
-   1 and 2 in one program (`_route_kernel`): one launch, and no counts to zero before it.
+   1 and 2 in one program (`_route_kernel`): one launch, and no counts to zero before it; of up
+   to FEW_ROUTE_ROWS rows, in a tile of as many rows.
 3. `_expert_gemm_kernel` with GATED: per block of slots, the rows' hidden states times the block's
    expert's gate and up rows, SiLU(gate) x up, into [rows x top-k, width].
 4. `_expert_gemm_kernel`: that times the expert's down projection, times the routing weight,
@@ -28,8 +29,8 @@ summing a row's picks as it goes: three launches instead of six) was no faster o
 
 Every product accumulates in float32 and rounds where the reference does (the products'
 outputs, SiLU, the weighted output). With `invariant=True` (deterministic inference) every step
-takes one fixed tile: a row's place inside a block changes none of its sums and the combine's
-order is fixed, so a row's bits do not depend on the other rows.
+routes in programs of one shape and takes one fixed tile: a row's place inside a block changes
+none of its sums and the combine's order is fixed, so a row's bits do not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ ROUTE_ROWS = 16  # rows per routing program
 # a step of at most this many rows (<= ROUTE_ROWS) routes in one program (H200: 9.0 against the two kernels' 13.9 us at
 # 1 row, 12.5 against 16.2 at 8; that program looping over two chunks was slower than the two kernels: 23.6 against 18.2)
 ONE_PROGRAM_ROUTE_ROWS = ROUTE_ROWS
-ROUTE_WARPS = 4  # warps of every routing program (all alike: a row's weights then sum alike in any step)
+ROUTE_WARPS = 4  # warps of a routing program of ROUTE_ROWS rows
+# a step of few rows routes in a tile of as many rows (a power of two) in FEW_ROUTE_WARPS warps: at one row the 16-row
+# tile's placement compares 128 picks with every expert, 16 times the one row's 8
+FEW_ROUTE_ROWS = 4
+FEW_ROUTE_WARPS = 1
 INVARIANT_TILE = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 INVARIANT_BLOCK_ROWS = 16
 
@@ -92,7 +97,8 @@ def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
     out = torch.empty_like(h)
     if rows == 0:
         return out
-    route = Route(logits, top_k, renormalise, h.dtype, block=INVARIANT_BLOCK_ROWS if invariant else None)
+    route = Route(logits, top_k, renormalise, h.dtype, block=INVARIANT_BLOCK_ROWS if invariant else None,
+                  invariant=invariant)
     mid = torch.empty(rows * top_k, down.shape[2], dtype=h.dtype, device=h.device)
     _expert_gemm(route, h, gate_up, mid, gated=True, invariant=invariant)
     picks = torch.empty(rows * top_k, hidden, dtype=h.dtype, device=h.device)
@@ -113,18 +119,20 @@ class Route:
     by expert in blocks of `block` (`slots`: the flat pick index in each slot; `block_expert`: each
     block's expert, -1 past the used ones; `starts`, `counts` per expert). A step of at most
     ONE_PROGRAM_ROUTE_ROWS rows routes in one program; a larger one in two kernels of a program per
-    ROUTE_ROWS rows."""
+    ROUTE_ROWS rows. `invariant`: every step's programs alike (ROUTE_ROWS rows in ROUTE_WARPS
+    warps), so that a row's softmax sums alike in any step."""
 
     def __init__(self, logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype,
-                 block: int | None = None):
+                 block: int | None = None, invariant: bool = False):
         rows, num_experts = logits.shape
         dev = logits.device
         picks = rows * top_k
         self.top_k = top_k
         self.ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
         self.weights = torch.empty(rows, top_k, dtype=dtype, device=dev)
-        shape = dict(E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k), R=ROUTE_ROWS,
-                     num_warps=ROUTE_WARPS, **_pdl())
+        tile = ROUTE_ROWS if invariant or rows > FEW_ROUTE_ROWS else triton.next_power_of_2(rows)
+        shape = dict(E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k), R=tile,
+                     num_warps=ROUTE_WARPS if tile == ROUTE_ROWS else FEW_ROUTE_WARPS, **_pdl())
         self.block = block or block_rows(picks, num_experts)
         # the blocks: each expert's run rounds up by at most block - 1 slots, and at most `picks` experts have rows
         self.num_blocks = picks // self.block + min(num_experts, picks) + 1
@@ -140,7 +148,7 @@ class Route:
                                 self.starts, self.slots, self.block_expert, self.num_blocks, RENORM=renormalise,
                                 **shape, **runs)
             return
-        grid = (triton.cdiv(rows, ROUTE_ROWS),)
+        grid = (triton.cdiv(rows, tile),)
         _topk_kernel[grid](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
                            RENORM=renormalise, **shape)
         _place_kernel[grid](self.ids, rows, num_experts, counting, self.starts, self.slots, self.block_expert,

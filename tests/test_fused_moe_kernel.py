@@ -16,8 +16,10 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.fl
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 pytestmark = GPU_ONLY
 # (rows, experts, top-k, hidden, width): decode (one row, a few), a verify step, a prefill; experts not a power of two;
-# routed in one program (up to ONE_PROGRAM_ROUTE_ROWS) and in two kernels
-SHAPES = [(1, 8, 2, 64, 32), (5, 16, 4, 128, 48), (16, 16, 4, 64, 32), (70, 8, 2, 64, 32), (33, 6, 3, 96, 64)]
+# routed in one program (a tile of the rows up to FEW_ROUTE_ROWS, then of ROUTE_ROWS up to ONE_PROGRAM_ROUTE_ROWS) and
+# in two kernels
+SHAPES = [(1, 8, 2, 64, 32), (3, 12, 4, 64, 32), (5, 16, 4, 128, 48), (16, 16, 4, 64, 32), (70, 8, 2, 64, 32),
+          (33, 6, 3, 96, 64)]
 if ON_GPU:
     SHAPES += [(1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (1024, 128, 8, 2048, 768)]  # Qwen3-30B-A3B's layer
 
