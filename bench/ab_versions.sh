@@ -2,7 +2,7 @@
 # Benchmark several commits side by side in one machine session (drift between sessions is
 # larger than most of the effects measured here).
 #
-#   here:        bash bench/ab_versions.sh prepare REV...    (git archive of each REV into ab/REV)
+#   here:        bash bench/ab_versions.sh prepare REV...    (git archive of each REV's code and tests into ab/REV)
 #   on the GPU:  [CYCLES=N] bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
 #
 # `run` takes "head" for the checkout itself; each version runs in its own directory, so it
@@ -22,7 +22,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do revs+=("$1"); shift; done
 case "$cmd" in
 prepare)
   for rev in "${revs[@]}"; do
-    rm -rf "ab/$rev" && mkdir -p "ab/$rev" && git archive "$rev" rollout spec kernels weight_sync | tar -x -C "ab/$rev"
+    rm -rf "ab/$rev" && mkdir -p "ab/$rev" && git archive "$rev" rollout spec kernels weight_sync tests pyproject.toml | tar -x -C "ab/$rev"
   done
   ;;
 run)

@@ -16,7 +16,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2-dtypes | moe-push | moe | moe-ab | moe-spec | moe-steps | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2 | tp2-dtypes | moe-push | moe | moe-ab | moe-spec | moe-steps | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -27,7 +27,8 @@ stamp=/tmp/site/.installed-$(echo $wheels | md5sum | cut -c1-8)  # (stages run s
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
 bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-/tmp/bench-files}" "$@" 2>&1 | grep -v -e Warning -e warn; }
-versions() { echo head $(cd ab 2>/dev/null && ls -d */ | tr -d /); }  # this checkout, then each version in ab/
+# this checkout, then each version in ab/ (VERSIONS: these instead, e.g. "head moe-route-rows": stages side by side on two GPUs)
+versions() { echo ${VERSIONS:-head $(cd ab 2>/dev/null && ls -d */ | tr -d /)}; }
 root_of() { if [ "$1" = head ]; then echo "$PWD"; else echo "$PWD/ab/$1"; fi; }
 RL="--workload rl --spec-modes off,ngram --batch-sizes 512 --n 8 --max-running-seqs 512 --repeats 3"
 
@@ -280,9 +281,29 @@ invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alik
     -k "invariant or float32_input or deterministic or coupled" 2>&1 | tee "$OUT/invariant-tests.log" | tail -4
   timeout 200 python3 bench/invariant_tiles.py --rows 1,64,512 2>&1 | grep -v -i warn | tee "$OUT/invariant-tiles.log"
   ;;
-multi-gpu-tests)  # 2+ GPUs: the collectives' and tensor parallelism's GPU tests (fp16 included) and the MoE engine's
-  timeout 420 python3 -m pytest -q -m gpu tests/test_all_reduce_norm_gpu.py tests/test_tensor_parallel_gpu.py \
+multi-gpu-tests)  # 2+ GPUs: the collectives' and tensor parallelism's GPU tests (fp16 included) and the MoE engine's,
+  # in this checkout or in ab/$VERSION (its own tests over its own code)
+  root=$(root_of "${VERSION:-head}") && cd "$root" && export PYTHONPATH=/tmp/site:$root
+  timeout ${TEST_LIMIT:-420} python3 -m pytest -q -m gpu tests/test_all_reduce_norm_gpu.py tests/test_tensor_parallel_gpu.py \
     tests/test_moe_gpu.py 2>&1 | tail -6 | tee "$OUT/multi-gpu-tests.log"
+  ;;
+tp2)  # 2 GPUs, issues 62, 64 and 65 (bench/tp_profile.py: decode steps alone), by PARTS (default all, in this order):
+  # 8b-dtypes: fp16 against bf16 at TP2 b64 in each of $(versions); 8b-b1: the 8B shape b1 at TP1 against TP2 (step and
+  # prefill); moe-b1, moe-b512: the Qwen3-30B-A3B shape at TP1 against TP2
+  P="timeout ${LIMIT:-200} python3 bench/tp_profile.py"
+  script=$PWD/bench/tp_profile.py
+  for part in ${PARTS:-8b-dtypes 8b-b1 moe-b1 moe-b512}; do
+    case $part in
+    8b-dtypes)
+      for v in $(versions); do
+        root=$(root_of "$v")
+        (cd "$root" && PYTHONPATH=/tmp/site:$root timeout ${LIMIT:-200} python3 "$script" --tp-sizes 2 --batch 64 \
+          --tokens 64 --variants default,float16 2>&1 | grep "^| [0-9]" | sed "s/^/8B b64 $v /")
+      done ;;
+    8b-b1) $P --tp-sizes 1,2 --batch 1 --tokens 128 2>&1 | grep "^| [0-9]" | sed 's/^/8B b1 /' ;;
+    moe-b*) $P --shape qwen3-30b-a3b --tp-sizes 1,2 --batch ${part#moe-b} --tokens 64 2>&1 | grep "^| [0-9]" | sed "s/^/MoE b${part#moe-b} /" ;;
+    esac
+  done | tee -a "$OUT/tp2.log"
   ;;
 tp2-dtypes)  # 2 GPUs: fp16 against bf16 at TP2 on the 8B shape (b1, b64, b512), in turns
   for dtype in bfloat16 float16 bfloat16 float16; do
