@@ -42,7 +42,9 @@ PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Batch-invariant steps (coupled sampling): splits of this many keys from the first, whatever the
-# step, so a query's partial sums, and their merge, depend on its position alone
+# step, so a query's partial sums, and their merge, depend on its position alone. 2,048: a large batch wants
+# few splits, a rollout's tail of long samples many; on an H200 512 ran the 8B shape's b64 (1k keys) at 0.88x of
+# the default mode and rl 64 x 8 at 0.96x, 2,048 at 0.955x and 0.92x (bench/RESULTS.md)
 INVARIANT_KEYS_PER_SPLIT = 2048
 
 
