@@ -47,9 +47,12 @@ def test_tp2_in_half_precision_gives_finite_logprobs_close_to_fp32(tmp_path, dty
 
     half, full = outputs(dtype), outputs("float32")
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in half)
-    # half-precision rounding flips near-ties and the samples diverge from there: compare the first tokens
-    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(half, full)) >= len(half) - 1
-    assert max(abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(half, full)) < 0.1
+    # The tiny random model's first tokens are near-ties (logprobs -1.8 to -3.3): on one CPU, bf16 already flips 1
+    # of the 12 with a 0.060 logprob error, fp16 none at 0.006. A wrong sum moves logprobs by far more than these.
+    flips, tolerance = {"bfloat16": (2, 0.15), "float16": (1, 0.03)}[dtype]
+    same = [(a.logprobs[0], b.logprobs[0]) for a, b in zip(half, full) if a.token_ids[0] == b.token_ids[0]]
+    assert len(same) >= len(half) - flips
+    assert max(abs(a - b) for a, b in same) < tolerance
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="the default model's 9 heads split over 3 GPUs")
