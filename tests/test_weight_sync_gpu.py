@@ -119,6 +119,23 @@ def test_received_weights_staged_on_the_gpu_or_in_pinned_host_memory_land_exactl
     assert_engine_holds(reference, expected)
 
 
+@needs_cuda
+def test_auto_staging_counts_the_memory_an_earlier_staging_left_in_the_allocators_cache(reference):
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    nbytes = int(torch.cuda.mem_get_info(device)[0] * 0.6)
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    del block  # cached by the allocator (as a swapped-in push's staging is), no longer free to the driver
+    assert torch.cuda.mem_get_info(device)[0] < nbytes
+    rx = WeightReceiver(reference, staging="auto")
+    try:
+        assert rx._staging_device(device, int(nbytes * 0.8)) == device
+        assert rx._staging_device(device, nbytes * 3) == torch.device("cpu")
+    finally:
+        rx.close()
+        torch.cuda.empty_cache()
+
+
 @needs_two_gpus
 def test_nccl_push_from_a_trainer_on_another_gpu(api, reference, default_model_dir):
     trainer = TrainerProcess(api.url, default_model_dir, hf=False, device="cuda:1")

@@ -463,6 +463,7 @@ class WeightReceiver:
         if self.staging == "cpu":
             return torch.device("cpu")
         free, _ = torch.cuda.mem_get_info(recv_device)
+        free += releasable_bytes(torch.cuda.memory_snapshot(), recv_device.index)
         return recv_device if nbytes * 1.05 + (1 << 30) < free else torch.device("cpu")
 
     def _recv_stream(self, device: torch.device):
@@ -542,6 +543,16 @@ class WeightReceiver:
             pass
         slot.executor.shutdown(wait=False)
 
+
+
+def releasable_bytes(segments: list[dict], device_index: int) -> int:
+    """GPU memory this process's allocator holds but would give back for a new allocation: its default pool's
+    segments with nothing in use (`torch.cuda.memory_snapshot()`'s). An earlier push's device staging stays cached
+    there after its swap, out of `mem_get_info`'s free memory: without it, once a model over half the free memory
+    had been pushed, every later push of it went through pinned host memory at PCIe's speed. CUDA graphs' pools are
+    not counted: their free blocks stay the graphs'."""
+    return sum(s["total_size"] for s in segments
+               if s["device"] == device_index and s["active_size"] == 0 and tuple(s["segment_pool_id"]) == (0, 0))
 
 
 def _parts(tensors: list[tuple[str, torch.Tensor]], targets: dict | None) -> list[tuple[str, torch.Tensor]]:
