@@ -20,13 +20,15 @@ stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admiss
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
+# each stage its own bench files (ab_versions.sh's summary reads them back: two stages side by side wrote one folder)
+export BENCH_OUT=${BENCH_OUT:-/tmp/bench-$stage-gpu${CUDA_VISIBLE_DEVICES:-all}}
 wheels=$(ls .whl/*.whl .whl_server/*.whl 2>/dev/null)
 stamp=/tmp/site/.installed-$(echo $wheels | md5sum | cut -c1-8)  # (stages run side by side on two GPUs install once: `setup` first)
 [ -e "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels &&
   touch "$stamp"; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 SHAREGPT=/root/mcache/sharegpt.jsonl
-bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "${BENCH_OUT:-/tmp/bench-files}" "$@" 2>&1 | grep -v -e Warning -e warn; }
+bench() { timeout "${LIMIT:-600}" python3 -m rollout.tools.cli bench --out "$BENCH_OUT" "$@" 2>&1 | grep -v -e Warning -e warn; }
 # this checkout, then each version in ab/ (VERSIONS: these instead, e.g. "head moe-route-rows": stages side by side on two GPUs)
 versions() { echo ${VERSIONS:-head $(cd ab 2>/dev/null && ls -d */ | tr -d /)}; }
 root_of() { if [ "$1" = head ]; then echo "$PWD"; else echo "$PWD/ab/$1"; fi; }
@@ -77,7 +79,7 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
   # TREES=base|head|"base head" (default: both when BASE_TAR is given), BETWEEN="update same" (default),
   # START=served|checkpoint|spread: the trainer's float32 weights before its step (--epoch-update-start; default served),
   # DTYPE=bfloat16|float16|float32: the engines' dtype (default bfloat16); ENGINE_FLAGS: more engine flags (the float32 islands)
-  trees=$PWD; export BENCH_OUT=/tmp/bench-files
+  trees=$PWD
   if [ -n "${BASE_TAR:-}" ]; then
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf "$BASE_TAR" -C /tmp/base && trees="/tmp/base $PWD"
     cp -n rollout/models/default_head/model.safetensors /tmp/base/rollout/models/default_head/
