@@ -109,11 +109,22 @@ def check_weights(
     return names
 
 
+COPY_GROUP = 256  # tensors copied by one call (a mixture of experts' push is 18,432 expert tensors of a few MB)
+
+
 def copy_weights(targets: dict[str, WeightTarget], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write already-validated tensors (cast to each parameter's dtype and device), each cut to
-    this rank's part of it under tensor parallelism."""
+    this rank's part of it under tensor parallelism. In groups: a copy call each costs the host a
+    launch of ~5 us on a GPU, more than a few MB take to copy there."""
     with torch.no_grad():
+        dst, src = [], []
         for name, tensor in tensors:
             if not name.endswith(IGNORED_SUFFIXES):
                 target = targets[name]
-                target.view().copy_(target.take(tensor))
+                dst.append(target.view())
+                src.append(target.take(tensor))
+                if len(dst) == COPY_GROUP:
+                    torch._foreach_copy_(dst, src)
+                    dst, src = [], []
+        if dst:
+            torch._foreach_copy_(dst, src)
