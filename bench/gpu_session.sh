@@ -261,7 +261,8 @@ deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference
   done | tee -a "$OUT/deterministic.log"
   ;;
 deterministic-ab)  # issue 62: deterministic mode's speed, each version in ab/ (`bench/ab_versions.sh prepare REV`) against
-  # this checkout in turns (CYCLES, default 2), then this checkout's default mode; SHAPE=rl (64 x 8, T=1.0, spec off) or 8b
+  # this checkout in turns (CYCLES, default 2), then this checkout's default mode; SHAPE=rl (64 x 8, T=1.0, spec off),
+  # rl-fixed (the same, every sample 1,024 tokens) or 8b
   # (the Llama-3.1-8B shape, b64, 1,024-token prompts); TESTS=1 first runs the GPU tests of invariant attention and of the mode
   if [ -n "${TESTS:-}" ]; then
     timeout 170 python3 -m pytest -q -m gpu tests/test_triton_attention.py tests/test_engine_gpu.py tests/test_numerics_gpu.py \
@@ -269,6 +270,8 @@ deterministic-ab)  # issue 62: deterministic mode's speed, each version in ab/ (
   fi
   case ${SHAPE:-rl} in
   rl) args=(--workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0) ;;
+  rl-fixed) args=(--workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0
+    --ignore-eos --output-len 1024) ;;  # (every sample to 1,024 tokens: the modes do the same work, so tok/s compares)
   8b) args=(--workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 128) ;;
   esac
   CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run $(versions) -- "${args[@]}" \

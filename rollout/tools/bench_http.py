@@ -34,7 +34,7 @@ def rollout_over_http(url: str, label: str, args, prompts: list[list[int]], n: i
 
     def one(i: int) -> tuple[dict | list, float]:
         params = {"n": n, "temperature": args.temperature, "max_new_tokens": args.output_len,
-                  "ignore_eos": args.workload == "decode", "sampling_seed": seed + i}
+                  "ignore_eos": args.workload == "decode" or args.ignore_eos, "sampling_seed": seed + i}
         r = session.post(url + "/generate", json={"input_ids": prompts[i], "sampling_params": params}, timeout=3600)
         r.raise_for_status()
         return r.json(), time.perf_counter()
