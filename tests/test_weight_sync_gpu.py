@@ -130,6 +130,7 @@ def test_auto_staging_counts_the_memory_an_earlier_staging_left_in_the_allocator
     rx = WeightReceiver(reference, staging="auto")
     try:
         assert rx._staging_device(device, int(nbytes * 0.8)) == device
+        assert rx._staging_device(torch.device("cuda"), int(nbytes * 0.8)).type == "cuda"  # (an engine on "cuda")
         assert rx._staging_device(device, nbytes * 3) == torch.device("cpu")
     finally:
         rx.close()

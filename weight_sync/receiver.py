@@ -463,7 +463,8 @@ class WeightReceiver:
         if self.staging == "cpu":
             return torch.device("cpu")
         free, _ = torch.cuda.mem_get_info(recv_device)
-        free += releasable_bytes(torch.cuda.memory_snapshot(), recv_device.index)
+        index = recv_device.index if recv_device.index is not None else torch.cuda.current_device()
+        free += releasable_bytes(torch.cuda.memory_snapshot(), index)
         return recv_device if nbytes * 1.05 + (1 << 30) < free else torch.device("cpu")
 
     def _recv_stream(self, device: torch.device):
@@ -542,7 +543,6 @@ class WeightReceiver:
         except RuntimeError:  # executor already shut down: the worker closed the group itself
             pass
         slot.executor.shutdown(wait=False)
-
 
 
 def releasable_bytes(segments: list[dict], device_index: int) -> int:
