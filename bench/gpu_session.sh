@@ -263,10 +263,15 @@ deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference
 deterministic-ab)  # issue 62: deterministic mode's speed, each version in ab/ (`bench/ab_versions.sh prepare REV`) against
   # this checkout in turns (CYCLES, default 2), then this checkout's default mode; SHAPE=rl (64 x 8, T=1.0, spec off),
   # rl-fixed (the same, every sample 1,024 tokens) or 8b
-  # (the Llama-3.1-8B shape, b64, 1,024-token prompts); TESTS=1 first runs the GPU tests of invariant attention and of the mode
-  if [ -n "${TESTS:-}" ]; then
-    timeout 170 python3 -m pytest -q -m gpu tests/test_triton_attention.py tests/test_engine_gpu.py tests/test_numerics_gpu.py \
-      -k "invariant or deterministic" 2>&1 | tail -5 | tee "$OUT/deterministic-tests.log"
+  # (the Llama-3.1-8B shape, b64, 1,024-token prompts); TESTS=1 first runs the GPU tests of invariant attention and of the
+  # mode in each version
+  if [ -n "${TESTS:-}" ]; then  # (in each version, its own tests over its own code)
+    for v in $(versions); do
+      root=$(root_of "$v")
+      echo "== $v"
+      (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 170 python3 -m pytest -q -m gpu tests/test_triton_attention.py \
+        tests/test_engine_gpu.py tests/test_numerics_gpu.py -k "invariant or deterministic" 2>&1 | tail -5)
+    done | tee "$OUT/deterministic-tests.log"
   fi
   case ${SHAPE:-rl} in
   rl) args=(--workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0) ;;
