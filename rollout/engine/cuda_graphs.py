@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from spec.step import BATCH_BUCKETS, HeadWork, bucket
 
 MODES = ("greedy", "sample")  # captured up front; truncation is captured when first used
 
+T = TypeVar("T")
 Shape = tuple[int, int, bool, HeadWork, str]  # batch bucket, draft rows, drafting, a draft head's work, sampling mode
 
 
@@ -154,19 +156,27 @@ class CudaGraphs:
         def step() -> DecodeOutputs:
             return self.run_decode(inputs, draft_rows, drafting, head, mode, attn_out=self._attn_out[:r])
 
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                step()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            out = step()
+        graph, out = capture(step, dev, self._mempool)
         host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in (i64, i32, f32)) for _ in range(2)]
         g = _Graph(graph, inputs, host, out)
         self._graphs[(b, draft_rows, drafting, head, mode)] = g
         return g
+
+
+def capture(step: Callable[[], T], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`step` captured in a CUDA graph (memory from `pool`), after two runs on a side stream outside the
+    capture: Triton compiles its kernels, the products time theirs (kernels/skinny_gemm.py), allocations
+    settle. Returns the graph and what the captured run returned (its output buffers)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
 
 
 def _pad_into(dst: np.ndarray, src: np.ndarray, s: int, b: int, r: int) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
+from rollout.engine.cuda_graphs import capture
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -119,13 +120,5 @@ class PrefillGraphs:
         return g
 
     def _capture(self, g: _Graph) -> _Graph:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile Triton kernels, time the products' kernels, settle allocations
-                self.step(g)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self._mempool):
-            g.out = self.step(g)
+        g.graph, g.out = capture(lambda: self.step(g), self.device, self._mempool)
         return g
