@@ -35,25 +35,23 @@ def step_ms(run: Path) -> dict[tuple, float]:
             for file in sorted(run.glob("*.json")) for r in json.loads(file.read_text())["rows"]}
 
 
-def by_cycle(out: Path, rev: str, read) -> list[dict[tuple, float]]:
-    return [read(d) for d in sorted((out / rev).iterdir(), key=lambda p: int(p.name)) if d.name.isdigit()]
+def by_key(out: Path, rev: str, read) -> list[tuple[tuple, list[float]]]:
+    """(row key, its value in each cycle that has it), from `read` over each cycle's run of `rev`."""
+    cycles = [read(d) for d in sorted((out / rev).iterdir(), key=lambda p: int(p.name)) if d.name.isdigit()]
+    return [(key, [c[key] for c in cycles if key in c]) for key in sorted({k for c in cycles for k in c})]
 
 
 def main(out: Path, revs: list[str]) -> None:
     print("| version | workload | spec | batch | temp | ratio per cycle | median |\n|---|---|---|---|---|---|---|")
     for rev in revs:
-        cycles = by_cycle(out, rev, ratios)
-        for key in sorted({k for c in cycles for k in c}):
-            seen = [c[key] for c in cycles if key in c]
+        for key, seen in by_key(out, rev, ratios):
             each = " / ".join(f"{r:.2f}" for r in seen)
             print(f"| {rev} | {key[0]} | {key[1]} | {key[2]} | {key[3]:g} | {each} | **{statistics.median(seen):.2f}x** |")
     print(f"\n| version | workload | spec | batch | temp | step ms per cycle | median "
           f"| speed vs {revs[0]} (its step / this) |\n|---|---|---|---|---|---|---|---|")
     first = {}
     for rev in revs:
-        cycles = by_cycle(out, rev, step_ms)
-        for key in sorted({k for c in cycles for k in c}):
-            seen = [c[key] for c in cycles if key in c]
+        for key, seen in by_key(out, rev, step_ms):
             median = statistics.median(seen)
             first.setdefault(key, median)
             print(f"| {rev} | {key[0]} | {key[1]} | {key[2]} | {key[3]:g} | {' / '.join(f'{m:.2f}' for m in seen)} "
