@@ -16,7 +16,7 @@
 #   the recipe stages need .whl_server too (fastapi, uvicorn, pyzmq, wandb and their needs; 24 MB,
 #   too much beside a model part: carry it in a later call; `bash bench/server_wheels.sh` fetches it)
 set -uo pipefail
-stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | invariant | multi-gpu-tests | tp2 | tp2-dtypes | moe-push | moe | moe-ab | moe-spec | moe-steps | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
+stage=${1:?stage: setup | kernels | engine | check | numerics | islands | admission | deterministic | deterministic-ab | grpo-ab | invariant | multi-gpu-tests | tp2 | tp2-dtypes | moe-push | moe | moe-ab | moe-spec | moe-steps | moe-routing | kernel-tables | prefill-ab | decode | rl | rl-epoch | coupled | sampling | steps | profile | grpo | sharegpt | big | weights | recipe | recipe-dtypes | recipe-head | eagle | eagle-check | eagle-bench | head-ab | grpo-head | rl-head | head-big | quick}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
@@ -116,6 +116,12 @@ steps)  # where the rl rollout's time goes at T=1.0, by batch bucket and width, 
 grpo)  # never slower: every batch size at every temperature, 256 new tokens
   bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,512 --max-running-seqs 512 \
     --temperature 0,0.7,1.0 --output-len 256 --repeats 3 | tee "$OUT/grpo.log"
+  ;;
+grpo-ab)  # issues 64 and 65: the grpo rows in each of $(versions) in turns (CYCLES, default 2): BATCHES (default 512),
+  # TEMPS (default 0.7,1.0), MODEL (default: the default model; e.g. --random-model qwen3-30b-a3b)
+  CYCLES=${CYCLES:-2} bash bench/ab_versions.sh run $(versions) -- --workload grpo --spec-modes off,ngram ${MODEL:-} \
+    --batch-sizes ${BATCHES:-512} --max-running-seqs 512 --temperature ${TEMPS:-0.7,1.0} --output-len 256 --repeats 3 \
+    2>&1 | tee "$OUT/grpo-ab.log"
   ;;
 sharegpt)
   bench --workload sharegpt --sharegpt-file $SHAREGPT --spec-modes off,ngram --batch-sizes 1 --temperature 0 \
@@ -248,17 +254,18 @@ admission)  # issue 61: rl 64 x 8 on a 12,000-slot pool (below one group's worst
       | grep -E "^\| (system|rollout)"
   done | tee "$OUT/admission.log"
   ;;
-deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference against without, rl 64 x 8 and the 8B shape b64
-  for flag in "" --enable-deterministic-inference "" --enable-deterministic-inference; do
-    echo "== ${flag:-default}"
-    LIMIT=120 bench --workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0 $flag \
-      | grep -E "^\| rollout"
+deterministic)  # issue 62: spec-off speed with --enable-deterministic-inference against without, in turns (CYCLES,
+  # default 2), for each of SHAPES (default "rl 8b": rl 64 x 8 at T=1.0; the Llama-3.1-8B shape b64, 1,024-token prompts)
+  for shape in ${SHAPES:-rl 8b}; do
+    case $shape in
+    rl) args=(--workload rl --spec-modes off --batch-sizes 512 --n 8 --max-running-seqs 512 --temperature 1.0) ;;
+    8b) args=(--workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 --output-len 128) ;;
+    esac
+    for flag in $(for i in $(seq ${CYCLES:-2}); do echo default --enable-deterministic-inference; done); do
+      echo "== $shape $flag"; [ $flag = default ] && flag=
+      LIMIT=150 bench "${args[@]}" $flag | grep -E "^\| rollout"
+    done
   done | tee "$OUT/deterministic.log"
-  for flag in "" --enable-deterministic-inference; do
-    echo "== 8B b64 ${flag:-default}"
-    LIMIT=150 bench --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 1024 \
-      --output-len 128 $flag | grep -E "^\| rollout"
-  done | tee -a "$OUT/deterministic.log"
   ;;
 deterministic-ab)  # issue 62: deterministic mode's speed, each version in ab/ (`bench/ab_versions.sh prepare REV`) against
   # this checkout in turns (CYCLES, default 2), then this checkout's default mode; SHAPE=rl (64 x 8, T=1.0, spec off),
