@@ -6,6 +6,7 @@
     python recipes/bench_weight_sync.py --methods distributed --models 8b --dp-size 2   # 3+ GPUs: one push, 2 replicas
     python recipes/bench_weight_sync.py --methods distributed --models 8b,32b --tp-size 2   # 3+ GPUs: one push, 2 ranks
     python recipes/bench_weight_sync.py --methods distributed --models 30b-a3b   # 2+ GPUs: Qwen3-30B-A3B's 18,432 experts
+    python recipes/bench_weight_sync.py --methods distributed --models 30b-a3b-tiny   # the same names, tiny: the per-tensor cost
 
 The engine is a real `rollout serve` (started here, one per model, random weights for the
 8B, 32B (Qwen2.5-32B) and 30B-A3B (Qwen3-MoE) shapes); a trainer subprocess holds the weights (the
@@ -36,11 +37,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rollout.tools.bench import SPEED_SHAPES  # noqa: E402
 from rollout.tools.launch import launched_server  # noqa: E402
 
 
 # ---------------- trainer side (a subprocess) ----------------
 SHAPES = {"8b": "llama3-8b", "32b": "qwen2.5-32b", "30b-a3b": "qwen3-30b-a3b"}  # --models: random weights of these shapes
+# Qwen3-30B-A3B's 18,432 expert tensors (and the rest of its names) at a tiny width: a push's per-tensor cost on any machine
+TINY_30B_A3B = {**SPEED_SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "vocab_size": 49152}
 
 
 def trainer_tensors(model_dir: str, random_weights: bool, device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
@@ -102,8 +107,10 @@ def bench(args: argparse.Namespace) -> None:
             model_dir, random_weights = str(ensure_default_model()), False
         elif model in SHAPES:
             model_dir, random_weights = speed_model_dir(SHAPES[model]), True
+        elif model == "30b-a3b-tiny":
+            model_dir, random_weights = speed_model_dir(model, TINY_30B_A3B), True
         else:
-            raise SystemExit(f"--models: default or one of {', '.join(SHAPES)}, not {model!r}")
+            raise SystemExit(f"--models: default, 30b-a3b-tiny or one of {', '.join(SHAPES)}, not {model!r}")
         dtype = "bfloat16" if cuda else "float32"
         with serve(model_dir, "cuda" if cuda else "cpu", dtype, random_weights, args.dp_size, args.tp_size, base_gpu_id) as url:
             for method in args.methods.split(","):
@@ -132,22 +139,25 @@ def bench(args: argparse.Namespace) -> None:
                         "model": model, "dp": args.dp_size, "tp": args.tp_size, "params_m": timed[0]["numel"] / 1e6, "mb": timed[0]["bytes"] / 1e6, "dtype": dtype,
                         "method": method, "backend": backend if method == "distributed" else "-",
                         "bucket_mb": f"{timed[0]['bucket_bytes'] / (1 << 20):g}" if method != "disk" else "-", "push_s": med("push_s"),
-                        "receive_s": med("receive_s"), "apply_s": med("apply_s"),
+                        "receive_s": med("receive_s"), "apply_s": med("apply_s"), "engine_s": med("engine_total_s"),
                         "gb_per_s": timed[0]["bytes"] / med("push_s") / 1e9, "repeats": len(timed),
                     })
                     print(json.dumps(rows[-1]), flush=True)
     device_name = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"\nweight push on {device_name} ({torch.get_num_threads()} CPU threads)\n")
-    print("| model | replicas x ranks | params (M) | MB sent | method | backend | bucket MB | push s | receive s | swap s | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    # engine s: from the update's arrival at the engine (validated) to its answer; push s less it is the HTTP request and the
+    # checks before, the answer after
+    print("| model | replicas x ranks | params (M) | MB sent | method | backend | bucket MB | push s | engine s | receive s | swap s | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['dp']} x {r['tp']} | {r['params_m']:.0f} | {r['mb']:.0f} | {r['method']} | {r['backend']} | {r['bucket_mb']} | "
-              f"{r['push_s']:.3f} | {r['receive_s']:.3f} | {r['apply_s']:.3f} | {r['gb_per_s']:.2f} |")
+              f"{r['push_s']:.3f} | {r['engine_s']:.3f} | {r['receive_s']:.3f} | {r['apply_s']:.3f} | {r['gb_per_s']:.2f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=None, help="comma list of default, 8b, 32b, 30b-a3b (default: default on CPU, default,8b on GPU)")
+    ap.add_argument("--models", default=None, help="comma list of default, 8b, 32b, 30b-a3b, 30b-a3b-tiny "
+                    "(default: default on CPU, default,8b on GPU)")
     ap.add_argument("--methods", default=None, help="comma list of distributed, disk, ipc (default: all that the machine allows)")
     ap.add_argument("--bucket-mb", default="auto", help="comma list of bucket sizes in MB; 0 = one broadcast/handle per tensor; "
                     "auto = the pusher's default (128 for NCCL, 0 for gloo and IPC)")
