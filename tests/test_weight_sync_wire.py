@@ -29,6 +29,8 @@ def random_tensors():
         ("big", torch.randn(300, generator=g)),
         ("d", torch.randn(1, generator=g).double()),
         ("empty", torch.zeros(0, 4)),
+        ("scalar", torch.tensor(2.5)),
+        ("int", torch.arange(6).view(2, 3)),
     ]
 
 
@@ -40,11 +42,13 @@ def test_pack_then_unpack_gives_back_every_tensor_bit_for_bit(bucket_bytes):
     assert [s.index for b in layout for s in b.slots] == list(range(len(specs)))  # every tensor once, in order
     out = []
     for bucket in layout:
-        buf = pack(bucket, [t for _, t in named], specs).clone()  # as received on the other side
-        out.extend(unpack(bucket, buf, specs))
+        packed = pack(bucket, [t for _, t in named], specs)
+        # as received on the other side: a bucket into part of a larger buffer, a tensor alone into its own
+        buf = packed.clone() if bucket.typed else torch.empty(len(packed) + 1024, dtype=torch.uint8)[256 : 256 + len(packed)]
+        out.extend(unpack(bucket, buf.copy_(packed), specs))
     assert [n for n, _ in out] == [n for n, _ in named]
     for (_, got), (_, want) in zip(out, named):
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous() and torch.equal(got, want)
 
 
 def test_buckets_respect_the_size_and_alignment_and_oversized_tensors_go_alone():
