@@ -3,6 +3,7 @@
 # larger than most of the effects measured here).
 #
 #   here:        bash bench/ab_versions.sh prepare REV...    (git archive of each REV's code and tests into ab/REV)
+#                bash bench/ab_versions.sh pending NAME...   (ab/NAME: this commit with bench/pending/NAME.diff applied)
 #   on the GPU:  [CYCLES=N] bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
 #
 # `run` takes "head" for the checkout itself; each version runs in its own directory, so it
@@ -15,7 +16,7 @@
 # brings back 8 files). Each cycle draws its own samples (--seed), the versions of a
 # cycle the same ones (rollout bench's rounds do the same).
 set -uo pipefail
-cmd=${1:?prepare | run}; shift
+cmd=${1:?prepare | pending | run}; shift
 revs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do revs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -23,6 +24,12 @@ case "$cmd" in
 prepare)
   for rev in "${revs[@]}"; do
     rm -rf "ab/$rev" && mkdir -p "ab/$rev" && git archive "$rev" rollout spec kernels weight_sync tests pyproject.toml | tar -x -C "ab/$rev"
+  done
+  ;;
+pending)  # a change waiting for its A/B, kept as a diff (bench/pending/NAME.diff: what it predicts, then the diff)
+  for name in "${revs[@]}"; do
+    bash "$0" prepare HEAD && rm -rf "ab/$name" && mv ab/HEAD "ab/$name" &&
+      git apply --directory="ab/$name" "bench/pending/$name.diff" || exit 1
   done
   ;;
 run)
