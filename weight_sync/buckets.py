@@ -133,7 +133,7 @@ def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], specs: Sequence[Tensor
     if out is None or out.numel() < bucket.nbytes:
         out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=out.device if out is not None else tensors[bucket.slots[0].index].device)
     out = out[: bucket.nbytes]
-    # (one call for the bucket: a copy each cost the host more than its bytes, 18,432 expert tensors in a push)
+    # (one call for the bucket, not a copy call a tensor: a mixture of experts' push packs 18,432 of them)
     torch._foreach_copy_([view for _, view in unpack(bucket, out, specs)], [tensors[slot.index] for slot in bucket.slots])
     return out
 
@@ -148,8 +148,8 @@ def unpack(bucket: Bucket, buf: torch.Tensor, specs: Sequence[TensorSpec]) -> li
     """Views of the bucket's tensors into `buf` (no copy)."""
     if bucket.typed:
         return [(specs[bucket.slots[0].index].name, buf)]
-    # (one strided view each, of the buffer seen once per dtype: slicing and viewing twice took the host 3x as long,
-    # and a push of a mixture of experts unpacks and packs 18,432 tensors)
+    # (one strided view each, of the buffer seen once per dtype: slicing and viewing twice took the host twice as long,
+    # bench/probes/push_host_pieces.py, and a push of a mixture of experts unpacks and packs 18,432 tensors)
     flats: dict[torch.dtype, torch.Tensor] = {}
     out = []
     for slot in bucket.slots:
