@@ -435,7 +435,7 @@ class WeightReceiver:
                         raise WeightSyncError(f"the trainer's broadcast does not match the update's metadata (header {got.tolist()} != {expected})")
                 # RECEIVES_AHEAD broadcasts are posted at a time: posted one by one, each waiting for the host to
                 # see the last one end, a 128-MB bucket of the 30B-A3B push took 1.2 ms from another H200 (105 GB/s, where
-                # the 8B shape's whole push, 8x fewer tensors a bucket, ran at 140).
+                # the 8B shape's whole push, two or three tensors a bucket against ~39, ran at 140).
                 # Host staging receives into RECEIVES_AHEAD device buffers in turn: a bucket's broadcast is
                 # posted after the host copies out of its buffer's last bucket were queued (NCCL's stream waits
                 # for the current one).
