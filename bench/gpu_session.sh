@@ -301,9 +301,12 @@ invariant)  # issue 62: the batch-invariant product's GPU tests (every tile alik
 multi-gpu-tests)  # 2+ GPUs: the collectives' and tensor parallelism's GPU tests (fp16 included) and the MoE engine's,
   # in this checkout or in ab/$VERSION (its own tests over its own code)
   root=$(root_of "${VERSION:-head}") && cd "$root" && export PYTHONPATH=/tmp/site:$root
-  # (a test that hangs dumps every thread's stack after 200 s; the first run on a machine compiles for minutes)
-  timeout ${TEST_LIMIT:-420} python3 -m pytest -v -m gpu -o faulthandler_timeout=200 tests/test_all_reduce_norm_gpu.py \
-    tests/test_tensor_parallel_gpu.py tests/test_moe_gpu.py 2>&1 | grep -v -i warn | tail -60 | tee "$OUT/multi-gpu-tests.log"
+  # (a test that hangs dumps every thread's stack after 200 s, its tensor-parallel ranks' too: they print theirs on
+  # SIGUSR1; the first run on a machine compiles for minutes)
+  (sleep 195; pkill -USR1 -f rollout.engine.rank_process) &
+  timeout ${TEST_LIMIT:-420} python3 -m pytest -v -s -m gpu -o faulthandler_timeout=200 tests/test_all_reduce_norm_gpu.py \
+    tests/test_tensor_parallel_gpu.py tests/test_moe_gpu.py ${TESTS:+-k "$TESTS"} 2>&1 | grep -v -i warn \
+    | tee "$OUT/multi-gpu-tests.log" | tail -40
   ;;
 tp2)  # 2 GPUs, issues 62, 64 and 65 (bench/tp_profile.py: decode steps alone), by PARTS (default all, in this order):
   # 8b-dtypes: fp16 against bf16 at TP2 b64 in each of $(versions); 8b-b1: the 8B shape b1 at TP1 against TP2 (step and
