@@ -37,15 +37,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rollout.tools.bench import SPEED_SHAPES  # noqa: E402
 from rollout.tools.launch import launched_server  # noqa: E402
 
 
 # ---------------- trainer side (a subprocess) ----------------
-SHAPES = {"8b": "llama3-8b", "32b": "qwen2.5-32b", "30b-a3b": "qwen3-30b-a3b"}  # --models: random weights of these shapes
-# Qwen3-30B-A3B's 18,432 expert tensors (and the rest of its names) at a tiny width: a push's per-tensor cost on any machine
-TINY_30B_A3B = {**SPEED_SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "vocab_size": 49152}
+# --models: random weights of these shapes (30b-a3b-tiny: the 30B-A3B's tensor names at a tiny width)
+SHAPES = {"8b": "llama3-8b", "32b": "qwen2.5-32b", "30b-a3b": "qwen3-30b-a3b", "30b-a3b-tiny": "qwen3-30b-a3b-tiny"}
 
 
 def trainer_tensors(model_dir: str, random_weights: bool, device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
@@ -107,10 +104,8 @@ def bench(args: argparse.Namespace) -> None:
             model_dir, random_weights = str(ensure_default_model()), False
         elif model in SHAPES:
             model_dir, random_weights = speed_model_dir(SHAPES[model]), True
-        elif model == "30b-a3b-tiny":
-            model_dir, random_weights = speed_model_dir(model, TINY_30B_A3B), True
         else:
-            raise SystemExit(f"--models: default, 30b-a3b-tiny or one of {', '.join(SHAPES)}, not {model!r}")
+            raise SystemExit(f"--models: default or one of {', '.join(SHAPES)}, not {model!r}")
         dtype = "bfloat16" if cuda else "float32"
         with serve(model_dir, "cuda" if cuda else "cpu", dtype, random_weights, args.dp_size, args.tp_size, base_gpu_id) as url:
             for method in args.methods.split(","):

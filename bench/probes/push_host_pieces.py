@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [sys.argv[1], str(Path(sys.argv[1]) / "recipes")]
-from bench_weight_sync import TINY_30B_A3B, trainer_tensors  # noqa: E402
+from bench_weight_sync import trainer_tensors  # noqa: E402
 
 from rollout import Engine  # noqa: E402
 from rollout.tools.bench import speed_model_dir  # noqa: E402
@@ -29,7 +29,7 @@ def best_ms(f, repeats: int = 3) -> float:
 
 
 def main() -> None:
-    model = speed_model_dir("30b-a3b-tiny", TINY_30B_A3B)
+    model = speed_model_dir("qwen3-30b-a3b-tiny")
     named = trainer_tensors(model, True, torch.device("cpu"), torch.float32)
     engine = Engine(model=model, spec="off", device="cpu", load_format="dummy")
     names, shapes = [n for n, _ in named], [list(t.shape) for _, t in named]

@@ -64,6 +64,11 @@ SPEED_SHAPES = {
         "eos_token_id": 2, "rope_theta": 1000000.0,
     },
 }
+# Qwen3-30B-A3B's tensor names and count (18,432 experts) at a tiny width: a weight push's per-tensor cost on any machine
+SPEED_SHAPES["qwen3-30b-a3b-tiny"] = {
+    **SPEED_SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "vocab_size": 49152,
+}
 
 
 @dataclass
