@@ -8,10 +8,13 @@ free KV slots. Each step takes the capacity with the most tokens per second,
 S (1 + acc(C)) / cost(b, C).
 
 - acc(C), the drafts accepted per sequence, is read off the drafter's whole trees, which come
-  back every SHADOW_EVERY steps whether the step drafts or not (drafting runs on the device and
-  costs the host nothing): once the tree's sequence has emitted the tokens after its root, the
-  speculator replays the device's choice of the best C drafts for every fraction and counts how
-  deep each sequence's chosen nodes match what it emitted (spec/speculator.py). Under
+  back every SHADOW_EVERY steps whether the step drafts or not (drafting runs on the device;
+  while no draft pays, the interval doubles at each return up to SHADOW_MOST, since copying the
+  trees back and scoring them is host work that grows with the batch: at b512 T=1.0 it cost
+  n-gram 0.93x of spec off, 0.99x with the backoff): once the tree's sequence has emitted the
+  tokens after its root, the speculator replays the device's choice of the best C drafts for
+  every fraction and counts how deep each sequence's chosen nodes match what it emitted
+  (spec/speculator.py). Under
   counter-based sampling a draft is accepted exactly when it equals the token the sequence
   emits anyway, so this is what verification would find, without verifying anything.
   Evaluations are averaged with decaying weights, per bucket: a fraction means different
@@ -58,6 +61,7 @@ import numpy as np
 from spec.step import HeadWork, bucket
 
 SHADOW_EVERY = 8  # steps between the trees that come back for the acceptance statistics
+SHADOW_MOST = 64  # ... at most, while no draft pays
 COST_WINDOW = 5  # periods kept per bucket (plain) and per (bucket, draft rows)
 LINE_WINDOW = 32  # the line is fitted to the last this many drafting steps, of any bucket
 REFRESH_EVERY = 16  # while drafting, one plain step in this many keeps the plain cost current
@@ -101,7 +105,8 @@ class DraftBudget:
         self._line: tuple[float, float] | None = None  # _fit of _recent, until the next drafting step is measured
         self._levels: dict[int, list[tuple[int, int]]] = {}
         self._drafting: dict[int, int] = {}  # bucket -> drafting steps since its last plain one
-        self._steps = 0
+        self._shadow_every = SHADOW_EVERY
+        self._since_shadow = 0
 
     def capacities(self, b: int) -> list[int]:
         """The draft rows a step of bucket b may verify, 0 included (its CUDA graphs' shapes)."""
@@ -123,8 +128,10 @@ class DraftBudget:
         """`draining`: nothing waits to be admitted, so the batch ends with its slowest sequences.
         `sure`: drafts the batch holds that will be accepted with little doubt (coupled chains),
         ranked above the rest: whatever the estimates, a step of C rows accepts min(C, sure) of them."""
-        self._steps += 1
-        shadow = self._steps % SHADOW_EVERY == 0
+        self._since_shadow += 1
+        shadow = self._since_shadow >= self._shadow_every
+        if shadow:
+            self._since_shadow = 0
         b = bucket(num_seqs)
         fits = [(i, c) for i, c in self._levels_of(b) if num_seqs + c <= free_slots]
         c = 0
@@ -146,6 +153,10 @@ class DraftBudget:
             best = max(fits, key=lambda ic: value(*ic))
             if value(*best) > 1 / plain:
                 c = best[1]
+        if c:
+            self._shadow_every = SHADOW_EVERY
+        elif shadow:
+            self._shadow_every = min(2 * self._shadow_every, SHADOW_MOST)
         if c and self.adaptive:
             self._drafting[b] = self._drafting.get(b, 0) + 1
             if self._drafting[b] >= REFRESH_EVERY:
@@ -160,7 +171,7 @@ class DraftBudget:
     @property
     def shadow_next(self) -> bool:
         """The next step's trees come back (as `plan` will say)."""
-        return (self._steps + 1) % SHADOW_EVERY == 0
+        return self._since_shadow + 1 >= self._shadow_every
 
     def observe_step(self, num_seqs: int, rows: int, seconds: float) -> None:
         """A decode or verify step of `num_seqs` sequences and `rows` draft rows took `seconds`

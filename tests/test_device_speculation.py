@@ -15,7 +15,7 @@ from kernels.draft_rows import lay_out_drafts_ref
 from kernels.ngram_draft import PADDING
 from rollout import Engine, SamplingParams, SpecConfig
 from rollout.tools.datasets import chat_prompt_ids
-from spec.budget import FRACTIONS, MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, DraftBudget
+from spec.budget import FRACTIONS, MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, SHADOW_MOST, DraftBudget
 from spec.speculator import _Trees, kept_drafts, score_trees
 
 QUESTIONS = [
@@ -242,6 +242,26 @@ def test_acceptance_is_estimated_per_batch_bucket_and_borrowed_within_what_a_fra
     assert fixed.plan(16, 10_000).draft_rows == 128 and fixed.plan(64, 10_000).draft_rows == 256
     shadows = [fixed.plan(16, 10_000).shadow for _ in range(4 * SHADOW_EVERY)]
     assert sum(shadows) == 4
+
+
+def test_trees_come_back_less_often_while_no_draft_pays_and_as_often_as_before_once_one_does():
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=1024, max_rows=512)
+    for _ in range(5):
+        budget.observe_step(512, 0, 0.002)
+    for _ in range(MEASURED_AFTER):
+        budget.observe_step(512, 64, 0.00205)  # 64 rows pay from 0.025 drafts per sequence
+    shadows = []
+    for _ in range(400):  # nothing accepted: no step drafts
+        assert budget.shadow_next == (plan := budget.plan(512, 10_000)).shadow  # (shadow_next said so a step ahead)
+        assert plan.draft_rows == 0
+        shadows.append(plan.shadow)
+    gaps = np.diff(np.flatnonzero(shadows)).tolist()
+    assert gaps[:4] == [16, 32, 64, 64] and set(gaps[4:]) == {SHADOW_MOST}
+    budget.acc[512] = np.array(FRACTIONS) / 2  # half of every draft accepted
+    plans = [budget.plan(512, 10_000) for _ in range(SHADOW_MOST)]
+    assert plans[0].draft_rows > 0
+    shadows = [p.shadow for p in plans]
+    assert np.diff(np.flatnonzero(shadows)).tolist() == [SHADOW_EVERY] * (sum(shadows) - 1)
 
 
 def test_trees_are_scored_by_the_tokens_their_sequences_emitted_among_the_drafts_a_step_would_keep():
