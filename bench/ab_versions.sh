@@ -24,6 +24,8 @@ case "$cmd" in
 prepare)
   for rev in "${revs[@]}"; do
     rm -rf "ab/$rev" && mkdir -p "ab/$rev" && git archive "$rev" rollout spec kernels weight_sync tests pyproject.toml | tar -x -C "ab/$rev"
+    # (the shipped draft head, 9.5 MB, is this checkout's: a call carries 64 MiB, the default model's part 44 of them)
+    rm -rf "ab/$rev/rollout/models/default_head" && ln -s ../../../../rollout/models/default_head "ab/$rev/rollout/models/default_head"
   done
   ;;
 pending)  # a change waiting for its A/B, kept as a diff (bench/pending/NAME.diff: what it predicts, then the diff)
