@@ -168,6 +168,11 @@ class DraftBudget:
         fits = [c for _, c in self._levels_of(bucket(num_seqs)) if num_seqs + c <= free_slots]
         return min(fits, default=0)
 
+    def shadow_often(self) -> None:
+        """Trees back every SHADOW_EVERY steps from now on, until no draft pays again (a woken draft
+        head's choices wait for its first evaluations: spec/head_watch.py INFORMED_AFTER)."""
+        self._shadow_every = SHADOW_EVERY
+
     @property
     def shadow_next(self) -> bool:
         """The next step's trees come back (as `plan` will say)."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from rollout.config import SpecConfig
 from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
-from spec.head_watch import HeadCycle, HeadWatch
+from spec.head_watch import INFORMED_AFTER, HeadCycle, HeadWatch
 from spec.index import NgramIndex
 from spec.step import Drafted, DraftSettings, HeadWork, StepReport, bucket
 from spec.token_table import TokenTable
@@ -155,6 +155,8 @@ class Speculator:
         # the last few hundred), against its measured costs, rather than wait for its estimates,
         # which learn too slowly for them (per-sequence rates move a tenth of the way every 8
         # steps, and the drain caps them at the slowest tenth's).
+        if self.cycle is not None and self.cycle.awake and self.cycle.evaluations < INFORMED_AFTER:
+            self.budget.shadow_often()  # (its estimates are uninformed: its idle and paying steps do not count yet)
         plan = self.budget.plan(num_seqs, free_slots, draining,
                                 sure=self._coupled * self.depth * self._coupled_accept)
         self._steps += 1

@@ -257,6 +257,8 @@ def test_trees_come_back_less_often_while_no_draft_pays_and_as_often_as_before_o
         shadows.append(plan.shadow)
     gaps = np.diff(np.flatnonzero(shadows)).tolist()
     assert gaps[:4] == [16, 32, 64, 64] and set(gaps[4:]) == {SHADOW_MOST}
+    budget.shadow_often()  # (a woken head waits on evaluations)
+    assert any(budget.plan(512, 10_000).shadow for _ in range(SHADOW_EVERY))
     budget.acc[512] = np.array(FRACTIONS) / 2  # half of every draft accepted
     plans = [budget.plan(512, 10_000) for _ in range(SHADOW_MOST)]
     assert plans[0].draft_rows > 0
