@@ -32,7 +32,7 @@ from rollout.tools.launch import launched_router, launched_server  # noqa: E402
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from rollout.models.loader import resolve_model_path
+    from rollout.models.default_model import resolve_model_path
 
     if args.random_model:  # random weights of a speed shape (the default model's tokenizer)
         from rollout.tools.bench import speed_model_dir

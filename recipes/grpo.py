@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runnable from a checkout without installing
 
 from rollout.client import RolloutClient  # noqa: E402
-from rollout.models.loader import resolve_model_path  # noqa: E402
+from rollout.models.default_model import resolve_model_path  # noqa: E402
 from rollout.server.replicas import summed_stats  # noqa: E402
 from rollout.tools.datasets import arithmetic_tasks, chat_prompt_ids  # noqa: E402
 from rollout.tools.launch import launched_server  # noqa: E402

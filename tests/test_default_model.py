@@ -154,7 +154,7 @@ def test_failed_pip_download_says_what_to_do(tmp_path, monkeypatch, no_installed
 
 
 def test_missing_local_model_directory_says_what_to_do():
-    from rollout.models.loader import resolve_model_path
+    from rollout.models.default_model import resolve_model_path
 
     with pytest.raises(FileNotFoundError, match="local HF directory"):
         resolve_model_path("/nonexistent/model")

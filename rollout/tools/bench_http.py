@@ -61,7 +61,7 @@ def cmd_bench_http(args) -> None:
     """`rollout bench --url ...` (the CLI sends a bench with --url here)."""
     from transformers import AutoTokenizer
 
-    from rollout.models.loader import resolve_model_path
+    from rollout.models.default_model import resolve_model_path
 
     temperatures, batch_sizes = bench_grid(args)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, workload_prompts: Callable, write_table: Calla
     from transformers import AutoModelForCausalLM
 
     from rollout.engine.engine import Engine
-    from rollout.models.loader import resolve_model_path
+    from rollout.models.default_model import resolve_model_path
 
     args.output_len = args.output_len or 256
     temperature = float((args.temperature or "1.0").split(",")[0])

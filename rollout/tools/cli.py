@@ -30,6 +30,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"--- {stats['rollout/tokens_per_s']:.1f} tok/s, accept rate {stats['rollout/spec_accept_rate']:.2f}")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from rollout.tools.bench import cmd_bench as run  # (torch: not for every command)
+
+    run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout", description="RL-rollout generation with n-gram tree speculation")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_args(g)
     g.set_defaults(func=cmd_generate)
 
-    from rollout.tools.bench import add_bench_parser
-    add_bench_parser(sub)
+    from rollout.tools.bench_args import add_bench_parser
+    add_bench_parser(sub).set_defaults(func=cmd_bench)
     missing = _missing_server_package()
     if missing is None:
         from rollout.server.app import add_serve_parser
