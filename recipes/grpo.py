@@ -40,6 +40,7 @@ from weight_sync import WeightPusher  # noqa: E402
 from weight_sync.pusher import router_workers  # noqa: E402
 
 MICRO_BATCH = 16  # sequences per trainer forward/backward
+SERVER_START_S = 900.0  # a server started for the run answers /health within this (CUDA graphs of a large model)
 
 
 @dataclass
@@ -99,26 +100,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def rollout_server(args: argparse.Namespace, spec: str | None = None, share: float = 0.5):
-    """The given server, or one started for this run with `spec` (default: --spec; stopped at the end).
-    `share`: of the GPU's free memory its KV pool takes (the trainer shares the GPU)."""
+def rollout_servers(args: argparse.Namespace, specs: list[str], share: float = 0.5):
+    """[the given server's URL], or those of a server started for this run with each of `specs`,
+    side by side (each loads while the others do), stopped at the end. `share`: of the GPU's free
+    memory each KV pool takes (the trainer shares the GPU)."""
     if args.server:
-        yield args.server
+        yield [args.server]
         return
-    spec = spec or args.spec
-    serve_args = ["--model", args.model, "--device", args.device, "--spec", spec, "--dtype", args.dtype]
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(launched_server(*serve_args(args, spec, share), wait=False)) for spec in specs]
+        for server in servers:
+            server.wait_healthy(SERVER_START_S)
+        yield [server.url for server in servers]
+
+
+def serve_args(args: argparse.Namespace, spec: str, share: float) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--spec", spec, "--dtype", args.dtype]
     if args.spec_draft_model and spec in ("eagle", "auto"):
-        serve_args += ["--spec-draft-model", args.spec_draft_model]
+        out += ["--spec-draft-model", args.spec_draft_model]
     if args.coupled_sampling:
-        serve_args += ["--coupled-sampling"]
+        out += ["--coupled-sampling"]
     if args.spec_no_adaptive:
-        serve_args += ["--spec-no-adaptive"]
+        out += ["--spec-no-adaptive"]
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
-        serve_args += ["--kv-cache-tokens", "32768"]
+        out += ["--kv-cache-tokens", "32768"]
     else:
-        serve_args += ["--kv-cache-memory-fraction", str(share)]
-    with launched_server(*serve_args) as server:
-        yield server.url
+        out += ["--kv-cache-memory-fraction", str(share)]
+    return out
 
 
 def group_advantages(rewards: list[float], n: int) -> list[float]:
@@ -182,11 +190,9 @@ def run(args: argparse.Namespace) -> GrpoRun:
 
     with contextlib.ExitStack() as stack:
         share = 0.25 if args.compare_spec_off else 0.5
-        url = stack.enter_context(rollout_server(args, share=share))
+        url, *off_url = stack.enter_context(rollout_servers(args, [args.spec] + ["off"] * args.compare_spec_off, share))
         client = stack.enter_context(RolloutClient(url))
-        off_client = None
-        if args.compare_spec_off:
-            off_client = stack.enter_context(RolloutClient(stack.enter_context(rollout_server(args, "off", share))))
+        off_client = stack.enter_context(RolloutClient(off_url[0])) if off_url else None
         if args.coupled_sampling and not client.server_info()["engine_config"]["coupled_sampling"]:
             raise SystemExit(f"--coupled-sampling: the server at {url} does not sample coupled (serve it with --coupled-sampling)")
         urls = [url] + ([off_client.url] if off_client is not None else [])

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from rollout.tools.launch import free_port, launched_server
 
-__all__ = ["free_port", "running_server"]
+__all__ = ["free_port", "running_server", "running_servers"]
 
 
 @contextmanager
 def running_server(model: str, *args: str, timeout: float = 300.0):
     """`rollout serve --model <model> --device cpu <args>`; SIGTERM at the end."""
-    with launched_server("--model", model, "--device", "cpu", *args, timeout=timeout) as server:
+    with running_servers((model, *args), timeout=timeout) as (server,):
         yield server
+
+
+@contextmanager
+def running_servers(*servers: tuple[str, ...], timeout: float = 300.0):
+    """A `running_server` for each (model, *args), started side by side (each loads while the
+    others do), once every one answers /health."""
+    with ExitStack() as stack:
+        started = [stack.enter_context(launched_server("--model", model, "--device", "cpu", *args, wait=False))
+                   for model, *args in servers]
+        for server in started:
+            server.wait_healthy(timeout)
+        yield started

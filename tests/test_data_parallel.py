@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 import torch
-from server_process import running_server
+from server_process import running_server, running_servers
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -109,7 +109,7 @@ def test_a_server_that_refuses_a_push_is_named_keeps_its_weights_and_the_other_i
     other = tmp_path / "wider"
     make_tiny_model("llama", other, intermediate_size=96)
     model = perturbed(tiny, seed=3)
-    with running_server(str(tiny)) as good, running_server(str(other)) as bad:
+    with running_servers((str(tiny),), (str(other),)) as (good, bad):
         before = {s.url: [x["output_ids"] for x in generate(s.url, PROMPTS[:4])] for s in (good, bad)}
         with WeightPusher([good.url, bad.url], method=method) as pusher, pytest.raises(WeightSyncError) as err:
             pusher.push(model.named_parameters(), version="7")

@@ -28,11 +28,6 @@ def mismatch_against(trainer, engine: Engine, prompts: list[list[int]] | None = 
     return mismatch_stats(torch.cat(want), torch.tensor([lp for _, o in samples for lp in o.logprobs]))["logprob_mismatch_mean"]
 
 
-def test_float16_on_the_default_model_is_within_0_01_of_a_float32_trainer(default_model_dir, hf_default):
-    mismatch = mismatch_against(hf_default, Engine(model=str(default_model_dir), spec="off", device="cpu", dtype="float16"))
-    assert 0 < mismatch < 0.01
-
-
 def test_float16_over_two_gloo_ranks_stays_as_close_to_a_float32_trainer_as_on_one(model_dir):
     """Tensor parallelism in float16: the ranks' partial sums all-reduced in float16 (measured on the tiny
     model: one rank 0.0033, two 0.0034; bfloat16 over two 0.026)."""
@@ -53,11 +48,14 @@ def test_float16_over_two_gloo_ranks_stays_as_close_to_a_float32_trainer_as_on_o
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_a_float32_residual_stream_and_lm_head_input_cut_half_precisions_mismatch(default_model_dir, hf_default, dtype):
-    """The two float32 islands that read no more weight bytes (measured on the CPU: bfloat16 0.036 ->
-    0.019, float16 0.0043 -> 0.0026)."""
+def test_the_default_model_in_half_precision_against_a_float32_trainer_and_the_float32_islands(default_model_dir,
+                                                                                              hf_default, dtype):
+    """float16 within 0.01 mean abs logprob of the trainer; the two float32 islands that read no more
+    weight bytes cut either dtype's mismatch (measured on the CPU: bfloat16 0.036 -> 0.019, float16
+    0.0043 -> 0.0026)."""
     kw = dict(model=str(default_model_dir), spec="off", device="cpu", dtype=dtype)
     plain = mismatch_against(hf_default, Engine(**kw))
+    assert dtype != "float16" or 0 < plain < 0.01
     islands = mismatch_against(hf_default, Engine(enable_fp32_residual=True, enable_fp32_lm_head=True, **kw))
     assert 0 < islands < 0.75 * plain, (islands, plain)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from server_process import running_server
+from server_process import running_servers
 from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
@@ -28,7 +28,7 @@ def chat_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def replicas(chat_model_dir):
     args = (str(chat_model_dir), "--max-running-seqs", "32", "--served-model-name", "tiny")
-    with running_server(*args) as a, running_server(*args) as b:
+    with running_servers(args, args) as (a, b):
         yield a, b
 
 

@@ -161,7 +161,7 @@ def test_sibling_sharing_raises_accept_length(default_model_dir, capsys):
         eng = Engine(model=str(default_model_dir), device="cpu",
                      spec=SpecConfig(method="ngram", share_siblings=share, adaptive=False), kv_cache_tokens=8192)
         prompt = chat_prompt_ids(eng.tokenizer, task.question)
-        eng.generate([prompt], SamplingParams(n=8, temperature=0.7, max_new_tokens=32, seed=5))
+        eng.generate([prompt], SamplingParams(n=8, temperature=0.7, max_new_tokens=24, seed=5))
         lengths[share] = eng.stats()["rollout/spec_accept_length"]
     with capsys.disabled():
         print(f"\naccept length, 8 samples at T=0.7: with sibling sharing {lengths[True]:.3f}, "
