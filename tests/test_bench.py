@@ -58,7 +58,7 @@ def test_the_mismatch_workload_tables_each_dtype_against_a_float32_trainer(defau
 def test_the_rl_workload_reports_its_long_tail_and_plots_its_timeline(default_model_dir, tmp_path):
     main([
         "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "rl", "--spec-modes", "off,ngram",
-        "--batch-sizes", "4", "--n", "2", "--output-len", "24", "--out", str(tmp_path),
+        "--batch-sizes", "4", "--n", "2", "--output-len", "12", "--out", str(tmp_path),
     ])
     (result,) = tmp_path.glob("rl-*.json")
     rows = json.loads(result.read_text())["rows"]

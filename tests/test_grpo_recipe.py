@@ -25,7 +25,7 @@ def test_two_grpo_steps_push_weights_log_acceptance_and_serve_the_new_weights(de
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))  # the user's, over --out
     with running_server(str(default_model_dir), "--kv-cache-tokens", "16384", "--spec", "ngram",
                         "--spec-no-adaptive", "--dp-size", "2") as server, launched_router([server.url]) as router:
-        args = grpo.parse_args(["--server", router.url, "--steps", "2", "--prompts", "2", "--n", "4",
+        args = grpo.parse_args(["--server", router.url, "--steps", "2", "--prompts", "2", "--n", "2",
                                 "--max-new-tokens", "16", "--device", "cpu", "--out", str(tmp_path / "out"), "--lr", "1e-4"])
         result = grpo.run(args)
 
