@@ -23,7 +23,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from kernels import fused
 from rollout.engine.tensor_parallel import RankGroup
-from rollout.tools.bench import SPEED_SHAPES
+from rollout.tools.bench_args import SPEED_SHAPES
 
 
 def graph_results(run: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor, replays: int) -> tuple[list, float]:

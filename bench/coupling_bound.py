@@ -30,7 +30,8 @@ from types import SimpleNamespace
 import torch
 
 from rollout import Engine, SamplingParams
-from rollout.tools.bench import EPOCH_STARTS, EpochUpdate, common_prefix, expected_prefix, match_chances, workload_prompts
+from rollout.tools.bench import EpochUpdate, common_prefix, expected_prefix, match_chances, workload_prompts
+from rollout.tools.bench_args import EPOCH_STARTS
 
 
 def teacher_forced_logits(model, prompt: list[int], sample: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels import pdl, skinny_gemm
 from kernels.skinny_gemm import MAX_ROWS, after_kernel_ms, cold_copies, cublas_linear, graph_ms, skinny_linear
-from rollout.tools.bench import SPEED_SHAPES
+from rollout.tools.bench_args import SPEED_SHAPES
 
 
 def products(tp: int = 1, config: dict | None = None) -> dict[str, tuple[int, int]]:

@@ -303,8 +303,9 @@ multi-gpu-tests)  # 2+ GPUs: the collectives' and tensor parallelism's GPU tests
   root=$(root_of "${VERSION:-head}") && cd "$root" && export PYTHONPATH=/tmp/site:$root
   # (a test still running after HANG_S, default 300 s, dumps every thread's stack, its tensor-parallel ranks' too:
   # they print theirs on SIGUSR1; the first run on a machine compiles for minutes: a half-precision engine with
-  # graphs up to 256 rows captured for 127 s on a fresh 2 x H200, and a stack dump inside that reads like a hang; a device call
-  # whose own command line names rollout.engine.rank_process gets the signal too, and dies: call the stage by name)
+  # graphs up to 256 rows captured for 127 s on a fresh 2 x H200, and a stack dump inside that reads like a hang;
+  # a device call whose own command line names rollout.engine.rank_process gets the signal too, and dies: call the
+  # stage by name)
   (sleep $(( ${HANG_S:-300} - 5 )); pkill -USR1 -f rollout.engine.rank_process) &
   timeout ${TEST_LIMIT:-420} python3 -m pytest -v -s -m gpu -o faulthandler_timeout=${HANG_S:-300} tests/test_all_reduce_norm_gpu.py \
     tests/test_tensor_parallel_gpu.py tests/test_moe_gpu.py ${TESTS:+-k "$TESTS"} 2>&1 | grep -v -i warn \

@@ -22,7 +22,7 @@ import torch
 from bench.gemm_choice import products
 from kernels.skinny_gemm import cold_copies, cublas_linear, graph_ms, invariant_linear, invariant_tile
 from rollout.models.default_model import ensure_default_model
-from rollout.tools.bench import SPEED_SHAPES
+from rollout.tools.bench_args import SPEED_SHAPES
 
 CANDIDATES = {  # BLOCK_M x BLOCK_N x BLOCK_K / warps / stages
     f"{m}x{n}x{k}/{w}/{s}": dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)

@@ -63,7 +63,7 @@ import argparse
 import torch
 
 from kernels import skinny_gemm
-from rollout.tools.bench import SPEED_SHAPES
+from rollout.tools.bench_args import SPEED_SHAPES
 
 HOST_PROBE = {  # a forward and a draw that cost next to nothing on a CPU: what is left of a step is the host's own work
     "model_type": "llama", "vocab_size": 512, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,

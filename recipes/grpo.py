@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> GrpoRun:
 
     with contextlib.ExitStack() as stack:
         share = 0.25 if args.compare_spec_off else 0.5
-        url, *off_url = stack.enter_context(rollout_servers(args, [args.spec] + ["off"] * args.compare_spec_off, share))
+        url, *off_url = stack.enter_context(rollout_servers(args, [args.spec] + (["off"] if args.compare_spec_off else []), share))
         client = stack.enter_context(RolloutClient(url))
         off_client = stack.enter_context(RolloutClient(off_url[0])) if off_url else None
         if args.coupled_sampling and not client.server_info()["engine_config"]["coupled_sampling"]:

@@ -14,9 +14,9 @@ S (1 + acc(C)) / cost(b, C).
   n-gram 0.93x of spec off, 0.99x with the backoff): once the tree's sequence has emitted the
   tokens after its root, the speculator replays the device's choice of the best C drafts for
   every fraction and counts how deep each sequence's chosen nodes match what it emitted
-  (spec/speculator.py). Under
-  counter-based sampling a draft is accepted exactly when it equals the token the sequence
-  emits anyway, so this is what verification would find, without verifying anything.
+  (spec/speculator.py). Under counter-based sampling a draft is accepted exactly when it equals
+  the token the sequence emits anyway, so this is what verification would find, without
+  verifying anything.
   Evaluations are averaged with decaying weights, per bucket: a fraction means different
   drafts at different batch sizes (1/8 of a draft per sequence at 512 sequences, a whole one
   for each of 2), and one estimate for all had the tail's acceptance of 0.48 drafts per

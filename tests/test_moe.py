@@ -131,7 +131,7 @@ def test_the_server_refuses_a_bad_expert_push_naming_the_tensor_and_keeps_servin
 
 
 def test_the_bench_shape_of_qwen3_30b_a3b_is_the_real_one():
-    from rollout.tools.bench import SPEED_SHAPES
+    from rollout.tools.bench_args import SPEED_SHAPES
 
     cfg = ModelConfig.from_dict(SPEED_SHAPES["qwen3-30b-a3b"])
     assert cfg.sparse_layers == tuple(range(48)) and (cfg.num_experts, cfg.num_experts_per_tok) == (128, 8)

@@ -12,7 +12,8 @@ import torch
 
 from kernels import fused_moe
 from rollout import Engine, SamplingParams
-from rollout.tools.bench import SPEED_SHAPES, speed_model_dir
+from rollout.tools.bench import speed_model_dir
+from rollout.tools.bench_args import SPEED_SHAPES
 
 ROWS, LAST = 64, 8  # decode rows; the last steps averaged over
 
