@@ -72,7 +72,7 @@ rl)  # issue 23's rl rows: 64 prompts x 8 samples, up to 2,048 new tokens, EOS s
 rl-epoch)  # the second epoch: the warm-up rollout of the same prompts is the first, kept as history
   bench $RL --temperature 0.7 --keep-history | tee "$OUT/rl-epoch.log"
   ;;
-coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after one real trainer step (lr
+coupled)  # issue 40: the second epoch at T=$TEMP (default 1.0) under coupled sampling, after one real trainer step (lr
   # $LR, default 1e-6, pushed in bf16) and with no update between the epochs; spec off with the same seeds against n-gram.
   # BASE_TAR=.devcache/base.tar, carried: that commit's runs too, in the same call (`git archive -o .devcache/base.tar
   # COMMIT -- . ':!rollout/models/default_head/model.safetensors'`: the head's weights, 10 MB, are taken from this tree)
@@ -89,7 +89,7 @@ coupled)  # issue 40: the second epoch at T=1.0 under coupled sampling, after on
     name=$([ "$tree" = "$PWD" ] && echo head || echo base)
     for between in ${BETWEEN:-update same}; do
       step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6} --epoch-update-start ${START:-served}")
-      (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature 1.0 --keep-history \
+      (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature ${TEMP:-1.0} --keep-history \
         --coupled-sampling $step --dtype ${DTYPE:-bfloat16} ${ENGINE_FLAGS:-} --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
         | grep -E "^\| rollout|coupled" | sed "s|^|$name $between |")
     done
@@ -113,9 +113,9 @@ steps)  # where the rl rollout's time goes at T=1.0, by batch bucket and width, 
   timeout 300 python3 bench/step_profile.py steps --temperature 1.0 2>&1 | grep -v -i -e warn -e "^Loading" \
     | tee "$OUT/steps-t10.log" | tail -45
   ;;
-grpo)  # never slower: every batch size at every temperature, 256 new tokens
-  bench --workload grpo --spec-modes off,ngram --batch-sizes 1,8,64,512 --max-running-seqs 512 \
-    --temperature 0,0.7,1.0 --output-len 256 --repeats 3 | tee "$OUT/grpo.log"
+grpo)  # never slower: every batch size (BATCHES) at every temperature (TEMPS), 256 new tokens
+  bench --workload grpo --spec-modes off,ngram --batch-sizes ${BATCHES:-1,8,64,512} --max-running-seqs 512 \
+    --temperature ${TEMPS:-0,0.7,1.0} --output-len 256 --repeats 3 | tee "$OUT/grpo.log"
   ;;
 grpo-ab)  # issues 64 and 65: the grpo rows in each of $(versions) in turns (CYCLES, default 2): BATCHES (default 512),
   # TEMPS (default 0.7,1.0), MODEL (default: the default model; e.g. --random-model qwen3-30b-a3b)

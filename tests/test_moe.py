@@ -15,7 +15,7 @@ from tiny_models import make_tiny_model
 from rollout import Engine, SamplingParams
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
-from rollout.models.weights import WeightError, iter_checkpoint
+from rollout.models.weights import WeightError, copy_pairs, iter_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 
@@ -97,6 +97,24 @@ def test_a_push_of_expert_tensors_by_their_checkpoint_names_changes_the_output_a
         assert [o[0].token_ids for o in engine.generate(ps, GREEDY)] == expected
     finally:
         engine.close()
+
+
+def test_experts_packed_in_a_bucket_land_exactly_as_one_copy_per_stacked_parameter(moe):
+    from weight_sync.buckets import TensorSpec, pack, plan_buckets, unpack
+
+    path, _ = moe
+    engine = Engine(model=str(path), spec="off", device="cpu")
+    new = _changed_experts(path)  # (expert 0's down, gate and up, then expert 1's, ...)
+    new["model.layers.0.mlp.gate.weight"] = torch.randn(4, 64)  # the router, between two runs of layer 0's experts
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in new.items()]
+    (bucket,) = plan_buckets(specs, 1 << 30)
+    staged = unpack(bucket, pack(bucket, list(new.values()), specs), specs)  # as a receiver stages a push
+    staged.insert(6, staged.pop())  # the router after expert 1: every stacked parameter's run ends there
+    targets = engine.weights.targets()
+    copies = list(copy_pairs(targets, staged))
+    assert sorted(tuple(to.shape) for to, _ in copies) == [(2, 48, 64)] * 4 + [(2, 64, 48)] * 2 + [(4, 64)]
+    engine.update_weights(staged, version=1)
+    assert all(torch.equal(targets[n].view(), t) for n, t in new.items())
 
 
 def test_a_push_naming_an_unknown_expert_or_of_a_wrong_shape_is_refused_whole(moe):

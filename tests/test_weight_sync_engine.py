@@ -108,6 +108,10 @@ def test_a_trainer_pushes_again_and_again_on_one_group(tiny, api):
             p.push(changed(tiny[1], 1 + step / 10), version=v0 + step)
         group = p._group
         assert group is not None and not group.closed
+        # the receiver keeps the last push's checked metadata: one that differs in a shape is still refused
+        bad = [(n, t[:-1] if n == "model.layers.0.mlp.up_proj.weight" else t) for n, t in changed(tiny[1])]
+        with pytest.raises(WeightSyncError, match=r"shape \(127, 64\) != expected \(128, 64\)"):
+            p.push(bad, version=v0 + 4)
     assert api.weight_version() == str(v0 + 3)
 
 

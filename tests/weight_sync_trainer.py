@@ -3,7 +3,8 @@
 Run as `python weight_sync_trainer.py --url URL --model DIR [--hf] [--admin-key KEY] [--timeout S]`; reads one JSON command
 per line on stdin and answers one JSON line on stdout:
   {"cmd": "push", "method": "distributed"|"disk"|"ipc", "perturb": "mlp"|"attn"|null, "version": "1",
-   "bucket_bytes": N, "backend": "auto"|"gloo"|"nccl", "prompts": [[ids]], "max_new_tokens": N}
+   "bucket_bytes": N, "backend": "auto"|"gloo"|"nccl", "prompts": [[ids]], "max_new_tokens": N,
+   "freeze_after": N}  (freeze_after: the trainer stops itself, SIGSTOP, once its N-th broadcast of the push is sent)
      -> {"ok": true, "result": {...}, "reference": [[ids]]}  (reference: HF greedy with the pushed weights)
      or {"ok": false, "error": "...", "status": N}
   {"cmd": "exit"}
@@ -12,7 +13,10 @@ per line on stdin and answers one JSON line on stdout:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +69,24 @@ def perturb(named: dict[str, torch.Tensor], kind: str) -> None:
                 t.mul_(-1.0 if name.endswith("q_proj.weight") else 1.7)
 
 
+def freeze_after(broadcasts: int) -> None:
+    """A trainer that hangs mid-push, at a point of the test's choosing (a push over NVLink ends before a
+    test can stop it from outside): the process stops itself once its `broadcasts`-th broadcast has gone out."""
+    from weight_sync.group import WeightGroup
+
+    start, count = WeightGroup.start_broadcast, itertools.count(1)
+
+    def start_then_maybe_freeze(group, tensor):
+        work = start(group, tensor)
+        if next(count) == broadcasts:
+            if tensor.is_cuda:
+                torch.cuda.synchronize(tensor.device)  # (what was started is sent)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return work
+
+    WeightGroup.start_broadcast = start_then_maybe_freeze
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
@@ -100,6 +122,8 @@ def main() -> None:
             break
         if cmd.get("perturb"):
             perturb(named, cmd["perturb"])
+        if cmd.get("freeze_after"):
+            freeze_after(cmd["freeze_after"])
         key = (cmd["method"], cmd.get("bucket_bytes", 1 << 20), cmd.get("backend", "auto"))
         if key not in pushers:
             pushers[key] = WeightPusher(args.url, method=key[0], bucket_bytes=key[1], backend=key[2],

@@ -116,6 +116,7 @@ class WeightReceiver:
         self._labels: dict[int, str] = {}
         self._io = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-io")
         self._stream = None
+        self._metadata = _LastMetadata()
         self.last_update: dict = {}
         self.last_error = ""
 
@@ -195,7 +196,8 @@ class WeightReceiver:
         try:
             _check(isinstance(group_name, str) and group_name, f"group_name must be a non-empty string (got {group_name!r})")
             _check(_is_int(bucket_bytes) and bucket_bytes >= 0, "bucket_bytes must be an integer >= 0")
-            specs = parse_specs(names, dtypes, shapes)
+            checked = self._metadata.specs_if_same(names, dtypes, shapes)
+            specs = checked or parse_specs(names, dtypes, shapes)
         except WeightSyncError as e:
             malformed = e
         with self._groups_lock:
@@ -206,7 +208,9 @@ class WeightReceiver:
         try:
             if malformed is not None:
                 raise malformed
-            self._validate(specs)
+            if checked is None:
+                self._validate(specs)
+                self._metadata.remember(names, dtypes, shapes, specs)
             _check_flags(flush_cache, abort_all_requests)
             version, label = self._next_version(weight_version)
         except WeightSyncError as e:
@@ -214,7 +218,7 @@ class WeightReceiver:
             self._close_slot(self._take_group(group_name) or slot)
             e.args = (f"{e.args[0]}; group {group_name!r} was closed, init it again to push (WeightPusher does)",)
             return _failed(e)
-        layout = plan_buckets(specs, bucket_bytes)
+        layout = self._metadata.layout(specs, bucket_bytes)
         upd = self._submit("distributed", specs, version, label, flush_cache, abort_all_requests)
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         slot.executor.submit(self._receive_broadcast, slot, upd, specs, layout, timeout)
@@ -273,9 +277,12 @@ class WeightReceiver:
             if self.engine.device.type != "cuda":
                 raise WeightSyncError("update_weights_from_tensor needs a CUDA engine on the trainer's GPU; this engine runs on CPU")
             _check(_is_int(bucket_bytes) and bucket_bytes >= 0, "bucket_bytes must be an integer >= 0")
-            specs = parse_specs(names, dtypes, shapes)
-            self._validate(specs)
-            layout = plan_buckets(specs, bucket_bytes)
+            specs = self._metadata.specs_if_same(names, dtypes, shapes)
+            if specs is None:
+                specs = parse_specs(names, dtypes, shapes)
+                self._validate(specs)
+                self._metadata.remember(names, dtypes, shapes, specs)
+            layout = self._metadata.layout(specs, bucket_bytes)
             _check(isinstance(handles, list) and len(handles) == len(layout),
                    f"expected {len(layout)} IPC handle(s) for this layout, got {len(handles) if isinstance(handles, list) else handles!r}")
             for bucket, h in zip(layout, handles):
@@ -560,6 +567,31 @@ class WeightReceiver:
         except RuntimeError:  # executor already shut down: the worker closed the group itself
             pass
         slot.executor.shutdown(wait=False)
+
+
+class _LastMetadata:
+    """The last update's metadata (names, dtypes, shapes), parsed and checked against the model, and
+    its bucket layouts: a trainer pushes the same metadata every step, and parsing, checking and
+    planning the 30B-A3B shape's 18,867 tensors again took the receiver 40 ms (on the CI machine)
+    before it could receive the first byte."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._specs: list[TensorSpec] | None = None
+        self._layouts: dict[int, list[Bucket]] = {}
+
+    def specs_if_same(self, names, dtypes, shapes) -> list[TensorSpec] | None:
+        return self._specs if self._key is not None and self._key == (names, dtypes, shapes) else None
+
+    def remember(self, names, dtypes, shapes, specs: list[TensorSpec]) -> None:
+        self._key, self._specs, self._layouts = (names, dtypes, shapes), specs, {}
+
+    def layout(self, specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+        if specs is not self._specs:
+            return plan_buckets(specs, bucket_bytes)
+        if bucket_bytes not in self._layouts:
+            self._layouts[bucket_bytes] = plan_buckets(specs, bucket_bytes)
+        return self._layouts[bucket_bytes]
 
 
 def releasable_bytes(segments: list[dict], device_index: int) -> int:

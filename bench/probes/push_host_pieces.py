@@ -5,6 +5,7 @@ buckets), and the engine's swap. What is measured is per-tensor work, not bytes.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from bench_weight_sync import trainer_tensors  # noqa: E402
 from rollout import Engine  # noqa: E402
 from rollout.tools.bench import speed_model_dir  # noqa: E402
 from weight_sync.buckets import pack, parse_specs, plan_buckets, unpack  # noqa: E402
+from weight_sync.pusher import WeightPusher  # noqa: E402
 
 
 def best_ms(f, repeats: int = 3) -> float:
@@ -39,7 +41,11 @@ def main() -> None:
     bufs = [pack(b, tensors, specs) for b in layout]
     staged = [x for b, buf in zip(layout, bufs) for x in unpack(b, buf, specs)]
     triples = [(s.name, s.shape, s.dtype) for s in specs]
+    pusher = WeightPusher(transports=[None])
+    payload = json.dumps({"names": names, "dtypes": ["float32"] * len(names), "shapes": shapes})
     rows = {
+        "name and describe the tensors (trainer)": lambda: pusher.describe(named),
+        "the metadata to JSON and back": lambda: json.loads(json.dumps(json.loads(payload))),
         "parse the metadata": lambda: parse_specs(names, ["float32"] * len(names), shapes),
         "check it against the model": lambda: engine.weights.check(triples),
         "plan the buckets": lambda: plan_buckets(specs, 128 << 20),

@@ -10,6 +10,7 @@ onto this rank's part of each tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ class WeightTarget:
     full: tuple[int, ...] | None = None
     expert: int | None = None
 
-    @property
+    @cached_property  # (a parameter's shape stays, wherever release_memory moves its data)
     def shape(self) -> tuple[int, ...]:
         """The HF tensor's shape."""
         if self.full is not None:

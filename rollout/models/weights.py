@@ -109,22 +109,77 @@ def check_weights(
     return names
 
 
-COPY_GROUP = 256  # tensors copied by one call (a mixture of experts' push is 18,432 expert tensors of a few MB)
+COPY_GROUP = 256  # copies made by one call
 
 
 def copy_weights(targets: dict[str, WeightTarget], tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write already-validated tensors (cast to each parameter's dtype and device), each cut to
-    this rank's part of it under tensor parallelism. In groups: a copy call each costs the host a
-    launch of ~5 us on a GPU, more than a few MB take to copy there."""
+    this rank's part of it under tensor parallelism. A copy call costs the host ~5 us on a GPU, more
+    than a few MB take to copy there, and a mixture of experts' push is 18,432 expert tensors: the
+    copies go in groups, and consecutive experts' tensors that lie evenly spaced in one buffer (a
+    push's bucket, as the trainer packed them) land in their stacked parameter as one copy."""
     with torch.no_grad():
         dst, src = [], []
-        for name, tensor in tensors:
-            if not name.endswith(IGNORED_SUFFIXES):
-                target = targets[name]
-                dst.append(target.view())
-                src.append(target.take(tensor))
-                if len(dst) == COPY_GROUP:
-                    torch._foreach_copy_(dst, src)
-                    dst, src = [], []
+        for to, got in copy_pairs(targets, tensors):
+            dst.append(to)
+            src.append(got)
+            if len(dst) == COPY_GROUP:
+                torch._foreach_copy_(dst, src)
+                dst, src = [], []
         if dst:
             torch._foreach_copy_(dst, src)
+
+
+def copy_pairs(targets: dict[str, WeightTarget], tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """What copy_weights copies, as (destination, source) pairs: a tensor each, or a run of experts e, e+1, ... of one stacked
+    parameter (the same rows of each, the whole tensor kept) whose sources share a shape, strides
+    and storage and start a fixed number of bytes apart, as one strided view on either side. Runs
+    of several parameters grow side by side (a checkpoint names expert 0's gate, up and down, then
+    expert 1's); any other tensor ends them first, so that tensors land in the order given."""
+    runs: dict[tuple, _Run] = {}
+    for name, tensor in tensors:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        target = targets[name]
+        if target.expert is None or target.part is not None:
+            yield from (run.pair() for run in runs.values())
+            runs.clear()
+            yield target.view(), target.take(tensor)
+            continue
+        key = (id(target.param), None if target.rows is None else target.rows.start)  # (slices hash from Python 3.12)
+        run = runs.get(key)
+        if run is None or not run.extend(target, tensor):
+            if run is not None:
+                yield run.pair()
+            runs[key] = _Run(target, tensor)
+    yield from (run.pair() for run in runs.values())
+
+
+class _Run:
+    """Experts e, e+1, ... of one stacked parameter, their sources `step` bytes apart in one storage."""
+
+    def __init__(self, target: WeightTarget, first: torch.Tensor):
+        self.target, self.first, self.count, self.step = target, first, 1, 0
+        self.address, self.storage = first.data_ptr(), first.untyped_storage().data_ptr()
+
+    def extend(self, target: WeightTarget, tensor: torch.Tensor) -> bool:
+        first = self.first
+        if not (target.expert == self.target.expert + self.count and tensor.dtype == first.dtype
+                and tensor.shape == first.shape and tensor.stride() == first.stride()
+                and tensor.untyped_storage().data_ptr() == self.storage):
+            return False
+        gap = tensor.data_ptr() - self.address
+        if self.count == 1 and gap > 0 and gap % first.element_size() == 0:
+            self.step = gap
+        elif gap != self.step * self.count or self.count == 1:
+            return False
+        self.count += 1
+        return True
+
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        target, first, count = self.target, self.first, self.count
+        if count == 1:
+            return target.view(), first
+        whole = target.param.data[target.expert : target.expert + count]
+        strides = (self.step // first.element_size(), *first.stride())
+        return whole if target.rows is None else whole[:, target.rows], first.as_strided((count, *first.shape), strides, first.storage_offset())
