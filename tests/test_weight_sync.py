@@ -102,3 +102,23 @@ def test_trainer_killed_mid_broadcast_fails_the_update_old_weights_serve_and_a_n
         r = pusher.push(iter_checkpoint(default_model_dir), version=int(version0) + 10)
     assert r["weight_version"] == str(int(version0) + 10) == api.weight_version()
     assert api.tokens(prompts, GREEDY) == original
+
+
+def test_a_trainer_frozen_mid_broadcast_is_timed_out_at_the_push_deadline(api, prompts, original, default_model_dir):
+    """Its store cannot answer either (the whole process is stopped), and the store's questions wait for
+    minutes: the engine still gives up at the update's deadline, and serves on."""
+    version0 = api.weight_version()
+
+    def in_flight() -> list[dict]:
+        return api.info()["weight_sync"]["updates_in_flight"]
+
+    trainer = TrainerProcess(api.url, default_model_dir, hf=False, timeout_s=3)  # the server's deadline too
+    try:
+        trainer.send(cmd="push", method="distributed", perturb="mlp", bucket_bytes=64 << 10, freeze_after=8)
+        wait_for(lambda: any(p["buckets_done"] >= 3 for p in in_flight()), timeout=60, what="the push starting")
+        wait_for(lambda: not in_flight(), timeout=20, what="the receiver timing out")
+    finally:
+        os.kill(trainer.proc.pid, signal.SIGKILL)
+        trainer.close()
+    assert "timed out" in api.info()["weight_sync"]["last_error"] and api.weight_version() == version0
+    assert api.tokens(prompts, GREEDY) == original

@@ -9,7 +9,10 @@ Every wait has a deadline and a cancel check: a trainer that dies or hangs mid-b
 costs at most the timeout, never a stuck engine. A trainer that gives up on a push (another
 engine refused it) says so in the store before it aborts, and an engine that cannot reach the
 store any more takes the trainer for gone: either way the engines stop waiting within
-`ABORT_POLL_S`, since a closed gloo pair does not always fail the receive on the other side. NCCL notes: two ranks cannot share one GPU
+`ABORT_POLL_S`, since a closed gloo pair does not always fail the receive on the other side. The store
+is asked from a thread of its own (`_TrainerWatch`): a trainer that froze (a stopped process, a hung
+host) cannot answer, and a store's question has no timeout short of the store's own (minutes), while
+the transfer's deadline must hold. NCCL notes: two ranks cannot share one GPU
 (NCCL refuses duplicate devices; a colocated trainer pushes by IPC instead). The watchdog's
 default reaction to a failed collective is to kill the process, so our groups are built with
 TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, keep the process), their
@@ -70,7 +73,7 @@ class WeightGroup:
         self._pg = pg
         self._store = store  # the trainer's side hosts the store; it must outlive the group
         self._prefixed = prefixed  # this group's keys in it (`aborted`: the trainer gave up a transfer)
-        self._polled = time.monotonic()
+        self._watch = _TrainerWatch(prefixed, name) if rank != 0 else None
         self._opts = BroadcastOptions()
         self._opts.rootRank = 0
         self._opts.rootTensor = 0
@@ -151,9 +154,8 @@ class WeightGroup:
         while True:
             if cancelled is not None and cancelled():
                 raise WeightSyncError(f"weight-update group {self.name!r} was closed during a transfer", status=500)
-            if self.rank != 0 and time.monotonic() - self._polled > ABORT_POLL_S:
-                self._polled = time.monotonic()
-                self._check_trainer()
+            if self._watch is not None:
+                self._watch.check()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WeightSyncError(f"timed out waiting for the trainer on group {self.name!r}", status=504)
@@ -171,14 +173,6 @@ class WeightGroup:
                     continue  # our slice ended, not the peer: check the deadline and cancel flag again
                 raise WeightSyncError(f"broadcast on group {self.name!r} failed (did the trainer stop?): {e}", status=500) from e
 
-    def _check_trainer(self) -> None:
-        try:
-            gave_up = self._prefixed.check(["aborted"])
-        except Exception as e:  # noqa: BLE001 - the store went with the trainer
-            raise WeightSyncError(f"the trainer of group {self.name!r} is gone ({e})", status=500) from e
-        if gave_up:
-            raise WeightSyncError(f"the trainer abandoned the transfer on group {self.name!r}", status=500)
-
     def close(self) -> None:
         """Abort the group; pending transfers fail on both sides (the engines' within ABORT_POLL_S).
         With gloo this waits for a transfer still in flight to fail or time out (at most
@@ -189,6 +183,8 @@ class WeightGroup:
                 self._prefixed.set("aborted", "1")
             except Exception as e:  # noqa: BLE001
                 log.debug("marking group %s aborted: %s", self.name, e)
+        if self._watch is not None:
+            self._watch.stop()
         if pg is not None:
             try:
                 pg.abort()
@@ -199,6 +195,46 @@ class WeightGroup:
     @property
     def closed(self) -> bool:
         return self._pg is None
+
+
+class _TrainerWatch:
+    """An engine's view of whether its trainer gave up or is gone, kept by a daemon thread that asks the
+    trainer's store every ABORT_POLL_S while transfers wait (`check`), so that a store that cannot answer
+    holds up that thread, never a transfer's deadline; a daemon, so that it holds up no exit either."""
+
+    def __init__(self, store, group_name: str):
+        self._store, self._name = store, group_name
+        self._verdict: str | None = None
+        self._asked = 0.0  # when a wait last called `check`
+        self._stopped = False
+        self._wake = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name=f"weight-sync-watch-{group_name}").start()
+
+    def check(self) -> None:
+        """Raise if the trainer abandoned the transfer or its store is gone (as last seen)."""
+        self._asked = time.monotonic()
+        self._wake.set()
+        if self._verdict is not None:
+            raise WeightSyncError(self._verdict, status=500)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            if time.monotonic() - self._asked > 1.0:  # no transfer waiting: sleep until one asks
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                if self._store.check(["aborted"]):
+                    self._verdict = f"the trainer abandoned the transfer on group {self._name!r}"
+            except Exception as e:  # noqa: BLE001 - the store went with the trainer
+                self._verdict = f"the trainer of group {self._name!r} is gone ({e})"
+            if self._verdict is not None:
+                return
+            time.sleep(ABORT_POLL_S)
 
 
 @atexit.register
