@@ -257,11 +257,11 @@ class WeightPusher:
         group = self._group
         bucket_bytes = self.bucket_bytes if self.bucket_bytes is not None else (DEFAULT_BUCKET_BYTES if group.backend == "nccl" else 0)
         self._last_bucket_bytes = bucket_bytes
-        layout = plan_buckets(specs, bucket_bytes)
         payload = {**common, "group_name": self.group_name, "bucket_bytes": bucket_bytes, "timeout_s": self.timeout_s}
         futs = [self._pool.submit(tr.post, "/update_weights_from_distributed", payload, self.timeout_s + 60) for tr in self.transports]
         sent_error = None
         try:
+            layout = plan_buckets(specs, bucket_bytes)  # (while the engines check the metadata)
             self._broadcast(group, specs, tensors, layout, bucket_bytes, futs)
         except WeightSyncError as e:
             sent_error = e

@@ -29,6 +29,7 @@ above the current (and any pending) version; any other string is a label for the
 from __future__ import annotations
 
 import logging
+import queue
 import re
 import threading
 import time
@@ -63,10 +64,44 @@ RECEIVES_AHEAD = 4  # a group's broadcasts posted before the first of them is wa
 _INT_VERSION = re.compile(r"\s*\d{1,18}\s*")
 
 
+class _GroupWorker:
+    """One daemon thread running a group's calls in order (rendezvous, receives, closing). A daemon:
+    gloo's abort waits for receives still posted to time out (up to a minute), and a
+    ThreadPoolExecutor's thread blocked there held the engine process's exit until its server
+    killed it (10 s, every stop after an abandoned push)."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._open = True
+        threading.Thread(target=self._run, daemon=True, name=name).start()
+
+    def submit(self, fn, *args) -> Future:
+        if not self._open:
+            raise RuntimeError("the group's worker has shut down")
+        fut: Future = Future()
+        self._calls.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        """No more calls; those queued still run."""
+        if self._open:
+            self._open = False
+            self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fut, fn, args = call
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+                    fut.set_exception(e)
+
+
 @dataclass(eq=False)
 class _GroupSlot:
     name: str
-    executor: ThreadPoolExecutor
+    worker: _GroupWorker
     group: WeightGroup | None = None
     closed: bool = False
 
@@ -145,7 +180,7 @@ class WeightReceiver:
         if old is not None:
             log.warning("weight-update group %r is being replaced by a new one", group_name)
             self._close_slot(old)
-        slot = _GroupSlot(group_name, ThreadPoolExecutor(1, thread_name_prefix=f"weight-sync-{group_name}"))
+        slot = _GroupSlot(group_name, _GroupWorker(f"weight-sync-{group_name}"))
         with self._groups_lock:
             self._groups[group_name] = slot
         fut: Future = Future()
@@ -166,7 +201,7 @@ class WeightReceiver:
                     slot.group = group
                     fut.set_result({"success": True, "message": f"joined group {group_name!r} as rank {rank_offset} ({group.backend})"})
 
-        slot.executor.submit(connect)
+        slot.worker.submit(connect)
         return fut
 
     def destroy_group(self, group_name: str = "weight_sync") -> Future:
@@ -221,7 +256,7 @@ class WeightReceiver:
         layout = self._metadata.layout(specs, bucket_bytes)
         upd = self._submit("distributed", specs, version, label, flush_cache, abort_all_requests)
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        slot.executor.submit(self._receive_broadcast, slot, upd, specs, layout, timeout)
+        slot.worker.submit(self._receive_broadcast, slot, upd, specs, layout, timeout)
         return upd.future
 
     def update_from_disk(
@@ -479,7 +514,7 @@ class WeightReceiver:
             if slot.group is not None:
                 slot.group.close()
                 slot.group = None
-            slot.executor.shutdown(wait=False)
+            slot.worker.shutdown()
 
     def _staging_device(self, recv_device: torch.device, nbytes: int) -> torch.device:
         if recv_device.type != "cuda" or self.staging == "device":
@@ -551,7 +586,7 @@ class WeightReceiver:
             if self._groups.get(slot.name) is slot:
                 del self._groups[slot.name]
         slot.closed = True
-        slot.executor.shutdown(wait=False)
+        slot.worker.shutdown()
 
     def _close_slot(self, slot: _GroupSlot) -> None:
         """Cancel what runs on the group (within ~0.1 s) and close it, in its own worker thread."""
@@ -563,10 +598,10 @@ class WeightReceiver:
                 slot.group = None
 
         try:
-            slot.executor.submit(close)
-        except RuntimeError:  # executor already shut down: the worker closed the group itself
+            slot.worker.submit(close)
+        except RuntimeError:  # the worker shut down already: it closed the group itself
             pass
-        slot.executor.shutdown(wait=False)
+        slot.worker.shutdown()
 
 
 class _LastMetadata:
