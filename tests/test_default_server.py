@@ -35,7 +35,7 @@ def test_an_idle_default_server_holds_no_kv_and_releases_and_resumes_its_memory(
 
 def test_under_500_concurrent_requests_health_and_loads_answer_within_a_second(server):
     def generate(i: int) -> int:
-        body = {"text": f"Tell me about number {i}", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        body = {"text": f"{i}:", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
         return requests.post(server.url + "/generate", json=body, timeout=600).status_code
 
     probes: list[tuple[str, int, float]] = []
@@ -46,7 +46,7 @@ def test_under_500_concurrent_requests_health_and_loads_answer_within_a_second(s
                 t0 = time.monotonic()
                 code = requests.get(server.url + route, timeout=10).status_code
                 probes.append((route, code, time.monotonic() - t0))
-            time.sleep(0.2)
+            time.sleep(0.1)
         assert all(f.result() == 200 for f in load)
     slow = [p for p in probes if p[1] != 200 or p[2] > 1.0]
     assert len(probes) > 40 and not slow, slow
@@ -58,7 +58,7 @@ def test_after_kv_exhaustion_an_idle_default_server_holds_no_kv_and_releases_its
     test_engine_batching.py."""
     with running_server("default", "--kv-cache-tokens", "480", "--max-running-seqs", "16") as server:
         body = {"text": ["2+2=", "3+5=", "7*6=", "9-4="], "sampling_params": {
-            "n": 4, "temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True}}
+            "n": 4, "temperature": 1.0, "max_new_tokens": 32, "ignore_eos": True}}
         assert requests.post(server.url + "/generate", json=body, timeout=300).status_code == 200
         after = stats(server)
         assert after["rollout/num_preempted"] > 0  # the pool ran dry on the way

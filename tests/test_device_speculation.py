@@ -43,14 +43,20 @@ def same(a, b, atol: float = 1e-5) -> None:
         assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0) <= atol
 
 
+PREEMPTING = SamplingParams(temperature=0, n=2, max_new_tokens=32, ignore_eos=True)
+# the pool runs dry (admission keeps no room for growth): sequences are preempted and recomputed
+SMALL_POOL = dict(device="cpu", kv_cache_tokens=180, schedule_conservativeness=0)
+
+
+@pytest.fixture(scope="module")
+def off_through_preemption(default_model_dir, prompts):
+    return outputs(Engine(model=str(default_model_dir), spec="off", **SMALL_POOL), prompts[:2], PREEMPTING)
+
+
 @pytest.mark.parametrize("spec", [FIXED, FEW_ROWS], ids=["every-draft", "best-drafts"])
-def test_greedy_spec_on_equals_spec_off_through_preemption(default_model_dir, default_engine, prompts, spec):
-    params = SamplingParams(temperature=0, n=2, max_new_tokens=32, ignore_eos=True)
-    # the pool runs dry (admission keeps no room for growth): sequences are preempted and recomputed
-    small = dict(device="cpu", kv_cache_tokens=180, schedule_conservativeness=0)
-    off = Engine(model=str(default_model_dir), spec="off", **small)
-    on = Engine(model=str(default_model_dir), spec=spec, **small)
-    same(outputs(off, prompts[:2], params), outputs(on, prompts[:2], params))
+def test_greedy_spec_on_equals_spec_off_through_preemption(default_model_dir, off_through_preemption, prompts, spec):
+    on = Engine(model=str(default_model_dir), spec=spec, **SMALL_POOL)
+    same(off_through_preemption, outputs(on, prompts[:2], PREEMPTING))
     assert on.scheduler.num_preempted > 0 and on.stats()["rollout/spec_accepted_tokens"] > 0
     assert on.pool.used_slots == 0
 

@@ -21,7 +21,7 @@ def mismatch_against(trainer, engine: Engine, prompts: list[list[int]] | None = 
     """The engine's mean abs logprob difference from a float32 trainer's on its own samples (T=1) of
     `prompts` (default: four arithmetic questions in the model's chat template)."""
     prompts = prompts or [chat_prompt_ids(engine.tokenizer, t.question) for t in arithmetic_tasks(4, seed=3)]
-    groups = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=1), return_logprob=True)
+    groups = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=1), return_logprob=True)
     samples = [(p, o) for p, g in zip(prompts, groups) for o in g]
     with torch.no_grad():
         want = teacher_forced_logprobs(trainer, [p for p, _ in samples], [o.token_ids for _, o in samples])
