@@ -135,7 +135,7 @@ def copy_pairs(targets: dict[str, WeightTarget],
     """What copy_weights copies, as (destination, source) pairs: a tensor each, or a run of experts
     e, e+1, ... of one stacked parameter (the same rows of each, the whole tensor kept) whose sources
     share a shape, strides and storage and start a fixed number of bytes apart, as one strided view
-    on either side (Qwen3-30B-A3B's 18,867 tensors in 128-MB buckets: 1,882 copies). Runs
+    on either side (a 128-MB bucket holds ~40 of Qwen3-30B-A3B's 3-MB expert tensors: ~13 experts a run). Runs
     of several parameters grow side by side (a checkpoint names expert 0's gate, up and down, then
     expert 1's); any other tensor ends them first, so that tensors land in the order given."""
     runs: dict[tuple, _Run] = {}
