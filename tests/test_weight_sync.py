@@ -114,7 +114,7 @@ def test_a_trainer_frozen_mid_broadcast_is_timed_out_at_the_push_deadline(api, p
 
     trainer = TrainerProcess(api.url, default_model_dir, hf=False, timeout_s=3)  # the server's deadline too
     try:
-        trainer.send(cmd="push", method="distributed", perturb="mlp", bucket_bytes=64 << 10, freeze_after=8)
+        trainer.send(cmd="push", method="distributed", perturb="mlp", bucket_bytes=64 << 10, freeze_after=12)
         wait_for(lambda: any(p["buckets_done"] >= 3 for p in in_flight()), timeout=60, what="the push starting")
         wait_for(lambda: not in_flight(), timeout=20, what="the receiver timing out")
     finally:

@@ -162,7 +162,7 @@ def test_nccl_trainer_stopped_mid_broadcast_times_out_and_the_engine_lives_on(ap
 
     trainer = TrainerProcess(api.url, default_model_dir, hf=False, device="cuda:1", timeout_s=5)  # the server's timeout too
     try:
-        trainer.send(cmd="push", method="distributed", perturb="mlp", bucket_bytes=64 << 10, backend="nccl", freeze_after=8)
+        trainer.send(cmd="push", method="distributed", perturb="mlp", bucket_bytes=64 << 10, backend="nccl", freeze_after=12)
         wait_for(lambda: any(p["buckets_done"] >= 3 for p in in_flight()), timeout=60, what="the push starting")
         wait_for(lambda: not in_flight(), timeout=30, what="the receiver timing out")
         os.kill(trainer.proc.pid, signal.SIGKILL)
