@@ -109,9 +109,10 @@ sampling)  # the sampling kernels' cost by rows and vocabulary (151,936: Qwen3-8
   LIMIT=300 bench --workload decode --random-model qwen3-8b --spec-modes off --batch-sizes 512 --max-running-seqs 512 \
     --prompt-len 64 --output-len 32 | tee -a "$OUT/decode-512.log" | grep -E "^\| rollout"
   ;;
-steps)  # where the rl rollout's time goes at T=1.0, by batch bucket and width, spec off against n-gram
-  timeout 300 python3 bench/step_profile.py steps --temperature 1.0 2>&1 | grep -v -i -e warn -e "^Loading" \
-    | tee "$OUT/steps-t10.log" | tail -45
+steps)  # where the rl rollout's time goes at T=$TEMP (default 1.0), by batch bucket, draft rows and whether the drafter ran,
+  # spec off against n-gram; OUTPUT_LEN=256 TEMP=0.7: the grpo b512 row's shape (its n-gram steps' median 1.61 against 1.48 ms)
+  timeout 300 python3 bench/step_profile.py steps --temperature ${TEMP:-1.0} --output-len ${OUTPUT_LEN:-2048} 2>&1 \
+    | grep -v -i -e warn -e "^Loading" | tee "$OUT/steps-t${TEMP:-1.0}-${OUTPUT_LEN:-2048}.log" | tail -45
   ;;
 grpo)  # never slower: every batch size (BATCHES) at every temperature (TEMPS), 256 new tokens
   bench --workload grpo --spec-modes off,ngram --batch-sizes ${BATCHES:-1,8,64,512} --max-running-seqs 512 \

@@ -21,7 +21,8 @@
   each alone in a CUDA graph, over the default model's vocabulary.
 - steps: where a rollout's time goes, spec off against n-gram: the `rl` workload's prompts
   (one warm-up rollout each, then the measured one), its steps grouped by batch-size bucket and
-  draft rows from `Engine.step_log`: how many, and the median wall, device and host milliseconds.
+  draft rows from `Engine.step_log`, and whether the drafter ran (it does with no draft rows for the
+  budget's statistics): how many, and the median wall, device and host milliseconds.
 - host: where the host's time per decode step goes, spec off against n-gram (`--fixed`: the
   budget off, every step verifies as many drafts as fit): cProfile around the measured
   rollout's steps, functions by their own time per decode step; the wait for the device is the
@@ -187,19 +188,20 @@ def steps(args: argparse.Namespace) -> None:
         groups: dict[tuple[int, int], list] = {}
         for r, k in zip(engine.step_log, emitted):
             if not r.prefill:
-                groups.setdefault((bucket(r.num_seqs), r.draft_rows), []).append((r, k))
+                groups.setdefault((bucket(r.num_seqs), r.draft_rows, r.drafting), []).append((r, k))
         total = sum(r.wall_ms for r in engine.step_log)
         stats = engine.stats()
         print(f"\n{mode}: {stats['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
               f"{total / 1e3:.2f} s of steps")
-        print("| bucket | draft rows | steps | share of time | wall ms | device ms | host ms | tokens per sequence |\n"
-              "|---|---|---|---|---|---|---|---|")
-        for (b, w), rks in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        # (drafter ran with no draft rows: a step that drafted for the budget's statistics only)
+        print("| bucket | draft rows | drafter ran | steps | share of time | wall ms | device ms | host ms | tokens per sequence |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+        for (b, w, drafted), rks in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], kv[0][2])):
             rs = [r for r, _ in rks]
             med = lambda f, rs=rs: statistics.median(f(r) for r in rs)  # noqa: E731
             share = sum(r.wall_ms for r in rs) / total
             per_seq = sum(k for _, k in rks) / sum(r.num_seqs for r in rs)
-            print(f"| {b} | {w} | {len(rs)} | {share:.1%} | {med(lambda r: r.wall_ms):.2f} | "
+            print(f"| {b} | {w} | {'yes' if drafted else 'no'} | {len(rs)} | {share:.1%} | {med(lambda r: r.wall_ms):.2f} | "
                   f"{med(lambda r: r.device_ms):.2f} | {med(lambda r: r.host_ms):.2f} | {per_seq:.2f} |")
         budget = {k.removeprefix("rollout/spec_"): round(v, 3) for k, v in stats.items() if "accept_" in k}
         if budget:

@@ -47,6 +47,7 @@ class StepRecord(NamedTuple):
 
     num_seqs: int
     draft_rows: int  # drafts verified in the batch at most (its capacity; 0: plain decoding)
+    drafting: bool  # the drafter ran (with no draft rows: for the budget's statistics only)
     prefill: bool
     wall_ms: float  # the wall time the step added (overlapping steps: since the one before completed)
     device_ms: float  # decode and verify steps: the device's time (CUDA events; prefill: 0)

@@ -180,7 +180,7 @@ class StepLoop:
         self._last_done = done
         prefill = step.batch.is_prefill
         device_s, host_s = (0.0 if prefill else step.result.device_seconds()), cost - step.result.waited
-        self.counters.step_log.append(StepRecord(len(step.batch.seqs), step.draft_rows, prefill, cost * 1e3,
+        self.counters.step_log.append(StepRecord(len(step.batch.seqs), step.draft_rows, step.drafting, prefill, cost * 1e3,
                                                  device_s * 1e3, host_s * 1e3, step.began))
         self.counters.steps += 1
         return cost
