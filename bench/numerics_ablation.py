@@ -18,7 +18,12 @@ together, and the table gives the mismatch against the trainer (rollout.tools.mi
   float32 product: an island that costs no weight bytes;
 
 and last, every activation in float32 with only the weights rounded to the dtype: the floor of any
-design that serves weights in that dtype.
+design that serves weights in that dtype; then the same with the KV cache in the dtype (keys and
+values rounded as a cache in the dtype holds them; keys before the rotary embedding, where a hook sees
+them), and with each product's input also rounded to tf32 (10 bits of mantissa, what tensor cores
+read from float32 inputs) or read as two rows in the dtype (the value and its rounding remainder, as
+--enable-fp32-lm-head reads the LM head's input) or rounded to the dtype (only the products' outputs
+in float32): what serving weights in the dtype with float32 activations through such products would give.
 
 This is transformers' arithmetic, not the engine's kernels (which accumulate every product in float32
 and round where transformers does): it says which rounding carries the noise, so that an island is
@@ -168,12 +173,56 @@ def main() -> None:
         with torch.no_grad():
             for p in rounded.parameters():
                 p.copy_(p.to(low).float())
-            got = torch.cat(teacher_forced_logprobs(rounded, prompts, completions))
-        s = mismatch_stats(reference, got)
-        print(f"| {dtype} | everything but the weights | {s['logprob_mismatch_mean']:.4f} | "
-              f"{s['logprob_mismatch_p99']:.4f} | {s['logprob_mismatch_max']:.3f} | "
-              f"{s['logprob_mismatch_mean'] / base:.2f} |", flush=True)
+        for label, rounding in (("everything but the weights", ()),
+                                ("everything but the weights and the KV cache", ("kv",)),
+                                ("the same, each product's input in tf32", ("kv", "tf32")),
+                                ("the same, each product's input as two rows in the dtype", ("kv", "split")),
+                                ("the same, each product's input in the dtype (its output float32)", ("kv", "input"))):
+            with torch.no_grad(), rounded_activations(rounded, low, set(rounding)):
+                got = torch.cat(teacher_forced_logprobs(rounded, prompts, completions))
+            s = mismatch_stats(reference, got)
+            print(f"| {dtype} | {label} | {s['logprob_mismatch_mean']:.4f} | "
+                  f"{s['logprob_mismatch_p99']:.4f} | {s['logprob_mismatch_max']:.3f} | "
+                  f"{s['logprob_mismatch_mean'] / base:.2f} |", flush=True)
         del model, rounded
+
+
+def to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to tf32's 10 mantissa bits (to nearest, ties away: the 13 low bits dropped)."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + (1 << 12)) & ~((1 << 13) - 1)).view(torch.float32)
+
+
+def split_rows(x: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+    """What a product over weights in `low` sees of a float32 input read as two rows in `low`, the value and its
+    rounding remainder, their products summed in float32 (--enable-fp32-lm-head's product): 16 of float32's 24
+    mantissa bits in bf16."""
+    hi = x.to(low).float()
+    return hi + (x - hi).to(low).float()
+
+
+@contextlib.contextmanager
+def rounded_activations(model, low: torch.dtype, what: set[str]):
+    """A float32 model with `kv`: keys and values rounded to `low` as a cache in it holds them;
+    `tf32`: every hidden product's input (not the LM head's) rounded to tf32; `split`: read as `split_rows`;
+    `input`: rounded to `low`."""
+    hooks = []
+    for name, module in model.model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if "tf32" in what:
+            hooks.append(module.register_forward_pre_hook(lambda m, args: (to_tf32(args[0]),)))
+        if "input" in what:
+            hooks.append(module.register_forward_pre_hook(lambda m, args: (args[0].to(low).float(),)))
+        if "split" in what:
+            hooks.append(module.register_forward_pre_hook(lambda m, args: (split_rows(args[0], low),)))
+        if "kv" in what and name.endswith(("k_proj", "v_proj")):
+            hooks.append(module.register_forward_hook(lambda m, args, out: out.to(low).float()))
+    try:
+        yield model
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 if __name__ == "__main__":
