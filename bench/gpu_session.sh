@@ -229,9 +229,10 @@ numerics)  # issue 62: float16 and deterministic inference's GPU tests, the mism
       --output-len 128 --dtype $dtype | grep -E "^\| rollout" | sed "s/^/8B $dtype /"
   done | tee -a "$OUT/dtype-speed.log"
   ;;
-islands)  # issue 62: the float32 islands (--enable-fp32-residual --enable-fp32-lm-head): their GPU test, the mismatch
-  # against an fp32 trainer by dtype with and without, and decode speed with and without, alternating
-  ISLANDS="--enable-fp32-residual --enable-fp32-lm-head"
+islands)  # issue 62: the float32 islands (ISLANDS, default --enable-fp32-residual --enable-fp32-lm-head; or
+  # --enable-fp32-activations): their GPU test, the mismatch against an fp32 trainer by dtype with and without, and
+  # decode speed with and without, alternating
+  ISLANDS=${ISLANDS:-"--enable-fp32-residual --enable-fp32-lm-head"}
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
   timeout 240 python3 -m pytest -q -m gpu tests/test_numerics_gpu.py -k islands 2>&1 | tee "$OUT/islands-tests.log" | tail -3
   for flags in "" "$ISLANDS"; do

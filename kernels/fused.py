@@ -29,11 +29,15 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 # ---------------- torch references ----------------
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """transformers' RMSNorm: the normalised input rounded to the output's dtype, then times the weight."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
+                 round_once: bool = False) -> torch.Tensor:
+    """transformers' RMSNorm: the normalised input rounded to the output's dtype, then times the weight
+    (`round_once`: times the weight in float32, rounded once)."""
     dtype = out_dtype or x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if round_once:
+        return (weight.float() * x).to(dtype)
     return (weight * x.to(dtype)).to(dtype)
 
 
@@ -55,16 +59,17 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---------------- dispatch ----------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None):
+             out_dtype: torch.dtype | None = None, round_once: bool = False):
     """norm(x) or, with `residual`, (norm(x + residual), x + residual): the residual add fused in.
     The sum is kept in the residual's dtype (a float32 residual stream: `--enable-fp32-residual`),
-    the norm rounded to `out_dtype` (default x's; float32 for a float32 LM head's input)."""
+    the norm rounded to `out_dtype` (default x's; float32 for a float32 LM head's input), twice as
+    transformers rounds it or, `round_once`, once (`rms_norm_ref`)."""
     out_dtype = out_dtype or x.dtype
     if not use_triton(x):
         if residual is None:
-            return rms_norm_ref(x, weight, eps, out_dtype)
+            return rms_norm_ref(x, weight, eps, out_dtype, round_once)
         summed = (x + residual).to(residual.dtype)
-        return rms_norm_ref(summed, weight, eps, out_dtype), summed
+        return rms_norm_ref(summed, weight, eps, out_dtype, round_once), summed
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     summed = torch.empty((rows, n), dtype=residual.dtype, device=x.device) if residual is not None else out
@@ -73,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, summed,
             x.stride(0), residual.stride(0) if residual is not None else 0, n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, ROUND_ONCE=round_once, BLOCK=block, num_warps=min(16, max(1, block // 256)),
             **pdl.launch_args(),
         )
     return out if residual is None else (out, summed)
@@ -89,12 +94,14 @@ def rope_and_store(
     v_cache: torch.Tensor,
     out_slots: torch.Tensor,  # [T] int64
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """RoPE on q and k, and the rotated k with v written into the KV cache: one kernel on the GPU.
     `qk_norm`: q's and k's RMSNorm weights over a head and their eps (Qwen3's), each head
     normalised first in the same kernel (two launches a layer fewer than the norms apart).
 
-    Returns the rotated q [T, num_heads, head_dim].
+    Returns the rotated q [T, num_heads, head_dim], rounded to `out_dtype` (default q's: a float32
+    q of --enable-fp32-activations is rotated in float32, then rounded once for attention).
     """
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -105,9 +112,9 @@ def rope_and_store(
             k = rms_norm_ref(k.reshape(-1, dim), k_weight, eps).view(tokens, kv_heads, dim)
         k_cache.index_copy_(0, out_slots, rope_ref(k, cos, sin).to(k_cache.dtype))
         v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
-        return rope_ref(q, cos, sin)
+        return rope_ref(q, cos, sin).to(out_dtype or q.dtype)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # (pointers unread without the norm)
-    out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((tokens, heads, dim), dtype=out_dtype or q.dtype, device=q.device)
     if tokens:
         _rope_store_kernel[(tokens,)](
             q, k, v, cos, sin, out, k_cache, v_cache, out_slots, q_weight, k_weight, eps,
@@ -120,13 +127,14 @@ def rope_and_store(
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2 * inter] laid out as [gate | up]."""
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * inter] laid out as [gate | up], rounded to `out_dtype`
+    (default gate_up's)."""
     if not use_triton(gate_up):
-        return silu_mul_ref(gate_up)
+        return silu_mul_ref(gate_up).to(out_dtype or gate_up.dtype)
     rows, two_inter = gate_up.shape
     inter = two_inter // 2
-    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty((rows, inter), dtype=out_dtype or gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
@@ -140,7 +148,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, ROUND_ONCE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -155,8 +163,10 @@ if triton is not None:
             x = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        y = (x * inv).to(dtype).to(tl.float32) * w.to(tl.float32)
-        tl.store(out_ptr + row * n + cols, y.to(dtype), mask=ok)
+        y = x * inv
+        if not ROUND_ONCE:
+            y = y.to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (y * w.to(tl.float32)).to(dtype), mask=ok)
 
     @triton.jit
     def _halves(x_ptrs, ok, HALF: tl.constexpr):
@@ -209,8 +219,8 @@ if triton is not None:
             x1, x2 = _head_norm(x1, x2, qw_ptr, eps, HALF)
         lo, hi = _rotate(x1, x2, c, s)
         q_out = q_out_ptr + t * heads * 2 * HALF + h * 2 * HALF
-        tl.store(q_out + d, lo, mask=ok)
-        tl.store(q_out + HALF + d, hi, mask=ok)
+        tl.store(q_out + d, lo.to(q_out_ptr.dtype.element_ty), mask=ok)  # (q rotated in its dtype, rounded to out's)
+        tl.store(q_out + HALF + d, hi.to(q_out_ptr.dtype.element_ty), mask=ok)
 
         g = tl.arange(0, BLOCK_KV)[:, None]
         ok = g < kv_heads
@@ -236,4 +246,4 @@ if triton is not None:
         dtype = gate.dtype
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row * inter + cols, (act * up.to(tl.float32)).to(dtype), mask=ok)
+        tl.store(out_ptr + row * inter + cols, (act * up.to(tl.float32)).to(dtype).to(out_ptr.dtype.element_ty), mask=ok)

@@ -80,6 +80,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return cublas_linear(x, weight, bias, out_dtype)
 
 
+def float32_output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          invariant: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) as its float32 accumulator, not rounded to x's dtype (--enable-fp32-activations);
+    on the CPU, whose half-precision products round their output, over float32 copies of the operands."""
+    if x.device.type == "cpu" and not INTERPRET and x.dtype != torch.float32:
+        return _cpu_linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+    return linear(x, weight, bias, out_dtype=torch.float32, invariant=invariant)
+
+
 def float32_input_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """x (float32) @ weight.T to float32 over a weight in half precision, without a float32 copy of
     the weight: x as its value rounded to the weight's dtype plus the remainder rounded again (16 of

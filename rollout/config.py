@@ -352,6 +352,10 @@ class EngineConfig:
                                         "against a float32 trainer 0.73x on an H200: docs/numerics.md)")
     enable_fp32_lm_head: bool = option(False, "half precision: the LM head's input in float32, through a product over "
                                        "the served weight (SGLang's flag; no weight bytes)")
+    enable_fp32_activations: bool = option(False, "half precision: float32 between the products (each attention and "
+                                           "dense MLP product writes its float32 accumulator; rope, SiLU x up and the "
+                                           "norms work on it and round once where a product or the KV cache reads); "
+                                           "implies the two islands above (no weight bytes; docs/numerics.md)")
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:

@@ -52,6 +52,41 @@ def test_rms_norm_keeps_a_float32_residual_unrounded_and_rounds_the_norm_to_the_
         close(out, fused.rms_norm_ref(x.float() + r, w, 1e-5, out_dtype), out_dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+def test_float32_activations_kernels_work_in_float32_and_round_once_to_the_dtype(dtype):
+    """--enable-fp32-activations: the norm's weight product in float32, rounded once; rope of a float32 q
+    and k, q rounded once for attention and k, v into a cache in the dtype; SiLU x up of float32
+    products, rounded once for the next product."""
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    rows, n, tokens, heads, kv_heads, dim, inter = 9, 576, 5, 9, 3, 64, 1536
+    x, r = torch.randn(rows, n, generator=g, device=DEVICE), torch.randn(rows, n, generator=g, device=DEVICE)
+    w = (1 + torch.randn(n, generator=g, device=DEVICE) / 4).to(dtype)
+    out, summed = fused.rms_norm(x, w, 1e-5, r, dtype, round_once=True)
+    assert out.dtype == dtype and torch.equal(summed, x + r)
+    close(out, fused.rms_norm_ref(x + r, w, 1e-5, dtype, round_once=True), dtype)
+    twice = fused.rms_norm_ref(x + r, w, 1e-5, dtype)
+    assert not torch.equal(fused.rms_norm_ref(x + r, w, 1e-5, dtype, round_once=True), twice)  # (it rounds once less)
+
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device=DEVICE)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    pos = torch.randint(0, 500, (tokens,), generator=g, device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    slots = torch.randperm(4 * tokens, generator=g, device=DEVICE)[:tokens]
+    caches = [torch.zeros(4 * tokens, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+    rotated = fused.rope_and_store(q, k, v, cos, sin, *caches, slots, out_dtype=dtype)
+    assert rotated.dtype == dtype
+    close(rotated, fused.rope_ref(q, cos, sin).to(dtype), dtype)
+    close(caches[0][slots], fused.rope_ref(k, cos, sin).to(dtype), dtype)
+    assert torch.equal(caches[1][slots], v.to(dtype))
+
+    gate_up = torch.randn(rows, 2 * inter, generator=g, device=DEVICE)
+    act = fused.silu_mul(gate_up, dtype)
+    assert act.dtype == dtype
+    close(act, fused.silu_mul_ref(gate_up).to(dtype), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (33, 9, 3, 64), (7, 32, 8, 128), (5, 8, 8, 128)])
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -47,13 +47,15 @@ def test_float16_matches_a_float32_trainer_seven_times_closer_than_bfloat16(defa
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_float32_islands_cut_half_precisions_mismatch_in_cuda_graphs(default_model_dir, prompts, hf_default, dtype):
+def test_the_float32_islands_and_activations_cut_half_precisions_mismatch_in_cuda_graphs(default_model_dir, prompts, hf_default, dtype):
     hf = hf_default.to("cuda")
     kw = dict(model=str(default_model_dir), device="cuda", spec="ngram", dtype=dtype, **KV)
     plain = mismatch(Engine(**kw), hf, prompts)["logprob_mismatch_mean"]
     islands = mismatch(Engine(enable_fp32_residual=True, enable_fp32_lm_head=True, **kw), hf, prompts)
+    activations = mismatch(Engine(enable_fp32_activations=True, **kw), hf, prompts)["logprob_mismatch_mean"]
     hf_default.to("cpu")
     assert islands["logprob_mismatch_mean"] < 0.75 * plain, (islands, plain)
+    assert activations < islands["logprob_mismatch_mean"], (activations, islands)
 
 
 def test_the_hybrid_with_the_default_models_head_runs_in_float16_graphs(default_model_dir, prompts):

@@ -55,7 +55,7 @@ class Parts:
 
 
 SHARED_FIELDS = ("model", "dtype", "device", "load_format", "seed", "tp_size", "batch_invariant", "enable_fp32_residual",
-                 "enable_fp32_lm_head")  # what engines serving one model object must agree on
+                 "enable_fp32_lm_head", "enable_fp32_activations")  # what engines serving one model object must agree on
 
 
 def check_shareable(cfg: EngineConfig, other: EngineConfig) -> None:
@@ -118,7 +118,8 @@ def build_parts(cfg: EngineConfig, device: torch.device, tp: Leader | Follower |
     # deterministic inference (and coupled sampling) computes a token alike in any step (a decode row, a verify chain)
     if cfg.batch_invariant:
         model.make_batch_invariant()
-    model.keep_float32(residual=cfg.enable_fp32_residual, lm_head=cfg.enable_fp32_lm_head)
+    model.keep_float32(residual=cfg.enable_fp32_residual, lm_head=cfg.enable_fp32_lm_head,
+                       activations=cfg.enable_fp32_activations)
     backend = attention_backend(backend_name, device, cfg.batch_invariant)
     history = cfg.spec.history_rows if cfg.spec.enabled else 0
     table = TokenTable(cfg.max_running_seqs, history, pool.max_context, device)

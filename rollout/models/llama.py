@@ -158,8 +158,11 @@ class Linear(nn.Linear):
     products when its model is (`CausalLM.make_batch_invariant`)."""
 
     batch_invariant = False
+    float32_output = False  # its float32 accumulator, not rounded (CausalLM.keep_float32's activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32_output:
+            return skinny_gemm.float32_output_linear(x, self.weight, self.bias, invariant=self.batch_invariant)
         return skinny_gemm.linear(x, self.weight, self.bias, invariant=self.batch_invariant)
 
 
@@ -173,13 +176,14 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor | None, shard: Shard,
-            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            out_dtype: torch.dtype | None = None, round_once: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), where x is this rank's part of a row-parallel
         product (summed over the ranks here); with no residual, x is whole (the embedding). The
-        sum keeps the residual's dtype; the norm is rounded to `out_dtype` (default x's)."""
+        sum keeps the residual's dtype; the norm is rounded to `out_dtype` (default x's), once with
+        `round_once` (`fused.rms_norm`)."""
         if residual is None:
-            return fused.rms_norm(x, self.weight, self.eps, out_dtype=out_dtype), x
-        return shard.reduce_norm(x, residual, self.weight, self.eps, out_dtype)
+            return fused.rms_norm(x, self.weight, self.eps, out_dtype=out_dtype, round_once=round_once), x
+        return shard.reduce_norm(x, residual, self.weight, self.eps, out_dtype, round_once)
 
 
 class Attention(nn.Module):
@@ -207,7 +211,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None  # (in the rope kernel)
         k_cache, v_cache = ctx.k_caches[self.layer], ctx.v_caches[self.layer]
-        q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots, norms)
+        q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots, norms, k_cache.dtype)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, out=ctx.attn_out)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -222,7 +226,7 @@ class MLP(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """From the gate/up projection of the normalised input, this rank's part of the output (as `Attention`'s)."""
-        return self.down_proj(fused.silu_mul(gate_up))
+        return self.down_proj(fused.silu_mul(gate_up, self.down_proj.weight.dtype))
 
     def block(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's part of the MLP's output for the normalised hidden states `h` (a decoder layer's call)."""
@@ -256,6 +260,7 @@ class VocabEmbedding(nn.Embedding):
 
 class DecoderLayer(nn.Module):
     residual_dtype: torch.dtype | None = None  # the residual stream's, when not the activations' (CausalLM.keep_float32)
+    input_dtype: torch.dtype | None = None  # the norms' outputs, when not their inputs' (float32 products' outputs)
 
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = ALONE, mlp: nn.Module | None = None):
         """`mlp`: the layer's MLP when it is not the dense one (a mixture of experts': rollout/models/registry.py)."""
@@ -270,11 +275,13 @@ class DecoderLayer(nn.Module):
         """Returns (this rank's part of this layer's output, the residual stream before it): the
         hidden state is the ranks' parts summed plus the residual. `x`: the layer before's, or
         with no residual the embedding."""
-        h, residual = self.input_layernorm.add(x, residual, self.shard)
+        once = self.input_dtype is not None  # (float32 between the products: the norms' weights too)
+        h, residual = self.input_layernorm.add(x, residual, self.shard, self.input_dtype, once)
         if self.residual_dtype is not None:
             residual = residual.to(self.residual_dtype)  # (the embedding, at the first layer; after, a no-op)
         ctx.keep_aux(self.layer, residual)  # (the hidden state entering this layer)
-        h, residual = self.post_attention_layernorm.add(self.self_attn(self.self_attn.qkv_proj(h), ctx), residual, self.shard)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(self.self_attn.qkv_proj(h), ctx), residual, self.shard,
+                                                        self.input_dtype, once)
         return self.mlp.block(h), residual
 
 
@@ -318,13 +325,23 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.batch_invariant = True
 
-    def keep_float32(self, residual: bool, lm_head: bool) -> None:
-        """Float32 islands in a half-precision model, neither of which reads more weight bytes: the
-        residual stream between sublayers (each sublayer still reads and writes the dtype), and the
-        LM head's input (the final norm's output, through a float32 product over the served weight).
-        They carry most of half precision's logprob noise against a float32 trainer (docs/numerics.md)."""
+    def keep_float32(self, residual: bool, lm_head: bool, activations: bool = False) -> None:
+        """Float32 islands in a half-precision model, none of which reads more weight bytes: the
+        residual stream between sublayers (each sublayer still reads and writes the dtype), the
+        LM head's input (the final norm's output, through a float32 product over the served weight),
+        and with `activations` (which implies both) everything between the products: the attention
+        and dense MLP products write their float32 accumulators, and rope, SiLU x up and the norms
+        work on them, rounding once to the dtype where a product or the KV cache reads it. Each
+        cuts half precision's logprob noise against a float32 trainer (docs/numerics.md)."""
+        residual, lm_head = residual or activations, lm_head or activations
         for layer in self.model.layers:
             layer.residual_dtype = torch.float32 if residual else None
+            layer.input_dtype = layer.self_attn.qkv_proj.weight.dtype if activations else None
+            products = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            if isinstance(layer.mlp, MLP):  # (a mixture of experts' layer writes its output in the dtype)
+                products += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            for linear in products:
+                linear.float32_output = activations
         self.fp32_lm_head = lm_head
 
     @property

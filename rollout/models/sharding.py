@@ -25,8 +25,8 @@ class Collectives(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype | None, round_once: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...  # [L, V] of each rank -> [L, size * V], rank order
 
@@ -93,13 +93,13 @@ class Shard:
         return x if self.group is None else self.group.all_gather(x)
 
     def reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    out_dtype: torch.dtype | None = None, round_once: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual), that sum): a row-parallel product's
         parts into the next norm (on the GPU one kernel: kernels/all_reduce_norm.py). The sum
         keeps the residual's dtype, the norm is rounded to `out_dtype` (default x's)."""
         if self.group is None:
-            return fused.rms_norm(x, weight, eps, residual, out_dtype)
-        return self.group.all_reduce_norm(x, residual, weight, eps, out_dtype)
+            return fused.rms_norm(x, weight, eps, residual, out_dtype, round_once)
+        return self.group.all_reduce_norm(x, residual, weight, eps, out_dtype, round_once)
 
 
 ALONE = Shard()

@@ -5,7 +5,7 @@ samples as prompts x `--n`, at `--temperature`, up to `--output-len` tokens), ti
 rollout; then transformers' model in float32 (a trainer's master weights) teacher-forces the sampled
 tokens, and the table gives how far the two sets of logprobs are (rollout.tools.mismatch) beside
 the rollout's tokens/s. Medians over `--repeats` rounds, each drawing its own samples. With
-`--enable-fp32-residual` and/or `--enable-fp32-lm-head` every row keeps those float32 islands (its
+`--enable-fp32-residual`, `--enable-fp32-lm-head` or `--enable-fp32-activations` every row keeps those float32 islands (its
 `fp32` column says which).
 """
 
@@ -89,6 +89,8 @@ def rollout(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[l
 
 
 def islands(config: EngineConfig) -> str:
+    if config.enable_fp32_activations:
+        return "activations (residual, lm head input and between the products)"
     named = [name for name, on in (("residual", config.enable_fp32_residual), ("lm head input", config.enable_fp32_lm_head))
              if on]
     return ", ".join(named) or "-"
