@@ -53,12 +53,14 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="the engine's (and the pushed weights') dtype")
     ap.add_argument("--enable-fp32-residual", action="store_true", help="the engine's float32 residual stream")
     ap.add_argument("--enable-fp32-lm-head", action="store_true", help="the engine's float32 LM head input")
+    ap.add_argument("--enable-fp32-activations", action="store_true", help="the engine's float32 between the products")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     engine = Engine(device=args.device, dtype=args.dtype, spec="off", coupled_sampling=True,
                     kv_cache_tokens=1_200_000 if args.device == "cuda" else None,
-                    enable_fp32_residual=args.enable_fp32_residual, enable_fp32_lm_head=args.enable_fp32_lm_head)
+                    enable_fp32_residual=args.enable_fp32_residual, enable_fp32_lm_head=args.enable_fp32_lm_head,
+                    enable_fp32_activations=args.enable_fp32_activations)
     prompts, n = workload_prompts(SimpleNamespace(workload="rl", seed=0, n=args.n, prompt_set="mixed"),
                                   engine.tokenizer, args.prompts * args.n)
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=args.max_new_tokens)
