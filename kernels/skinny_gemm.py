@@ -61,6 +61,7 @@ INVARIANT_TILES = [  # largest first (bench/invariant_tiles.py timed them agains
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 MAX_COLD_COPIES = 1024  # weights a choice is timed on, at most (cold_copies)
 CPU_BLOCK_ROWS = 8
+CPU_WEIGHT_CHUNK_BYTES = 4 << 20  # a weight's rows that one pass of the CPU's blocks reads (_cpu_linear)
 PREFETCH_BYTES = 16 << 20  # weight a product prefetches into L2 before its wait (bench/gemm_choice.py)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _use_triton: dict[tuple, bool] = {}  # (N, K, rows, dtype, out dtype, has_bias, PDL) -> Triton beat cuBLAS
@@ -144,7 +145,20 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     pad = -rows % CPU_BLOCK_ROWS
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    return torch.cat([F.linear(block, weight, bias) for block in x.split(CPU_BLOCK_ROWS)])[:rows]
+    blocks = x.split(CPU_BLOCK_ROWS)
+    chunk_rows = max(1, CPU_WEIGHT_CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
+    if weight.shape[0] <= 2 * chunk_rows:
+        return torch.cat([F.linear(block, weight, bias) for block in blocks])[:rows]
+    # a weight larger than the cache (an LM head), each block reading all of it, ran at DRAM speed:
+    # a chunk of its rows at a time, every block over it while it is in the cache (2-3x at 16-256
+    # rows). Chunked at any row count: the products' shapes, and so a row's bits, stay the step's own.
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    for first in range(0, weight.shape[0], chunk_rows):
+        chunk = weight[first : first + chunk_rows]
+        chunk_bias = None if bias is None else bias[first : first + chunk_rows]
+        for i, block in enumerate(blocks):
+            out[i * CPU_BLOCK_ROWS : (i + 1) * CPU_BLOCK_ROWS, first : first + len(chunk)] = F.linear(block, chunk, chunk_bias)
+    return out[:rows]
 
 
 def _triton_is_faster(rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
