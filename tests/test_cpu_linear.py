@@ -11,17 +11,22 @@ from kernels import skinny_gemm
 from kernels.skinny_gemm import linear
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunked", [False, True])
-def test_a_rows_product_on_the_cpu_is_the_same_bits_in_any_batch(chunked):
+def test_a_rows_product_on_the_cpu_is_the_same_bits_in_any_batch(chunked, dtype):
     gen = torch.Generator().manual_seed(7 + chunked)
     k = 64
-    chunk_rows = skinny_gemm.CPU_WEIGHT_CHUNK_BYTES // (k * 4)
+    chunk_rows = skinny_gemm.CPU_WEIGHT_CHUNK_BYTES // (k * dtype.itemsize)
     n = 3 * chunk_rows + 5 if chunked else 96  # a weight the CPU reads a chunk of rows at a time, or whole
-    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    x = torch.randn(37, k, generator=gen)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    weight, bias = randn(n, k), randn(n)
+    x = randn(37, k)
     whole = linear(x, weight, bias)
-    torch.testing.assert_close(whole, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    if not chunked:  # a block: F.linear's own bits
+        assert torch.equal(whole[:8], F.linear(x[:8], weight, bias))
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
+    torch.testing.assert_close(whole.float(), F.linear(x.float(), weight.float(), bias.float()), **tolerance)
     for rows in (1, 5, 8, 13):
         assert torch.equal(linear(x[:rows], weight, bias), whole[:rows])
-    others = torch.randn(11, k, generator=gen)
+    others = randn(11, k)
     assert torch.equal(linear(torch.cat([others, x[:3]]), weight, bias)[11:], whole[:3])
