@@ -234,7 +234,7 @@ islands)  # issue 62: the float32 islands (ISLANDS, default --enable-fp32-residu
   # decode speed with and without, alternating
   ISLANDS=${ISLANDS:-"--enable-fp32-residual --enable-fp32-lm-head"}
   python3 -c "from rollout.models.default_model import ensure_default_model as e; print(e())"
-  timeout 240 python3 -m pytest -q -m gpu tests/test_numerics_gpu.py -k islands 2>&1 | tee "$OUT/islands-tests.log" | tail -3
+  timeout 420 python3 -m pytest -q -m gpu tests/test_numerics_gpu.py -k islands 2>&1 | tee "$OUT/islands-tests.log" | tail -3  # (two dtypes: ~170 s)
   for flags in "" "$ISLANDS"; do
     LIMIT=150 bench --workload mismatch --dtypes bfloat16,float16 --batch-sizes 128 --n 4 --output-len 256 \
       --spec-modes off $flags | grep -E "^\| (bfloat16|float16) "
