@@ -69,14 +69,11 @@ _use_triton: dict[tuple, bool] = {}  # (N, K, rows, dtype, out dtype, has_bias, 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, invariant: bool = False) -> torch.Tensor:
-    """x @ weight.T (+ bias), accumulated in float32 and rounded once to `out_dtype` (default: x's);
-    on the CPU computed in x's dtype, then cast; float16 over float32 copies (the CPU's own float16
-    product takes 5x bf16's time and is noisier: the default model's mismatch 0.0044, not 0.0038).
-    `invariant`: each row's bits independent of the other rows (the CPU's blocks always are)."""
+    """x @ weight.T (+ bias), accumulated in float32 and rounded once to `out_dtype` (default: x's),
+    on the CPU too (`_cpu_product`). `invariant`: each row's bits independent of the other rows
+    (the CPU's blocks always are)."""
     if x.device.type == "cpu" and not INTERPRET:
-        if x.dtype == torch.float16:
-            return _cpu_linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out_dtype or x.dtype)
-        return _cpu_linear(x, weight, bias).to(out_dtype or x.dtype)
+        return _cpu_product(x, weight, bias, out_dtype or x.dtype)
     if invariant and triton is not None:
         return invariant_linear(x, weight, bias, out_dtype)
     if takes_triton(x, weight, bias, out_dtype):
@@ -84,28 +81,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return cublas_linear(x, weight, bias, out_dtype)
 
 
-def float32_output_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                          invariant: bool = False) -> torch.Tensor:
-    """x @ weight.T (+ bias) as its float32 accumulator, not rounded to x's dtype (--enable-fp32-activations);
-    on the CPU, whose half-precision products round their output, over float32 copies of the operands."""
-    if x.device.type == "cpu" and not INTERPRET and x.dtype != torch.float32:
-        return _cpu_linear(x.float(), weight.float(), bias.float() if bias is not None else None)
-    return linear(x, weight, bias, out_dtype=torch.float32, invariant=invariant)
-
-
 def float32_input_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """x (float32) @ weight.T to float32 over a weight in half precision, without a float32 copy of
     the weight: x as its value rounded to the weight's dtype plus the remainder rounded again (16 of
     float32's 24 bits in bfloat16, 22 in float16), both halves' rows in one product, then summed.
-    At decode the product reads the weight once for twice the rows: about the cost of one."""
-    if x.dtype == weight.dtype:
+    At decode the product reads the weight once for twice the rows: about the cost of one. (The
+    CPU takes the float32 product itself.)"""
+    if x.dtype == weight.dtype or (x.device.type == "cpu" and not INTERPRET):
         return linear(x, weight, out_dtype=torch.float32, invariant=invariant)
-    if x.device.type == "cpu" and not INTERPRET:  # (the CPU's half-precision products round their output)
-        return _cpu_linear(x, weight.float(), None)
     high = x.to(weight.dtype)
     low = (x - high.float()).to(weight.dtype)
     y = linear(torch.cat([high, low]), weight, out_dtype=torch.float32, invariant=invariant)
     return y[: x.shape[0]] + y[x.shape[0] :]
+
+
+def _cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`linear` on the CPU, rounded as on the GPU: the CPU's half-precision products round their
+    output to their inputs' dtype, and its float16 one takes 5x bf16's time (and was the noisier:
+    the default model's mismatch 0.0044, not 0.0038). So only a bf16 (or float32) product into its
+    own dtype runs as it is; the rest over float32 copies, rounded once to `out_dtype`."""
+    if x.dtype == weight.dtype == out_dtype and x.dtype != torch.float16:
+        return _cpu_linear(x, weight, bias)
+    return _cpu_linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out_dtype)
 
 
 def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -153,8 +150,9 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if weight.shape[0] <= 2 * chunk_rows:
         return _block_products(blocks, weight, bias).view(-1, weight.shape[0])[:rows]
     # a weight larger than the cache (an LM head), each block reading all of it, ran at DRAM speed:
-    # a chunk of its rows at a time, every block over it while it is in the cache (3.3-3.7x at 72-256
-    # rows). Chunked at any row count: the products' shapes, and so a row's bits, stay the step's own.
+    # a chunk of its rows at a time, every block over it while it is in the cache (with the blocks
+    # batched, 3.3-3.7x at 72-256 rows: bench/probes/cpu_blocks.py). Chunked at any row count: the
+    # products' shapes, and so a row's bits, stay the step's own.
     chunks = weight.split(chunk_rows)
     biases = [None] * len(chunks) if bias is None else bias.split(chunk_rows)
     out = torch.cat([_block_products(blocks, w, b) for w, b in zip(chunks, biases)], dim=-1)

@@ -161,9 +161,8 @@ class Linear(nn.Linear):
     float32_output = False  # its float32 accumulator, not rounded (CausalLM.keep_float32's activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.float32_output:
-            return skinny_gemm.float32_output_linear(x, self.weight, self.bias, invariant=self.batch_invariant)
-        return skinny_gemm.linear(x, self.weight, self.bias, invariant=self.batch_invariant)
+        out_dtype = torch.float32 if self.float32_output else None
+        return skinny_gemm.linear(x, self.weight, self.bias, out_dtype, invariant=self.batch_invariant)
 
 
 class RMSNorm(nn.Module):
