@@ -31,7 +31,7 @@ import torch
 
 from rollout import Engine, SamplingParams
 from rollout.tools.bench import EpochUpdate, common_prefix, expected_prefix, match_chances, workload_prompts
-from rollout.tools.bench_args import EPOCH_STARTS
+from rollout.tools.bench_args import TRAINER_STARTS
 
 
 def teacher_forced_logits(model, prompt: list[int], sample: list[int]) -> torch.Tensor:
@@ -47,8 +47,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--lr", default="1e-6", help="comma-separated; 0: a push of the same weights (the control)")
     ap.add_argument("--trainer-samples", type=int, default=64)
-    ap.add_argument("--start", choices=EPOCH_STARTS, default="served",
-                    help="the trainer's float32 weights before its step (rollout bench --epoch-update-start)")
+    ap.add_argument("--start", choices=TRAINER_STARTS, default="served",
+                    help="the trainer's float32 weights before its step (rollout bench --trainer-start)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="auto", help="the engine's (and the pushed weights') dtype")
     ap.add_argument("--enable-fp32-residual", action="store_true", help="the engine's float32 residual stream")

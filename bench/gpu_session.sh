@@ -77,7 +77,7 @@ coupled)  # issue 40: the second epoch at T=$TEMP (default 1.0) under coupled sa
   # BASE_TAR=.devcache/base.tar, carried: that commit's runs too, in the same call (`git archive -o .devcache/base.tar
   # COMMIT -- . ':!rollout/models/default_head/model.safetensors'`: the head's weights, 10 MB, are taken from this tree)
   # TREES=base|head|"base head" (default: both when BASE_TAR is given), BETWEEN="update same" (default),
-  # START=served|checkpoint|spread: the trainer's float32 weights before its step (--epoch-update-start; default served),
+  # START=served|checkpoint|spread: the trainer's float32 weights before its step (--trainer-start; default served),
   # DTYPE=bfloat16|float16|float32: the engines' dtype (default bfloat16); ENGINE_FLAGS: more engine flags (the float32 islands)
   trees=$PWD
   if [ -n "${BASE_TAR:-}" ]; then
@@ -88,7 +88,7 @@ coupled)  # issue 40: the second epoch at T=$TEMP (default 1.0) under coupled sa
   for tree in $trees; do
     name=$([ "$tree" = "$PWD" ] && echo head || echo base)
     for between in ${BETWEEN:-update same}; do
-      step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6} --epoch-update-start ${START:-served}")
+      step=$([ "$between" = update ] && echo "--epoch-update ${LR:-1e-6} --trainer-start ${START:-served}")
       (cd "$tree" && PYTHONPATH=/tmp/site:$tree LIMIT=${LIMIT:-560} bench $RL --temperature ${TEMP:-1.0} --keep-history \
         --coupled-sampling $step --dtype ${DTYPE:-bfloat16} ${ENGINE_FLAGS:-} --repeats ${REPEATS:-3} | tee "$OUT/coupled-$between-$name.log" \
         | grep -E "^\| rollout|coupled" | sed "s|^|$name $between |")

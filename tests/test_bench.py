@@ -1,13 +1,16 @@
 """`rollout bench` end to end on the CPU: small, but every output it promises."""
 
+import copy
 import gc
 import json
 
 import pytest
 import torch
 
-from rollout.tools.bench import GcTimer, expected_prefix, match_chances, spread_in_rounding
+from rollout.tools.bench import GcTimer, expected_prefix, match_chances
+from rollout.tools.bench_args import TRAINER_STARTS
 from rollout.tools.cli import main
+from rollout.tools.mismatch import spread_in_rounding, start_trainer_weights
 
 
 def test_bench_writes_json_markdown_and_plot_with_medians_of_repeats(default_model_dir, tmp_path, monkeypatch):
@@ -45,10 +48,12 @@ def test_the_mismatch_workload_tables_each_dtype_against_a_float32_trainer(defau
     main([
         "bench", "--device", "cpu", "--model", str(default_model_dir), "--workload", "mismatch", "--spec-modes", "off",
         "--dtypes", "float32,float16", "--batch-sizes", "4", "--n", "2", "--output-len", "12", "--out", str(tmp_path),
+        "--trainer-start", "served",
     ])
     (result,) = tmp_path.glob("mismatch-*.json")
     fp32, fp16 = json.loads(result.read_text())["rows"]
     assert (fp32["dtype"], fp16["dtype"]) == ("float32", "float16") and fp32["samples"] == fp16["samples"] == 4
+    assert fp32["trainer"] == fp16["trainer"] == "served"
     assert fp32["logprob_mismatch_max"] < 1e-4 < fp16["logprob_mismatch_mean"] < 0.02  # the CPU's fp32 is HF's to 1e-4
     assert fp16["logprob_mismatch_mean"] <= fp16["logprob_mismatch_p99"] <= fp16["logprob_mismatch_max"]
     assert all(r["tokens_per_s"] > 0 and r["kl_k3"] >= 0 for r in (fp32, fp16))
@@ -118,7 +123,7 @@ def test_engines_on_one_gpu_take_the_first_ones_pool_and_leave_room_for_their_gr
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_spread_weights_round_to_the_served_ones_from_anywhere_in_their_interval(dtype):
-    """--epoch-update-start spread: the trainer's float32 weights serve exactly the weights the engine
+    """--trainer-start spread: the trainer's float32 weights serve exactly the weights the engine
     holds, yet sit off the rounding ties (powers of two, zero and negatives included)."""
     t = torch.cat([torch.randn(100_000) * 0.05, torch.tensor([0.5, -0.5, 1.0, -2.0, 0.0, 0.0078125])])
     served = t.to(dtype).float()
@@ -128,6 +133,23 @@ def test_spread_weights_round_to_the_served_ones_from_anywhere_in_their_interval
     eps = torch.finfo(dtype).eps
     assert moved.max() < eps / 2 and moved.mean() > eps / 16  # within half a place, and spread over it
     assert torch.equal(spread_in_rounding(t, torch.float32, torch.Generator()), t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_trainer_starts_from_the_checkpoint_the_served_weights_or_their_rounding_interval(dtype):
+    """--trainer-start: 'checkpoint' keeps the float32 values, 'served' holds exactly what an engine
+    in `dtype` serves, 'spread' serves it too from elsewhere in the interval; anything else is refused."""
+    checkpoint = torch.nn.Linear(64, 32)
+    starts = {}
+    for start in TRAINER_STARTS:
+        model = copy.deepcopy(checkpoint)
+        start_trainer_weights(model, start, dtype)
+        starts[start] = model.weight.detach()
+    served = checkpoint.weight.detach().to(dtype).float()
+    assert torch.equal(starts["checkpoint"], checkpoint.weight) and torch.equal(starts["served"], served)
+    assert torch.equal(starts["spread"].to(dtype).float(), served) and not torch.equal(starts["spread"], served)
+    with pytest.raises(ValueError, match="trainer start"):
+        start_trainer_weights(checkpoint, "bf16", dtype)
 
 
 def test_match_chances_are_those_of_draws_with_shared_gumbel_noise():

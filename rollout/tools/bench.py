@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from rollout.config import EngineConfig
-from rollout.tools.bench_args import EPOCH_STARTS, SPEED_SHAPES
+from rollout.tools.bench_args import SPEED_SHAPES
+from rollout.tools.mismatch import start_trainer_weights
 
 
 @dataclass
@@ -368,7 +369,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         first = engines[modes[0]] if engines and config.tp_size == 1 else None  # (rank processes hold their own)
         engines[spec] = Engine(config=config, share_weights_with=first)
     freeze_heap()  # as the server's engine process does
-    trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples, args.epoch_update_start)
+    trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples,
+                                 args.trainer_start or "served")
                if args.epoch_update else None)
     for r in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
         # Each round draws its own samples (every mode the same seeds in it): on the GPU the modes'
@@ -482,32 +484,20 @@ def expected_prefix(chances: torch.Tensor) -> float:
     return float(chances.double().cumprod(0).sum())
 
 
-
-
 class EpochUpdate:
     """A trainer between two epochs of `rl --keep-history`: one policy-gradient step (REINFORCE, the
     group-normalised advantage of a reward that prefers shorter samples) with AdamW at `lr` on the
     first epoch's samples, in fp32 on the engine's device; the result goes to the engines in their
     dtype (as a trainer pushes it). Each round starts the trainer's float32 weights from `start`
-    (EPOCH_STARTS): the served weights, as a trainer that loads the served checkpoint; the
-    checkpoint's own float32 values; or float32 values spread over each served weight's rounding
-    interval (`spread_in_rounding`), as after many steps of training."""
+    (rollout.tools.mismatch.start_trainer_weights)."""
 
     def __init__(self, engine, lr: float, samples: int, start: str = "served"):
         from transformers import AutoModelForCausalLM
 
-        if start not in EPOCH_STARTS:
-            raise ValueError(f"epoch update start {start!r}: choose {', '.join(EPOCH_STARTS)}")
         self.lr, self.samples = lr, samples
         self.dtype = engine.dtype
         self.model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).to(engine.device)
-        gen = torch.Generator(device=engine.device).manual_seed(0)
-        with torch.no_grad():
-            for p in self.model.parameters():
-                if start == "served":
-                    p.copy_(p.to(self.dtype).float())
-                elif start == "spread":
-                    p.copy_(spread_in_rounding(p, self.dtype, gen))
+        start_trainer_weights(self.model, start, self.dtype)
         self.base = {k: v.detach().clone() for k, v in self.model.named_parameters()}
 
     def restore(self, engine) -> None:
@@ -535,21 +525,6 @@ class EpochUpdate:
             (-a * lp / tokens).backward()
         optimizer.step()
         return [(name, p.detach().to(self.dtype)) for name, p in self.model.named_parameters()]
-
-
-def spread_in_rounding(t: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """float32 `t` moved to a uniform point of the interval that rounds to `t.to(dtype)` (its
-    nearest `dtype` value; the interval's edges left out), as a trainer's float32 weights lie
-    after many steps. Unchanged where `dtype` is float32."""
-    if dtype == torch.float32:
-        return t
-    served = t.to(dtype).float()
-    mantissa, exponent = torch.frexp(served)  # |served| = |mantissa| 2^exponent, |mantissa| in [0.5, 1)
-    spacing = torch.ldexp(torch.full_like(served, torch.finfo(dtype).eps), exponent - 1)  # to the next value up
-    below = torch.where(mantissa.abs() == 0.5, spacing / 2, spacing)  # (half as far to the next one down at a power of two)
-    u = torch.rand(t.shape, generator=gen, device=t.device) - 0.5
-    step = torch.where(u > 0, spacing, below) * u * 0.999
-    return torch.where(served == 0, served, served + step * served.sign())
 
 
 def _device_name() -> str:

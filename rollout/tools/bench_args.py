@@ -43,7 +43,7 @@ SPEED_SHAPES["qwen3-30b-a3b-tiny"] = {
     "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 16, "vocab_size": 49152,
 }
 
-EPOCH_STARTS = ("served", "checkpoint", "spread")  # where EpochUpdate's trainer starts its float32 weights
+TRAINER_STARTS = ("served", "checkpoint", "spread")  # where a benchmark's trainer starts its float32 weights (rollout.tools.mismatch)
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
@@ -75,11 +75,12 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                         "learning rate on the first epoch's samples, pushed to every mode's engine in its dtype")
     b.add_argument("--epoch-update-samples", type=int, default=64,
                    help="the first epoch's samples that step trains on (the first prompts' groups)")
-    b.add_argument("--epoch-update-start", choices=EPOCH_STARTS, default="served",
-                   help="the trainer's float32 weights before its step: the served ones (a trainer that loads the "
-                        "checkpoint it serves), the checkpoint's own (the default model's, dequantized from Q4_1, sit "
-                        "on bf16 rounding ties, and any step flips those), or spread over each served weight's "
-                        "rounding interval, as after many steps of training")
+    b.add_argument("--trainer-start", choices=TRAINER_STARTS, default=None,
+                   help="the float32 weights of the trainer (--epoch-update's, and mismatch's reference): the served "
+                        "ones (a trainer that loads the checkpoint it serves, or whose forward reads the copy it pushes, "
+                        "as mixed-precision trainers do), the checkpoint's own, or spread over each served weight's "
+                        "rounding interval, as after many steps of training (default: served for --epoch-update, "
+                        "checkpoint for the mismatch workload)")
     b.add_argument("--repeats", type=int, default=1,
                    help="rounds over the spec modes; the table reports medians and the tok/s spread")
     b.add_argument("--url", default=None, metavar="[LABEL=]URL,...",

@@ -4,7 +4,9 @@ For each serving dtype (`--dtypes`), an engine rolls out the same arithmetic pro
 samples as prompts x `--n`, at `--temperature`, up to `--output-len` tokens), timed after a warm-up
 rollout; then transformers' model in float32 (a trainer's master weights) teacher-forces the sampled
 tokens, and the table gives how far the two sets of logprobs are (rollout.tools.mismatch) beside
-the rollout's tokens/s. Medians over `--repeats` rounds, each drawing its own samples. With
+the rollout's tokens/s. The trainer's weights are the checkpoint's own unless `--trainer-start`
+says otherwise (`served`: the weights each row's engine serves, so that only the engine's
+arithmetic differs; `spread`: where float32 master weights lie after many steps). Medians over `--repeats` rounds, each drawing its own samples. With
 `--enable-fp32-residual`, `--enable-fp32-lm-head` or `--enable-fp32-activations` every row keeps those float32 islands (its
 `fp32` column says which).
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rollout.config import EngineConfig, SamplingParams
-from rollout.tools.mismatch import MISMATCH_KEYS, mismatch_stats, teacher_forced_logprobs
+from rollout.tools.mismatch import MISMATCH_KEYS, mismatch_stats, start_trainer_weights, teacher_forced_logprobs
 
 MICRO_BATCH = 16  # samples per trainer forward
 
@@ -31,6 +33,7 @@ MICRO_BATCH = 16  # samples per trainer forward
 class MismatchRow:
     dtype: str
     fp32: str  # the float32 islands: residual, lm head input, or '-'
+    trainer: str  # where the trainer's float32 weights start (rollout.tools.mismatch.TRAINER_STARTS)
     samples: int
     tokens: int
     tokens_per_s: float
@@ -52,6 +55,7 @@ def run(args: argparse.Namespace, workload_prompts: Callable, write_table: Calla
     temperature = float((args.temperature or "1.0").split(",")[0])
     batch = int(args.batch_sizes.split(",")[0])
     args.spec = args.spec_modes.split(",")[0]
+    start = args.trainer_start or "checkpoint"
     rows = []
     for dtype in (args.dtypes or default_dtypes(args.device)).split(","):
         args.dtype = dtype
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace, workload_prompts: Callable, write_table: Calla
         prompts, n = workload_prompts(args, engine.tokenizer, batch)
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(engine.config.model), dtype=torch.float32)
         hf = hf.to(engine.device).eval()
+        start_trainer_weights(hf, start, engine.dtype)
         rounds = []
         for r in range(args.repeats):
             seed = args.seed + 20_000 * r
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace, workload_prompts: Callable, write_table: Calla
                                                     seed=seed + 10_000))  # warm-up: kernels, graphs
             params = SamplingParams(n=n, temperature=temperature, max_new_tokens=args.output_len, seed=seed)
             samples, seconds = rollout(engine, prompts, params)
-            rounds.append(measure(hf, samples, seconds, dtype, islands(engine.config), temperature))
+            rounds.append(measure(hf, samples, seconds, (dtype, islands(engine.config), start), temperature))
             print(table([rounds[-1]]).splitlines()[-1], flush=True)
         rows.append(median(rounds))
         engine.close()
@@ -96,7 +101,8 @@ def islands(config: EngineConfig) -> str:
     return ", ".join(named) or "-"
 
 
-def measure(hf, samples, seconds: float, dtype: str, fp32: str, temperature: float) -> MismatchRow:
+def measure(hf, samples, seconds: float, labels: tuple[str, str, str], temperature: float) -> MismatchRow:
+    """The row of one rollout; `labels` are its dtype, fp32 and trainer columns."""
     trainer = []
     with torch.no_grad():
         for i in range(0, len(samples), MICRO_BATCH):
@@ -106,7 +112,7 @@ def measure(hf, samples, seconds: float, dtype: str, fp32: str, temperature: flo
     rollout_lp = torch.tensor([lp for _, o in samples for lp in o.logprobs])
     stats = mismatch_stats(torch.cat(trainer).cpu(), rollout_lp)
     tokens = len(rollout_lp)
-    return MismatchRow(dtype, fp32, len(samples), tokens, tokens / seconds, **stats)
+    return MismatchRow(*labels, len(samples), tokens, tokens / seconds, **stats)
 
 
 def median(rounds: list[MismatchRow]) -> MismatchRow:
@@ -116,14 +122,14 @@ def median(rounds: list[MismatchRow]) -> MismatchRow:
 
 def table(rows: list[MismatchRow]) -> str:
     base = next((r for r in rows if r.dtype == "bfloat16"), None)
-    lines = ["| dtype | fp32 | samples | tokens | mean abs logprob diff vs fp32 trainer | vs bf16 | p99 | max | KL k3 | tok/s |",
-             "|" + "---|" * 10]
+    lines = ["| dtype | fp32 | trainer | samples | tokens | mean abs logprob diff vs fp32 trainer | vs bf16 | p99 | max | "
+             "KL k3 | tok/s |", "|" + "---|" * 11]
     for r in rows:
         ratio = "-"
         if base is not None and r is not base:
             lower = base.logprob_mismatch_mean / max(r.logprob_mismatch_mean, 1e-12)
             ratio = f"{lower:.1f}x lower" if lower < 1000 else "over 1000x lower"
-        lines.append(f"| {r.dtype} | {r.fp32} | {r.samples} | {r.tokens} | {r.logprob_mismatch_mean:.5f} | {ratio} | "
+        lines.append(f"| {r.dtype} | {r.fp32} | {r.trainer} | {r.samples} | {r.tokens} | {r.logprob_mismatch_mean:.5f} | {ratio} | "
                      f"{r.logprob_mismatch_p99:.4f} | {r.logprob_mismatch_max:.3f} | {r.kl_k3:.2e} | {r.tokens_per_s:,.1f} |")
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout.tools.bench_args import TRAINER_STARTS
+
 MISMATCH_KEYS = ("logprob_mismatch_mean", "logprob_mismatch_p99", "logprob_mismatch_max", "kl_k3")
 
 
@@ -50,3 +52,36 @@ def tis_weights(trainer: torch.Tensor, rollout: torch.Tensor, cap: float) -> tor
     makes the gradient of tokens the rollout engine drew that of the trainer's policy (up to the
     cap); no gradient flows through it."""
     return (trainer.detach() - rollout).exp().clamp(max=cap)
+
+
+def start_trainer_weights(model, start: str, dtype: torch.dtype, seed: int = 0) -> None:
+    """Set a float32 trainer's weights, in place, to where `start` (TRAINER_STARTS) says a trainer
+    holds them against an engine serving `dtype`: 'checkpoint' keeps the checkpoint's own values;
+    'served' rounds each to `dtype`, the weights the engine serves (a trainer that loaded the
+    checkpoint it serves, or one whose forward reads the low-precision copy it pushes, as
+    mixed-precision trainers do); 'spread' moves each to a uniform point of the interval that
+    rounds to its served value (`spread_in_rounding`), as float32 master weights lie after many
+    steps of training."""
+    if start not in TRAINER_STARTS:
+        raise ValueError(f"trainer start {start!r}: choose {', '.join(TRAINER_STARTS)}")
+    if start == "checkpoint":
+        return
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float() if start == "served" else spread_in_rounding(p, dtype, gen))
+
+
+def spread_in_rounding(t: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """float32 `t` moved to a uniform point of the interval that rounds to `t.to(dtype)` (its
+    nearest `dtype` value; the interval's edges left out), as a trainer's float32 weights lie
+    after many steps. Unchanged where `dtype` is float32."""
+    if dtype == torch.float32:
+        return t
+    served = t.to(dtype).float()
+    mantissa, exponent = torch.frexp(served)  # |served| = |mantissa| 2^exponent, |mantissa| in [0.5, 1)
+    spacing = torch.ldexp(torch.full_like(served, torch.finfo(dtype).eps), exponent - 1)  # to the next value up
+    below = torch.where(mantissa.abs() == 0.5, spacing / 2, spacing)  # (half as far to the next one down at a power of two)
+    u = torch.rand(t.shape, generator=gen, device=t.device) - 0.5
+    step = torch.where(u > 0, spacing, below) * u * 0.999
+    return torch.where(served == 0, served, served + step * served.sign())
