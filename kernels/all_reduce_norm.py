@@ -55,26 +55,29 @@ def all_reduce_sum(x: torch.Tensor, buffer_ptrs: torch.Tensor, slot_bytes: int, 
 
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         buffer_ptrs: torch.Tensor, slot_bytes: int, signal_ptrs: torch.Tensor, epochs: torch.Tensor,
-                        rank: int, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        rank: int, out_dtype: torch.dtype | None = None,
+                        round_once: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum of every rank's `x` + residual), that sum), for x and residual [rows, n]
     contiguous. `buffer_ptrs`, `signal_ptrs`: int64 [world] on the device, each rank's symmetric
     buffer (2 x world slots of `slot_bytes`, each at least rows x n of x's dtype) and signal pad
     (at least rows x world int32 flags, zeros at first); `epochs`: int32, a row's calls so far,
     at least rows (zeros at first). The sum is kept in the residual's dtype, the norm rounded to
-    `out_dtype` (default x's), as `fused.rms_norm`."""
+    `out_dtype` (default x's), twice or `round_once`, as `fused.rms_norm`."""
     out = torch.empty_like(x, dtype=out_dtype or x.dtype)
     summed = torch.empty_like(residual)
     if x.shape[0]:
-        _launch(x, residual, weight, out, summed, buffer_ptrs, slot_bytes, signal_ptrs, epochs, rank, eps, norm=True)
+        _launch(x, residual, weight, out, summed, buffer_ptrs, slot_bytes, signal_ptrs, epochs, rank, eps, norm=True,
+                round_once=round_once)
     return out, summed
 
 
-def _launch(x, residual, weight, out, summed, buffer_ptrs, slot_bytes, signal_ptrs, epochs, rank, eps, norm) -> None:
+def _launch(x, residual, weight, out, summed, buffer_ptrs, slot_bytes, signal_ptrs, epochs, rank, eps, norm,
+            round_once=False) -> None:
     rows, n = x.shape
     block = triton.next_power_of_2(n)
     _all_reduce_rms_norm_kernel[(rows,)](
         x, residual, weight, out, summed, buffer_ptrs, slot_bytes // x.element_size(), signal_ptrs, epochs, rank, n,
-        eps, WORLD=buffer_ptrs.numel(), NORM=norm, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        eps, WORLD=buffer_ptrs.numel(), NORM=norm, ROUND_ONCE=round_once, BLOCK=block, num_warps=min(16, max(1, block // 256)),
         **pdl.launch_args(),
     )
 
@@ -83,8 +86,8 @@ if triton is not None:
 
     @triton.jit
     def _all_reduce_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, buffer_ptrs, slot, signal_ptrs, epoch_ptr,
-                                    rank, n, eps, WORLD: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
-                                    PDL: tl.constexpr):
+                                    rank, n, eps, WORLD: tl.constexpr, NORM: tl.constexpr, ROUND_ONCE: tl.constexpr,
+                                    BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -117,9 +120,11 @@ if triton is not None:
             x = x.to(sum_ptr.dtype.element_ty)
             tl.store(sum_ptr + at, x, mask=ok)
             x = x.to(tl.float32)
-            inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+            y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
             w = tl.load(w_ptr + cols, mask=ok, other=0.0)
             out_dtype = out_ptr.dtype.element_ty
-            tl.store(out_ptr + at, ((x * inv).to(out_dtype).to(tl.float32) * w.to(tl.float32)).to(out_dtype), mask=ok)
+            if not ROUND_ONCE:
+                y = y.to(out_dtype).to(tl.float32)
+            tl.store(out_ptr + at, (y * w.to(tl.float32)).to(out_dtype), mask=ok)
         else:
             tl.store(out_ptr + at, total.to(dtype), mask=ok)

@@ -43,15 +43,18 @@ def _rank(rank: int, size: int, port: int) -> None:
             parts = [(torch.randn(rows, n, generator=own, device=device) * 3).to(dtype) for _ in range(3)]
             assert group.one_shot.fits_norm(parts[0], residual), (dtype, rows, n)
 
+            once = case % 2 == 1  # (--enable-fp32-activations' norms round once)
+
             def fused_calls(xs):
-                return [torch.cat(group.all_reduce_norm(x, residual, weight, 1e-5), dim=1) for x in xs]
+                return [torch.cat(group.all_reduce_norm(x, residual, weight, 1e-5, round_once=once), dim=1) for x in xs]
 
             got = fused_calls(parts)
             for x, g in zip(parts, got):
-                want = torch.cat(fused.rms_norm(group.ordered_sum(x), weight, 1e-5, residual), dim=1)
+                want = torch.cat(fused.rms_norm(group.ordered_sum(x), weight, 1e-5, residual, round_once=once), dim=1)
                 assert torch.equal(g, want), f"fused != the ordered sum then the norm {dtype} {rows}x{n}"
                 if size == 2:
-                    apart = torch.cat(fused.rms_norm(group.all_reduce(x.clone()), weight, 1e-5, residual), dim=1)
+                    apart = torch.cat(fused.rms_norm(group.all_reduce(x.clone()), weight, 1e-5, residual,
+                                                     round_once=once), dim=1)
                     assert torch.equal(g, apart), f"fused != apart {dtype} {rows}x{n}"
             _same_on_every_rank_and_in_graphs(group, fused_calls, parts, got, f"{dtype} {rows}x{n}")
             _check_float16_sum(group, SUM_ROWS[case % len(SUM_ROWS)], case)

@@ -274,7 +274,8 @@ def _one_rank_buffers(slot: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("float32_islands", [False, True])
-def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtype, float32_islands):
+@pytest.mark.parametrize("round_once", [False, True])
+def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtype, float32_islands, round_once):
     """kernels/all_reduce_norm.py with a group of one (its own buffer and flags: no peers needed):
     the residual RMSNorm bit for bit, while the calls' epochs advance and their halves alternate.
     Its sums over 2-4 GPUs: tests/test_all_reduce_norm_gpu.py."""
@@ -291,8 +292,9 @@ def test_all_reduce_norm_over_one_rank_is_the_residual_norm_call_after_call(dtyp
         r = torch.randn(rows, 300, generator=g, device=DEVICE).to(torch.float32 if float32_islands else dtype)
         out_dtype = torch.float32 if float32_islands else None
         calls = epochs.tolist()
-        out, summed = all_reduce_rms_norm(x, r, w, 1e-5, pointers(buffer), slot, pointers(flags), epochs, 0, out_dtype)
-        want_out, want_sum = fused.rms_norm(x, w, 1e-5, r, out_dtype)
+        out, summed = all_reduce_rms_norm(x, r, w, 1e-5, pointers(buffer), slot, pointers(flags), epochs, 0, out_dtype,
+                                          round_once)
+        want_out, want_sum = fused.rms_norm(x, w, 1e-5, r, out_dtype, round_once)
         assert torch.equal(summed, want_sum) and torch.equal(out, want_out)
         last.update({((calls[i] + 1) % 2, i): x[i] for i in range(rows)})
     assert epochs.tolist() == [4, 3, 3, 1, 1, 1, 1, 1] and flags.tolist() == epochs.tolist()

@@ -32,23 +32,24 @@ def test_tp2_with_graphs_gives_eager_tp1_and_spec_off_tokens(tmp_path):
     assert tokens(tmp_path, spec=SpecConfig(method="ngram", adaptive=False), tp_size=2) == one
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_tp2_in_half_precision_gives_finite_logprobs_close_to_fp32(tmp_path, dtype):
-    """The ranks' one-shot collectives in each serving dtype (torch's kernel sums no float16: it goes as float32)."""
+@pytest.mark.parametrize("dtype, fp32_activations", [("bfloat16", False), ("float16", False), ("bfloat16", True)])
+def test_tp2_in_half_precision_gives_finite_logprobs_close_to_fp32(tmp_path, dtype, fp32_activations):
+    """The ranks' one-shot collectives in each serving dtype (torch's kernel sums no float16: it goes as float32),
+    and under --enable-fp32-activations (float32 parts summed, the norms rounded once, in the fused kernel)."""
     make_tiny_model("llama", tmp_path)
     greedy = SamplingParams(temperature=0, max_new_tokens=16)
 
-    def outputs(dtype):
+    def outputs(dtype, **kw):
         # (12 rows: graphs up to 16 rows, 18 of them, compiled for 96 s in fp16 on a fresh 2 x H200; up to 256 rows,
         # 42 graphs, for 127 s, which left the rest of the test past the GPU stage's limit)
         engine = Engine(model=str(tmp_path), device="cuda", dtype=dtype, kv_cache_tokens=20_000, tp_size=2, spec="off",
-                        max_running_seqs=16)
+                        max_running_seqs=16, **kw)
         try:
             return [o for r in engine.generate(PROMPTS, greedy, return_logprob=True) for o in r]
         finally:
             engine.close()
 
-    half, full = outputs(dtype), outputs("float32")
+    half, full = outputs(dtype, enable_fp32_activations=fp32_activations), outputs("float32")
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in half)
     # The tiny random model's first tokens are near-ties (logprobs -1.8 to -3.3): on one CPU, bf16 already flips 1
     # of the 12 with a 0.060 logprob error, fp16 none at 0.006. A wrong sum moves logprobs by far more than these.

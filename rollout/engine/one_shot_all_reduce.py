@@ -133,10 +133,11 @@ class OneShotAllReduce:
                 and x.numel() * x.element_size() <= SLOT_BYTES)
 
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_dtype: torch.dtype | None = None,
+                        round_once: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual), that sum), in one kernel."""
         return all_reduce_norm.all_reduce_rms_norm(x, residual, weight, eps, self._triton_buffers, SLOT_BYTES,
-                                                   self._triton_signals, self._epochs, self.rank, out_dtype)
+                                                   self._triton_signals, self._epochs, self.rank, out_dtype, round_once)
 
     def _staged(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize

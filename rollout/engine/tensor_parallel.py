@@ -88,10 +88,10 @@ class RankGroup:
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                         out_dtype: torch.dtype | None = None, round_once: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x summed over the ranks + residual, rounded to `out_dtype`), that sum): one kernel
-        where the one-shot path takes it (its sum is `ordered_sum`'s; it rounds the norm as transformers
-        does, not `round_once`), else the all-reduce then `fused.rms_norm`."""
-        if self.one_shot is not None and not round_once and self.one_shot.fits_norm(x, residual):
-            return self.one_shot.all_reduce_norm(x, residual, weight, eps, out_dtype)
+        where the one-shot path takes it (its sum is `ordered_sum`'s), else the all-reduce then
+        `fused.rms_norm`; either rounds the norm as `fused.rms_norm` does."""
+        if self.one_shot is not None and self.one_shot.fits_norm(x, residual):
+            return self.one_shot.all_reduce_norm(x, residual, weight, eps, out_dtype, round_once)
         return fused.rms_norm(self.all_reduce(x), weight, eps, residual, out_dtype, round_once)
 
     def ordered_sum(self, x: torch.Tensor) -> torch.Tensor:
