@@ -28,7 +28,8 @@ from rollout.tools.bench import speed_model_dir
 
 VARIANTS = {"default": {}, "no-pdl": {"pdl": False}, "no-overlap": {"overlap_schedule": False},
             "no-graphs": {"cuda_graphs": False}, "deterministic": {"enable_deterministic_inference": True},
-            "float16": {"dtype": "float16"}, "fp32-activations": {"enable_fp32_activations": True}}
+            "float16": {"dtype": "float16"}, "fp32-activations": {"enable_fp32_activations": True},
+            "fp32-islands": {"enable_fp32_residual": True, "enable_fp32_lm_head": True}}
 
 
 def main() -> None:

@@ -84,15 +84,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def float32_input_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """x (float32) @ weight.T to float32 over a weight in half precision, without a float32 copy of
     the weight: x as its value rounded to the weight's dtype plus the remainder rounded again (16 of
-    float32's 24 bits in bfloat16, 22 in float16), both halves' rows in one product, then summed.
-    At decode the product reads the weight once for twice the rows: about the cost of one. (The
-    CPU takes the float32 product itself.)"""
+    float32's 24 bits in bfloat16, 22 in float16), the two halves' products summed in float32.
+    Few rows go as one product over both halves stacked (it reads the weight once for twice the
+    rows: about the cost of one), then a kernel adds the halves; many rows (`halves_apart`) as two
+    cuBLAS products, the second adding itself to the first in its epilogue. (The CPU takes the
+    float32 product itself.)"""
     if x.dtype == weight.dtype or (x.device.type == "cpu" and not INTERPRET):
         return linear(x, weight, out_dtype=torch.float32, invariant=invariant)
     high = x.to(weight.dtype)
     low = (x - high.float()).to(weight.dtype)
-    y = linear(torch.cat([high, low]), weight, out_dtype=torch.float32, invariant=invariant)
-    return y[: x.shape[0]] + y[x.shape[0] :]
+    if invariant or not x.is_cuda or not halves_apart(x.shape[0], weight):
+        y = linear(torch.cat([high, low]), weight, out_dtype=torch.float32, invariant=invariant)
+        return y[: x.shape[0]] + y[x.shape[0] :]
+    y = torch.mm(high, weight.t(), out_dtype=torch.float32)
+    return torch.addmm(y, low, weight.t(), out_dtype=torch.float32, out=y)
+
+
+def halves_apart(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `float32_input_linear` takes two products: where adding the stacked halves' outputs
+    (16 bytes a row and output: two read, one written, and the second half's own write) costs more
+    than reading the weight again (2 bytes a column and output) and the first product once more in
+    the second's epilogue (4 bytes a row and output). At 512 rows over the default model's LM head
+    the adding took 73 of the 126 us that the float32 input added to a step (bench/RESULTS.md)."""
+    return rows * 6 > weight.shape[1]
 
 
 def _cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:

@@ -245,11 +245,12 @@ def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
-@pytest.mark.parametrize("rows", [1, 8, 40])
+@pytest.mark.parametrize("rows", [1, 8, 40, 512])
 @pytest.mark.parametrize("invariant", [False, True])
 def test_a_float32_input_over_a_half_precision_weight_is_the_float32_product(dtype, rows, invariant):
     """--enable-fp32-lm-head's product: as exact as the float32 product over the weight's values
-    (to the remainder's rounding), where rounding the input first is off by the dtype's step."""
+    (to the remainder's rounding), where rounding the input first is off by the dtype's step; at 512
+    rows on the GPU, cuBLAS's two products, the second adding itself to the first."""
     from kernels.skinny_gemm import float32_input_linear, linear
 
     g = torch.Generator(device=DEVICE).manual_seed(rows)
