@@ -369,8 +369,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         first = engines[modes[0]] if engines and config.tp_size == 1 else None  # (rank processes hold their own)
         engines[spec] = Engine(config=config, share_weights_with=first)
     freeze_heap()  # as the server's engine process does
-    trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples,
-                                 args.trainer_start or "served")
+    trainer = (EpochUpdate(engines[modes[0]], args.epoch_update, args.epoch_update_samples, args.trainer_start or "served")
                if args.epoch_update else None)
     for r in range(args.repeats):  # rounds interleave the spec modes, so drift hits them alike
         # Each round draws its own samples (every mode the same seeds in it): on the GPU the modes'
