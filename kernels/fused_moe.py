@@ -7,6 +7,11 @@ needs 8).
 
 The Triton path reads only the experts the step's rows took, each once per block of its rows:
 
+0. `router_logits`: the router's product. A step of few rows (decode at small batch) takes it in
+   float32 slices of the hidden size, a program per slice and block of experts, which routing adds up
+   in order and rounds to the activation dtype (as the product's output is rounded): at one row on
+   an H200 cuBLAS's product of Qwen3-30B-A3B's router (128 x 2,048) took 5.0 us of a 69 us layer,
+   its few programs each streaming a long slice of the weight.
 1. `_topk_kernel`: each row's float32 softmax over the router's logits, its top-k (renormalised
    to sum to one when asked, then rounded to the activation dtype, as transformers does), and the
    rows each expert took, added up over the programs.
@@ -53,6 +58,8 @@ ROUTE_ROWS = 16  # rows per routing program
 # 1 row, 12.5 against 16.2 at 8; that program looping over two chunks was slower than the two kernels: 23.6 against 18.2)
 ONE_PROGRAM_ROUTE_ROWS = ROUTE_ROWS
 ROUTE_WARPS = 4  # warps of a routing program of ROUTE_ROWS rows
+ROUTER_SLICE = 128  # hidden columns a program of the few-row router product sums (Qwen3-30B-A3B: 16 slices)
+ROUTER_EXPERTS = 32  # experts a program of it takes
 # a step of few rows routes in a tile of as many rows (a power of two) in FEW_ROUTE_WARPS warps: at one row the 16-row
 # tile's placement compares 128 picks with every expert, 16 times the one row's 8
 FEW_ROUTE_ROWS = 4
@@ -87,10 +94,29 @@ def experts_ref(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, do
 
 
 # ---------------- dispatch ----------------
+def router_logits(h: torch.Tensor, router: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """The router's logits for `h` [T, hidden] (`router`: [E, hidden]): [T, E] in h's dtype, or for a step
+    of at most ONE_PROGRAM_ROUTE_ROWS rows on the GPU [S, T, E] float32 sums over S slices of the hidden
+    size, which `Route` adds up in order and rounds to h's dtype (the module's docstring). Batch-invariant
+    steps keep the one product whose row bits do not depend on the step's rows."""
+    rows, hidden = h.shape
+    if invariant or not use_triton(h) or not 0 < rows <= ONE_PROGRAM_ROUTE_ROWS:
+        return skinny_gemm.linear(h, router, invariant=invariant)
+    num_experts = router.shape[0]
+    slices = triton.cdiv(hidden, ROUTER_SLICE)
+    partials = torch.empty(slices, rows, num_experts, dtype=torch.float32, device=h.device)
+    grid = (triton.cdiv(num_experts, ROUTER_EXPERTS), slices)
+    _router_slices_kernel[grid](h, router, partials, rows, num_experts, hidden, h.stride(0), router.stride(0),
+                                R=ROUTE_ROWS, BLOCK_E=ROUTER_EXPERTS, BLOCK_K=ROUTER_SLICE,
+                                IEEE=h.dtype == torch.float32, **_pdl())
+    return partials
+
+
 def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
             renormalise: bool, invariant: bool = False) -> torch.Tensor:
-    """The experts' output for the normalised hidden states `h` [T, hidden], routed by `logits` [T, E]:
-    gate_up [E, 2 x width, hidden] (gate rows, then up rows), down [E, hidden, width]."""
+    """The experts' output for the normalised hidden states `h` [T, hidden], routed by `logits`
+    (`router_logits`: [T, E], or a few rows' [S, T, E] float32 slices): gate_up [E, 2 x width, hidden]
+    (gate rows, then up rows), down [E, hidden, width]."""
     if not use_triton(h):
         return experts_ref(h, logits, gate_up, down, top_k, renormalise, invariant)
     rows, hidden = h.shape
@@ -120,11 +146,16 @@ class Route:
     block's expert, -1 past the used ones; `starts`, `counts` per expert). A step of at most
     ONE_PROGRAM_ROUTE_ROWS rows routes in one program; a larger one in two kernels of a program per
     ROUTE_ROWS rows. `invariant`: every step's programs alike (ROUTE_ROWS rows in ROUTE_WARPS
-    warps), so that a row's softmax sums alike in any step."""
+    warps), so that a row's softmax sums alike in any step. `logits`: [T, E], or (at most
+    ONE_PROGRAM_ROUTE_ROWS rows) `router_logits`' [S, T, E] float32 slices, added up in order and
+    rounded to `dtype`."""
 
     def __init__(self, logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype,
                  block: int | None = None, invariant: bool = False):
-        rows, num_experts = logits.shape
+        slices = logits.shape[0] if logits.dim() == 3 else 0
+        rows, num_experts = logits.shape[-2:]
+        if slices and rows > ONE_PROGRAM_ROUTE_ROWS:
+            raise ValueError(f"the router's slices route steps of at most {ONE_PROGRAM_ROUTE_ROWS} rows, got {rows}")
         dev = logits.device
         picks = rows * top_k
         self.top_k = top_k
@@ -144,9 +175,9 @@ class Route:
         self.block_expert = torch.empty(self.num_blocks, dtype=torch.int32, device=dev)
         runs = dict(BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)))
         if rows <= ONE_PROGRAM_ROUTE_ROWS:
-            _route_kernel[(1,)](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
-                                self.starts, self.slots, self.block_expert, self.num_blocks, RENORM=renormalise,
-                                **shape, **runs)
+            _route_kernel[(1,)](logits, logits.stride(-2), rows * num_experts, rows, num_experts, self.weights,
+                                self.ids, counting, self.starts, self.slots, self.block_expert, self.num_blocks,
+                                RENORM=renormalise, SLICES=slices, **shape, **runs)
             return
         grid = (triton.cdiv(rows, tile),)
         _topk_kernel[grid](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
@@ -178,15 +209,24 @@ def _pdl() -> dict:
 if triton is not None:
 
     @triton.jit
-    def _topk_rows(logits_ptr, stride_l, r, rows, num_experts, weights_ptr, ids_ptr, E: tl.constexpr,
-                   K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr):
-        """Rows `r`'s top-k of their float32 softmax, stored; returns how many of them took each expert."""
+    def _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr, E: tl.constexpr,
+                   K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr):
+        """Rows `r`'s top-k of their float32 softmax, stored; returns how many of them took each expert.
+        SLICES > 0: the logits are that many float32 slices, added up in order and rounded as a product's
+        output is."""
         es = tl.arange(0, E)
         picks = tl.arange(0, KP)
         expert_ok = es < num_experts
         row_ok = r < rows
-        x = tl.load(logits_ptr + r[:, None].to(tl.int64) * stride_l + es[None, :],
-                    mask=row_ok[:, None] & expert_ok[None, :], other=0.0).to(tl.float32)
+        at = logits_ptr + r[:, None].to(tl.int64) * stride_l + es[None, :]
+        ok = row_ok[:, None] & expert_ok[None, :]
+        if SLICES == 0:
+            x = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(at, mask=ok, other=0.0)
+            for s in tl.static_range(1, SLICES):
+                x += tl.load(at + s * stride_slice, mask=ok, other=0.0)
+            x = x.to(weights_ptr.dtype.element_ty).to(tl.float32)
         x = tl.where(expert_ok[None, :], x, -float("inf"))  # (rows past the last: uniform, never stored)
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
@@ -241,7 +281,7 @@ if triton is not None:
         """A program's rows' top-k, and the rows each expert took, added to counts."""
         pdl.wait_for_previous(PDL)
         r = tl.program_id(0) * R + tl.arange(0, R)
-        taken = _topk_rows(logits_ptr, stride_l, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R, RENORM)
+        taken = _topk_rows(logits_ptr, stride_l, 0, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R, RENORM, 0)
         es = tl.arange(0, E)
         tl.atomic_add(counts_ptr + es, taken, mask=es < num_experts)
 
@@ -261,10 +301,10 @@ if triton is not None:
         _place_rows(ids_ptr, r, rows, padded, counting_ptr + num_experts, slots_ptr, E, K, KP, R)
 
     @triton.jit
-    def _route_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, counting_ptr, starts_ptr,
-                      slots_ptr, block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                      R: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                      PDL: tl.constexpr):
+    def _route_kernel(logits_ptr, stride_l, stride_slice, rows, num_experts, weights_ptr, ids_ptr, counting_ptr,
+                      starts_ptr, slots_ptr, block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr,
+                      KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr,
+                      BLOCK_M: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
         """A step of at most R rows routed in one program: the top-k, the runs, the placement (no counts
         to zero beforehand and one launch where the two kernels above take three with the zeroing)."""
         pdl.wait_for_previous(PDL)
@@ -272,13 +312,29 @@ if triton is not None:
         expert_ok = es < num_experts
         tl.store(counting_ptr + num_experts + es, tl.zeros((E,), dtype=tl.int32), mask=expert_ok)  # the cursors
         r = tl.arange(0, R)
-        taken = _topk_rows(logits_ptr, stride_l, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R, RENORM)
+        taken = _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R,
+                           RENORM, SLICES)
         tl.store(counting_ptr + es, taken, mask=expert_ok)
         padded = (taken + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         _store_runs(padded, tl.cumsum(padded, axis=0), num_experts, starts_ptr, block_expert_ptr, num_blocks, E,
                     BLOCK_M, NB)
         tl.debug_barrier()  # every thread's ids and zeroed cursors stored before any thread reads them
         _place_rows(ids_ptr, r, rows, padded, counting_ptr + num_experts, slots_ptr, E, K, KP, R)
+
+    @triton.jit
+    def _router_slices_kernel(h_ptr, w_ptr, part_ptr, rows, num_experts, hidden, stride_h, stride_w, R: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        """Slice program_id(1) of the hidden size: its part of the rows' logits for a block of experts, in float32."""
+        pdl.wait_for_previous(PDL)
+        es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        r = tl.arange(0, R)
+        row_ok, expert_ok, k_ok = r < rows, es < num_experts, ks < hidden
+        x = tl.load(h_ptr + r[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + es[:, None] * stride_w + ks[None, :], mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(x, tl.trans(w), input_precision="ieee" if IEEE else "tf32")
+        tl.store(part_ptr + (tl.program_id(1) * rows + r[:, None]) * num_experts + es[None, :], part,
+                 mask=row_ok[:, None] & expert_ok[None, :])
 
     @triton.jit
     def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, counts_ptr, starts_ptr, weights_ptr,
@@ -292,7 +348,7 @@ if triton is not None:
         expert = tl.maximum(expert, 0)
         end = tl.load(starts_ptr + expert) + tl.load(counts_ptr + expert)
         slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = (slot < end) & used
+        row_ok = slot < tl.where(used, end, 0)  # (one comparison: the interpreter made int32 of `&` with a scalar)
         pick = tl.load(slots_ptr + slot, mask=row_ok, other=0)
         a_rows = a_ptr + (pick // A_DIV).to(tl.int64)[:, None] * stride_a
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

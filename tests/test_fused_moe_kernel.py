@@ -58,6 +58,32 @@ def test_routing_picks_the_top_k_and_places_every_pick_once(shape, renormalise):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
+def test_the_router_product_in_slices_routes_as_its_ordered_sum(shape, dtype):
+    """A few rows' router product comes as float32 slices of the hidden size (more rows: one product in
+    the dtype); routing adds them up in order and rounds the sum to the dtype."""
+    rows, experts, top_k, hidden = shape[:4]
+    h = moe_inputs(*shape, dtype, seed=5 * sum(shape))[0]
+    g = torch.Generator(device=DEVICE).manual_seed(sum(shape))
+    router = (2 * torch.randn(experts, hidden, generator=g, device=DEVICE) / hidden**0.5).to(dtype)
+    logits = fused_moe.router_logits(h, router)
+    expected = h.float() @ router.float().T
+    if rows > fused_moe.ONE_PROGRAM_ROUTE_ROWS:
+        assert logits.shape == (rows, experts) and logits.dtype == dtype
+        return
+    assert logits.shape == (-(-hidden // fused_moe.ROUTER_SLICE), rows, experts) and logits.dtype == torch.float32
+    total = logits[0].clone()
+    for part in logits[1:]:
+        total += part
+    torch.testing.assert_close(total, expected, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-4)
+    route = fused_moe.Route(logits, top_k, True, dtype)
+    got = torch.zeros(rows, experts, dtype=dtype, device=DEVICE).scatter_(1, route.ids.long(), route.weights)
+    want = fused_moe.routing_ref(total.to(dtype), top_k, True, dtype)
+    assert torch.equal(got != 0, want != 0)  # the same picks
+    torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
 def test_experts_match_the_reference(shape, dtype):
     h, logits, gate_up, down = moe_inputs(*shape, dtype, seed=7 * sum(shape))
     top_k = shape[2]
