@@ -18,6 +18,7 @@ import triton_kernels  # noqa: F401  (skips the module without triton, or withou
 
 from kernels.attention import AttentionMetadata  # noqa: E402
 from kernels.torch_attention import TorchAttention  # noqa: E402
+from kernels import triton_attention  # noqa: E402
 from kernels.triton_attention import TritonAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -140,8 +141,8 @@ def poison_partials(backend: TritonAttention) -> None:
     backend._alloc_partials = poisoned
 
 
-def run_triton(case: Case, num_splits: int | None = None) -> tuple[torch.Tensor, TritonAttention]:
-    backend = TritonAttention(num_splits=num_splits)
+def run_triton(case: Case, num_splits: int | None = None, batch_invariant: bool = False) -> tuple[torch.Tensor, TritonAttention]:
+    backend = TritonAttention(num_splits=num_splits, batch_invariant=batch_invariant)
     poison_partials(backend)
     backend.plan(case.meta)
     out = torch.full_like(case.q, float("nan"))  # every element must be written
@@ -159,9 +160,9 @@ def rel_err_per_seq(out: torch.Tensor, ref: torch.Tensor, meta: AttentionMetadat
     return errs
 
 
-def check(case: Case, num_splits: int | None = None) -> TritonAttention:
+def check(case: Case, num_splits: int | None = None, batch_invariant: bool = False) -> TritonAttention:
     ref_out, ref_k_cache, ref_v_cache = reference(case)
-    out, backend = run_triton(case, num_splits)
+    out, backend = run_triton(case, num_splits, batch_invariant)
     assert not out.isnan().any(), "some output elements were never written (or came out NaN)"
     # the write touches exactly the out_slots, with the same values as the reference
     assert torch.equal(case.k_cache.float(), ref_k_cache) and torch.equal(case.v_cache.float(), ref_v_cache)
@@ -284,6 +285,17 @@ def test_small_forced_splits_match_reference(num_splits, tree):
     assert backend.launch_config(8, 2, 32, torch.float32, DEVICE).num_splits == num_splits
 
 
+@pytest.mark.parametrize("tree", [None, "random"])
+def test_small_batch_invariant_splits_match_reference(tree, monkeypatch):
+    """Fixed key splits of 64 (2,048 in steps), rows of one split and of several beside each other in one
+    step, against the reference."""
+    monkeypatch.setattr(triton_attention, "INVARIANT_KEYS_PER_SPLIT", 64)
+    case = make_case([1, 3, 1, 4, 2], [20, 61, 150, 0, 200], heads=6, kv_heads=2, dim=32, dtype=torch.float32, seed=23,
+                     tree=tree)
+    backend = check(case, batch_invariant=True)
+    assert backend.launch_config(6, 2, 32, torch.float32, DEVICE).num_splits == 4
+
+
 def test_small_head_dim_not_power_of_two():
     case = make_case([1, 9, 3], [40, 70, 0], heads=4, kv_heads=2, dim=48, dtype=torch.float32, seed=5, tree="random")
     check(case, num_splits=2)
@@ -298,7 +310,8 @@ def test_long_context_batch_one_is_split_across_programs():
 
 @needs_cuda  # (the interpreter's tl.dot is numpy's matmul, whose float32 sums depend on a row's place in the block)
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
-def test_small_batch_invariant_rows_alike_in_any_step(dtype):
+def test_small_batch_invariant_rows_alike_in_any_step(dtype, monkeypatch):
+    monkeypatch.setattr(triton_attention, "INVARIANT_KEYS_PER_SPLIT", 512)  # (2,048 in steps)
     invariant_rows_alike(6, 2, 32, dtype, lengths=[1040, 40, 530], chain=24)  # across keys 1024: a tile, a split
 
 
@@ -380,7 +393,8 @@ def test_batch_one_long_context_split_kv_matches_reference(kv_len, tree, heads, 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("heads,kv_heads,dim", GPU_HEADS[:2])
-def test_batch_invariant_rows_alike_in_any_step(heads, kv_heads, dim):
+def test_batch_invariant_rows_alike_in_any_step(heads, kv_heads, dim, monkeypatch):
+    monkeypatch.setattr(triton_attention, "INVARIANT_KEYS_PER_SPLIT", 512)  # (2,048 in steps)
     invariant_rows_alike(heads, kv_heads, dim, torch.bfloat16, lengths=[1560, 70, 1500], chain=40)  # across 1536
 
 
