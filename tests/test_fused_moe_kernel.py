@@ -82,6 +82,12 @@ def test_the_router_product_in_slices_routes_as_its_ordered_sum(shape, dtype):
     torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-7)
 
 
+def test_router_slices_of_more_rows_than_one_routing_program_takes_are_refused():
+    partials = torch.randn(2, fused_moe.ONE_PROGRAM_ROUTE_ROWS + 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        fused_moe.Route(partials, 2, True, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_experts_match_the_reference(shape, dtype):
