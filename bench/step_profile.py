@@ -3,6 +3,7 @@
     python bench/step_profile.py draft [--seqs 512] [--output-len 1000] [--history 8] [--width 8]
     python bench/step_profile.py sampling
     python bench/step_profile.py steps [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 2048] [--device cuda]
+    python bench/step_profile.py steps --modes off,deterministic   # deterministic inference's rollout by bucket
     python bench/step_profile.py host [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 256] [--fixed]
     python bench/step_profile.py host --random-model host-probe --device cpu   # the host's work alone, on any machine
     python bench/step_profile.py collect [--prompts 64] [--n 8] [--temperature 1.0] [--output-len 64] [--device cuda]
@@ -19,7 +20,8 @@
   short motif per prompt, so that matches are found) and `--history` finished samples per prompt.
 - sampling: drawing one token per logits row, the fused kernels against the torch reference,
   each alone in a CUDA graph, over the default model's vocabulary.
-- steps: where a rollout's time goes, spec off against n-gram: the `rl` workload's prompts
+- steps: where a rollout's time goes, spec off against n-gram (`--modes`: or against spec off under
+  --enable-deterministic-inference, `deterministic`): the `rl` workload's prompts
   (one warm-up rollout each, then the measured one), its steps grouped by batch-size bucket and
   draft rows from `Engine.step_log`, and whether the drafter ran (it does with no draft rows for the
   budget's statistics): how many, and the median wall, device and host milliseconds.
@@ -140,9 +142,13 @@ def sampling(args: argparse.Namespace) -> None:
             print(f"| {vocab} | {rows} | {mode} | {fused:.1f} | {ref:.1f} | {ref / fused:.1f}x |")
 
 
+MODES = {"off": {"spec": "off"}, "ngram": {"spec": "ngram"},
+         "deterministic": {"spec": "off", "enable_deterministic_inference": True}}  # (_each_mode's engines)
+
+
 def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
-    """For spec off, then n-gram: an engine on the rl workload's prompts (args.prompts x args.n),
-    warmed up by one rollout (graphs, kernels, the budget's costs), its stats reset; then
+    """For each of args.modes (MODES; spec off, then n-gram by default): an engine on the rl workload's
+    prompts (args.prompts x args.n), warmed up by one rollout (graphs, kernels, the budget's costs), its stats reset; then
     `run(mode, engine, prompts, params)`. Each engine's memory is back before the next is built."""
     from types import SimpleNamespace
 
@@ -153,9 +159,11 @@ def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
 
     shape = args.random_model
     model = speed_model_dir(shape, HOST_PROBE if shape == "host-probe" else None) if shape else "default"
-    for mode in ("off", "ngram"):
-        engine = Engine(model=model, spec=SpecConfig(method=mode, adaptive=adaptive), device=args.device,
-                        max_running_seqs=args.prompts * args.n, load_format="dummy" if args.random_model else "auto")
+    for mode in args.modes.split(","):
+        config = dict(MODES[mode])
+        engine = Engine(model=model, spec=SpecConfig(method=config.pop("spec"), adaptive=adaptive), device=args.device,
+                        max_running_seqs=args.prompts * args.n, load_format="dummy" if args.random_model else "auto",
+                        **config)
         freeze_heap()
         opts = SimpleNamespace(workload="rl", n=args.n, prompt_set="mixed", seed=0)
         prompts, n = workload_prompts(opts, engine.tokenizer, args.prompts * args.n)
@@ -605,6 +613,7 @@ def main() -> None:
         p.add_argument("--temperature", type=float, default=1.0)
         p.add_argument("--output-len", type=int, default=output_len)
         p.add_argument("--device", default="cuda")
+        p.add_argument("--modes", default="off,ngram", help=f"engines in turn, of {', '.join(MODES)}")
         p.add_argument("--random-model", choices=[*sorted(SPEED_SHAPES), "host-probe"], default=None,
                        help="random weights of this shape (host-probe: a step that costs next to nothing but the host's work)")
     h.add_argument("--fixed", action="store_true", help="n-gram: every step verifies as many drafts as fit (the budget off)")
