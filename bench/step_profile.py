@@ -142,13 +142,14 @@ def sampling(args: argparse.Namespace) -> None:
             print(f"| {vocab} | {rows} | {mode} | {fused:.1f} | {ref:.1f} | {ref / fused:.1f}x |")
 
 
-MODES = {"off": {"spec": "off"}, "ngram": {"spec": "ngram"},
-         "deterministic": {"spec": "off", "enable_deterministic_inference": True}}  # (_each_mode's engines)
+MODES = {"off": ("off", {}), "ngram": ("ngram", {}),  # (_each_mode's engines: the spec method, other EngineConfig fields)
+         "deterministic": ("off", {"enable_deterministic_inference": True})}
 
 
 def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
     """For each of args.modes (MODES; spec off, then n-gram by default): an engine on the rl workload's
-    prompts (args.prompts x args.n), warmed up by one rollout (graphs, kernels, the budget's costs), its stats reset; then
+    prompts (args.prompts x args.n), warmed up by one rollout (graphs, kernels, the budget's costs), its
+    stats reset; then
     `run(mode, engine, prompts, params)`. Each engine's memory is back before the next is built."""
     from types import SimpleNamespace
 
@@ -160,8 +161,8 @@ def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
     shape = args.random_model
     model = speed_model_dir(shape, HOST_PROBE if shape == "host-probe" else None) if shape else "default"
     for mode in args.modes.split(","):
-        config = dict(MODES[mode])
-        engine = Engine(model=model, spec=SpecConfig(method=config.pop("spec"), adaptive=adaptive), device=args.device,
+        method, config = MODES[mode]
+        engine = Engine(model=model, spec=SpecConfig(method=method, adaptive=adaptive), device=args.device,
                         max_running_seqs=args.prompts * args.n, load_format="dummy" if args.random_model else "auto",
                         **config)
         freeze_heap()
