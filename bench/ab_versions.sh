@@ -28,10 +28,11 @@ prepare)
     rm -rf "ab/$rev/rollout/models/default_head" && ln -s ../../../../rollout/models/default_head "ab/$rev/rollout/models/default_head"
   done
   ;;
-pending)  # a change waiting for its A/B, kept as a diff (bench/pending/NAME.diff: what it predicts, then the diff)
+pending)  # a change waiting for its A/B, kept as a diff (bench/pending/NAME.diff: what it predicts, then the diff; its
+  # docs are not in the tree a version runs)
   for name in "${revs[@]}"; do
     bash "$0" prepare HEAD && rm -rf "ab/$name" && mv ab/HEAD "ab/$name" &&
-      git apply --directory="ab/$name" "bench/pending/$name.diff" || exit 1
+      git apply --directory="ab/$name" --exclude='docs/*' --exclude='bench/*' --exclude='*.md' "bench/pending/$name.diff" || exit 1
   done
   ;;
 run)
