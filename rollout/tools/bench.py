@@ -513,7 +513,7 @@ class EpochUpdate:
         lengths = torch.tensor([len(s) for _, s in pairs], dtype=torch.float32)
         reward = -lengths.view(-1, n) if len(pairs) % n == 0 else -lengths.view(1, -1)
         adv = ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-4)).flatten()
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0, fused=True)
         tokens = max(1, int(lengths.sum()))
         for (prompt, sample), a in zip(pairs, adv.tolist()):
             if not sample:
