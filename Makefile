@@ -25,8 +25,13 @@ demo: $(STAMP)
 	$(BIN)/python recipes/grpo.py --steps 1 --final-rollout --prompts 4 --n 8 --max-new-tokens 96 --dataset-size 4 \
 		--coupled-sampling --compare-spec-off
 
+# Two workers (pytest-xdist), each test file on one of them (its module's servers start once), one
+# thread a process: the suite's time is mostly servers, ranks and engines starting and waiting, which
+# two workers overlap (557 s against 794 s on the 2-core CI machine). OMP_NUM_THREADS=1 reaches
+# every server and rank the tests start; with torch's default two threads a process, the workers'
+# OpenMP threads spun against each other and 13 tests took 12 minutes.
 test: $(STAMP)
-	WANDB_MODE=offline $(BIN)/python -m pytest -q
+	WANDB_MODE=offline OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV)
