@@ -32,7 +32,9 @@ class WandbLogger:
 
         os.environ.setdefault("WANDB_SILENT", "true")
         project = project or os.environ.get("WANDB_PROJECT") or default_project
-        directory = None if os.environ.get("WANDB_DIR") else directory
+        # read here, not left to W&B: its settings are read once a process, so a WANDB_DIR set after an
+        # earlier run in the same process (a trainer's second recipe, a test after another) was ignored
+        directory = os.environ.get("WANDB_DIR") or directory
         self.run = wandb.init(project=project, name=name, config=config or {}, dir=directory, mode=wandb_mode())
 
     @property
