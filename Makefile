@@ -28,8 +28,8 @@ demo: $(STAMP)
 # Two workers (pytest-xdist), each test file on one of them (its module's servers start once), one
 # thread a process: the suite's time is mostly servers, ranks and engines starting and waiting, which
 # two workers overlap (557 s against 794 s on the 2-core CI machine). OMP_NUM_THREADS=1 reaches
-# every server and rank the tests start; with torch's default two threads a process, the workers'
-# OpenMP threads spun against each other and 13 tests took 12 minutes.
+# every server and rank the tests start: two workers at torch's two threads each (and tests dealt
+# one by one) ran 13 tests in 12 minutes.
 test: $(STAMP)
 	WANDB_MODE=offline OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 

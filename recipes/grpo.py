@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> GrpoRun:
     model_dir = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    # fused: one kernel over every tensor (the CPU's step of the default model 0.33 -> 0.07 s, its first 1.56 -> 0.16)
+    # fused: one pass over every tensor, not a loop over them
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
     push = args.push if args.push != "auto" else ("ipc" if device == "cuda" and not args.compare_spec_off else "distributed")
     Path(args.out).mkdir(parents=True, exist_ok=True)
