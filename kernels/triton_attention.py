@@ -378,9 +378,14 @@ class TritonAttention:
             # (bench/RESULTS.md). A tree's further blocks re-read its K/V; they run beside each
             # other on axis 0, so mostly from L2 (not profiled).
             block_m = 16
+            # 128-key tiles: with 16 rows a program, 64-key tiles kept too few loads in flight (rl's
+            # tail, 96 rows of 1-2k keys: 1.42x alone, the invariant kernel 1.65x; rl 1.11x, the 8B
+            # shape b64 1.04x; bench/RESULTS.md). The same in both kernels, so the invariant one's
+            # tiles never depend on the batch.
+            block_n = 128 if block_d <= 128 else 32
         else:
             block_m = 128 if block_d <= 128 else 64
-        block_n = 64 if block_d <= 128 else 32
+            block_n = 64 if block_d <= 128 else 32
         num_stages = 2
         if dtype == torch.float32:
             # fp32 (tests) through 3xTF32 needs ~2.5x the shared memory of bf16: the bf16 tiles
