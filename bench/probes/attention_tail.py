@@ -4,12 +4,12 @@ default model: ~96 rows of ~2k keys, half the rollout's time), the Triton kernel
 slot layout and launch choice.
 
     python bench/probes/attention_tail.py [--seqs 96] [--keys 2100] [--layouts interleaved,contiguous]
-        [--variants default,n128,stages3,stages4,warps8,splits2,splits4,invariant]
+        [--variants default,n64,n256,stages3,stages4,warps8,splits2,splits4,invariant,invariant-stages3]
 
 Layouts: `interleaved` is what a decode rollout leaves (each step hands every sequence the next free slot, so
 consecutive keys of a sequence lie --seqs slots apart, each key a separate 128-byte read a head); `contiguous`
 gives each sequence one run of slots (a prefill's, or a pool that reserved per-sequence runs). Variants change one
-launch choice of `TritonAttention._choose_config` (n128: 128 keys a tile; stagesN: N pipeline stages; warps8;
+launch choice of `TritonAttention._choose_config` (nN: N keys a tile; stagesN: N pipeline stages; warps8;
 splitsN: N key splits and the merge), on the default or the batch-invariant kernel (`invariant*`). CPU smoke run:
 `TRITON_INTERPRET=1 python bench/probes/attention_tail.py --device cpu --seqs 2 --keys 100 --layers 2 --dtype float32`
 (the interpreter's bfloat16 is not the GPU's).
@@ -30,15 +30,15 @@ from kernels.torch_attention import TorchAttention
 
 VARIANTS = {  # name -> (the batch-invariant backend?, changes to its LaunchConfig)
     "default": (False, {}),
-    "n128": (False, {"block_n": 128}),
+    "n64": (False, {"block_n": 64}),
+    "n256": (False, {"block_n": 256}),
     "stages3": (False, {"num_stages": 3}),
     "stages4": (False, {"num_stages": 4}),
     "warps8": (False, {"num_warps": 8}),
     "splits2": (False, {"num_splits": 2}),
     "splits4": (False, {"num_splits": 4}),
-    "n128-splits2": (False, {"block_n": 128, "num_splits": 2}),
     "invariant": (True, {}),
-    "invariant-n128": (True, {"block_n": 128}),
+    "invariant-stages3": (True, {"num_stages": 3}),
 }
 
 
