@@ -3,7 +3,8 @@ weights at the datasheet's 4.8 TB/s (H200); this measures the ceiling a step can
 of a shape (the Llama-3.1-8B's by default, one rank of `--tp`), a Triton kernel that only reads and sums the weight
 (by programs an SM and tile size, the best kept), torch's sum, and the one-row products a step runs (the Triton
 skinny GEMM and cuBLAS), each in a CUDA graph over cold copies of the weight (kernels/skinny_gemm.py cold_copies:
-twice the L2 cache, so every call reads memory). Last, the products of a whole b1 step at each rate.
+twice the L2 cache, so every call reads memory), and a layer's four weights as one read: what a kernel's start and
+end cost at each size. Last, the products of a whole b1 step at each rate.
 
     python bench/probes/read_ceiling.py [--shape llama3-8b] [--tp 1] [--bandwidth 4.8]
 
@@ -57,6 +58,15 @@ def read_ms(copies: list[torch.Tensor], fn) -> float:
     return graph_ms(lambda: [fn(w) for w in copies]) / len(copies)
 
 
+def best_read(copies: list[torch.Tensor], out: torch.Tensor) -> tuple[float, str]:
+    """The read-only kernel's fastest milliseconds over its variants, and that variant."""
+    sms = sm_count(copies[0].device)
+    variants = {(per_sm, block): read_ms(copies, lambda w, g=per_sm * sms, b=block: read(w, g, b, out))
+                for per_sm in PROGRAMS_PER_SM for block in BLOCKS}
+    (per_sm, block), best = min(variants.items(), key=lambda kv: kv[1])
+    return best, f"{per_sm} an SM, {block}"
+
+
 def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds to read one (n, k) weight: the best read-only variant, torch's sum, the two products."""
     device = torch.device(args.device)
@@ -69,10 +79,8 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict[str, fl
         assert torch.allclose(got, want, rtol=1e-3, atol=1e-2), (got, want)
         return {}
     copies = cold_copies(weight)
-    variants = {(p, b): read_ms(copies, lambda w, p=p, b=b: read(w, p * sm_count(device), b, out))
-                for p in PROGRAMS_PER_SM for b in BLOCKS}
-    (p, b), best = min(variants.items(), key=lambda kv: kv[1])
-    return {"read": best, "read_variant": f"{p} an SM, {b}", "torch_sum": read_ms(copies, lambda w: w.sum()),
+    best, variant = best_read(copies, out)
+    return {"read": best, "read_variant": variant, "torch_sum": read_ms(copies, lambda w: w.sum()),
             "skinny": read_ms(copies, lambda w: skinny_linear(x, w)),
             "cublas": read_ms(copies, lambda w: cublas_linear(x, w, None, None))}
 
@@ -102,6 +110,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     totals = dict.fromkeys(("read", "torch_sum", "skinny", "cublas", "better", "bound"), 0.0)
     layers = config["num_hidden_layers"]
+    lm_head_read = 0.0
     for name, (n, k) in shapes.items():
         ms = measure(name, n, k, args)
         nbytes = n * k * size
@@ -110,14 +119,22 @@ def main() -> None:
         cells[0] += f", {ms['read_variant']}"
         print(f"| {name} | {nbytes / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
         times = 1 if name == "lm_head" else layers
+        lm_head_read = ms["read"] if name == "lm_head" else lm_head_read
         for r in ("read", "torch_sum", "skinny", "cublas"):
             totals[r] += times * ms[r]
         totals["better"] += times * min(ms["skinny"], ms["cublas"])
         totals["bound"] += times * nbytes / args.bandwidth / 1e9
-    print(f"\na b1 step's products ({layers} layers and the LM head), ms: at the datasheet's rate {totals['bound']:.3f}; "
-          f"at the read-only kernel's {totals['read']:.3f}; torch sum {totals['torch_sum']:.3f}; all skinny "
-          f"{totals['skinny']:.3f}, all cuBLAS {totals['cublas']:.3f}, the better of the two each {totals['better']:.3f}")
-
+    layer_bytes = sum(n * k for name, (n, k) in shapes.items() if name != "lm_head") * size
+    whole = torch.empty(layer_bytes // size, dtype=args.dtype, device=args.device)
+    out = torch.empty(max(PROGRAMS_PER_SM) * sm_count(whole.device), dtype=torch.float32, device=whole.device)
+    layer_ms, _ = best_read(cold_copies(whole), out)
+    print(f"| a layer's four weights as one read | {layer_bytes / 1e6:.1f} | "
+          f"{layer_bytes / layer_ms / 1e9:.2f} ({layer_bytes / layer_ms / 1e9 / args.bandwidth:.0%}) | | | |")
+    at = {"the datasheet's rate": totals["bound"], "the read-only kernel's": totals["read"], "torch sum": totals["torch_sum"],
+          "all skinny": totals["skinny"], "all cuBLAS": totals["cublas"], "the better of the two each": totals["better"],
+          "each layer's weights as one read, and the LM head's": layers * layer_ms + lm_head_read}
+    print(f"\na b1 step's products ({layers} layers and the LM head), ms: "
+          + "; ".join(f"{what} {ms:.3f}" for what, ms in at.items()))
 
 if __name__ == "__main__":
     main()
