@@ -130,8 +130,9 @@ def main() -> None:
     layer_ms, _ = best_read(cold_copies(whole), out)
     print(f"| a layer's four weights as one read | {layer_bytes / 1e6:.1f} | "
           f"{layer_bytes / layer_ms / 1e9:.2f} ({layer_bytes / layer_ms / 1e9 / args.bandwidth:.0%}) | | | |")
-    at = {"the datasheet's rate": totals["bound"], "the read-only kernel's": totals["read"], "torch sum": totals["torch_sum"],
-          "all skinny": totals["skinny"], "all cuBLAS": totals["cublas"], "the better of the two each": totals["better"],
+    at = {"the datasheet's rate": totals["bound"], "the read-only kernel's": totals["read"],
+          "torch sum": totals["torch_sum"], "all skinny": totals["skinny"], "all cuBLAS": totals["cublas"],
+          "the better of the two each": totals["better"],
           "each layer's weights as one read, and the LM head's": layers * layer_ms + lm_head_read}
     print(f"\na b1 step's products ({layers} layers and the LM head), ms: "
           + "; ".join(f"{what} {ms:.3f}" for what, ms in at.items()))
