@@ -378,10 +378,10 @@ class TritonAttention:
             # (bench/RESULTS.md). A tree's further blocks re-read its K/V; they run beside each
             # other on axis 0, so mostly from L2 (not profiled).
             block_m = 16
-            # 128-key tiles: with 16 rows a program, 64-key tiles kept too few loads in flight (rl's
-            # tail, 96 rows of 1-2k keys: 1.42x alone, the invariant kernel 1.65x; rl 1.11x, the 8B
-            # shape b64 1.04x; bench/RESULTS.md). The same in both kernels, so the invariant one's
-            # tiles never depend on the batch.
+            # 128-key tiles, not 64: rl's tail (96 rows of 1-2k keys) 1.42x alone, the invariant
+            # kernel 1.65x; rl 1.11x, the 8B shape b64 1.04x (bench/RESULTS.md); as two 64-key splits
+            # did alone, more bytes in flight a program, where the tail ran at half the bandwidth.
+            # The same in both kernels, so the invariant one's tiles never depend on the batch.
             block_n = 128 if block_d <= 128 else 32
         else:
             block_m = 128 if block_d <= 128 else 64
