@@ -9,6 +9,7 @@ import pytest
 from engine_probes import attention_slack, count_chained, draft_every_other_step
 
 from rollout import Engine, SamplingParams
+from spec.step import bucket
 
 
 def random_prompts(num: int, seed: int) -> list[list[int]]:
@@ -152,3 +153,21 @@ def test_a_weight_update_completes_the_step_in_flight_under_the_old_version(mode
     while not req.finished:
         engine.step()
     assert seq.weight_versions == [0] * (before + 1) + [1] * (20 - before - 1)
+
+
+def test_the_budget_never_prices_a_step_below_its_device_time(model_dir):
+    """A rollout's last step completes right after the one before it, with nothing launched between: on the
+    CPU, where a step runs at its launch, its forward fell in the period before, and its own period is next
+    to nothing. The budget prices plain decoding at a bucket's least period; one such period priced a CPU
+    step at 0.1 ms against its 90, and drafting could never pay there."""
+    engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=1, ignore_eos=True)
+    for seed in (3, 4):  # (the second rollout's buckets start from the first's costs)
+        engine.generate(random_prompts(4, seed=seed), params)
+    decode = [r for r in engine.step_log if not r.prefill]
+    assert decode[-1].wall_ms < decode[-1].device_ms  # the case at hand: the last step's period
+    plain = {int(k.removeprefix("rollout/spec_cost_ms_b").removesuffix("_plain")): ms
+             for k, ms in engine.stats().items() if k.startswith("rollout/spec_cost_ms_b")}
+    assert plain
+    for b, ms in plain.items():
+        assert ms >= min(r.device_ms for r in decode if bucket(r.num_seqs) == b and not r.draft_rows)

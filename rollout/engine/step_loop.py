@@ -173,17 +173,22 @@ class StepLoop:
             self.spec.observe(seqs, roots, step.trees, step.draft_rows, cost, report)
 
     def _record(self, step: StepInFlight) -> float:
-        """The step into the counters' log; returns its cost: the wall time it added, from its start or
-        from when the step before it completed if they overlapped."""
+        """The step into the counters' log (the wall time it added: from its start, or from when the
+        step before it completed if they overlapped); returns its cost for the speculation budget, that
+        wall time but at least the step's device time. (A step completed right after the one before
+        it, with nothing launched between, as a rollout's last is, adds next to no wall time: on the
+        CPU, where a step runs at its launch, its forward fell in the period before. The budget prices
+        plain decoding at a bucket's least period, and one such period priced a CPU step at 0.1 ms
+        against its 90: drafting never paid there.)"""
         done = time.perf_counter()
-        cost = done - max(step.began, self._last_done)
+        wall = done - max(step.began, self._last_done)
         self._last_done = done
         prefill = step.batch.is_prefill
-        device_s, host_s = (0.0 if prefill else step.result.device_seconds()), cost - step.result.waited
-        self.counters.step_log.append(StepRecord(len(step.batch.seqs), step.draft_rows, step.drafting, prefill, cost * 1e3,
-                                                 device_s * 1e3, host_s * 1e3, step.began))
+        device_s = 0.0 if prefill else step.result.device_seconds()
+        self.counters.step_log.append(StepRecord(len(step.batch.seqs), step.draft_rows, step.drafting, prefill, wall * 1e3,
+                                                 device_s * 1e3, (wall - step.result.waited) * 1e3, step.began))
         self.counters.steps += 1
-        return cost
+        return max(wall, device_s)
 
 
 def _without_finished(batch: Batch | None) -> Batch | None:
