@@ -34,7 +34,10 @@ S (1 + acc(C)) / cost(b, C).
   Steps overlap the host's work, so the period is whichever of the device and the host is
   slower, as measured, with nothing modelled (a model of the two apart priced drafting as free
   on the host where the host had been slow for other reasons: bench/results/spec-8a4b12b/
-  rl-budget.log). Other work lands on some periods (admissions and the joins after a prefill,
+  rl-budget.log); a period is at least the step's device time (a rollout's last step completes
+  right after the one before it), and on the CPU, where a step runs at its launch, ahead of the
+  previous step's completion, a step's cost is its own launch's time (rollout/engine/step_loop.py
+  `_record`). Other work lands on some periods (admissions and the joins after a prefill,
   the collector, the caller between steps) and only ever adds, so a plain step costs the least
   of its bucket's last COST_WINDOW periods; while drafting, every REFRESH_EVERY-th step decodes
   plainly, so that least follows the contexts as they grow. What drafting adds at (b, C) is

@@ -213,6 +213,11 @@ class HostCopy:
             self.waited = time.perf_counter() - t0
         return [h.numpy() for h in self.host]
 
+    @property
+    def synchronous(self) -> bool:
+        """The step was done when launched (the CPU)."""
+        return self.event is None
+
     def device_seconds(self) -> float:
         """The step's device time, from its clock to its results' copy (after `wait`)."""
         if self.event is None:

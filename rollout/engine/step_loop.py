@@ -174,12 +174,7 @@ class StepLoop:
 
     def _record(self, step: StepInFlight) -> float:
         """The step into the counters' log (the wall time it added: from its start, or from when the
-        step before it completed if they overlapped); returns its cost for the speculation budget, that
-        wall time but at least the step's device time. (A step completed right after the one before
-        it, with nothing launched between, as a rollout's last is, adds next to no wall time: on the
-        CPU, where a step runs at its launch, its forward fell in the period before. The budget prices
-        plain decoding at a bucket's least period, and one such period priced a CPU step at 0.1 ms
-        against its 90: drafting never paid there.)"""
+        step before it completed if they overlapped); returns its cost for the speculation budget."""
         done = time.perf_counter()
         wall = done - max(step.began, self._last_done)
         self._last_done = done
@@ -188,6 +183,16 @@ class StepLoop:
         self.counters.step_log.append(StepRecord(len(step.batch.seqs), step.draft_rows, step.drafting, prefill, wall * 1e3,
                                                  device_s * 1e3, (wall - step.result.waited) * 1e3, step.began))
         self.counters.steps += 1
+        if prefill:
+            return wall
+        if step.result.synchronous:
+            # the CPU: a step runs at its launch, which comes before the step ahead of it completes, so
+            # the wall time between two completions is the next step's; a verify step's own cost was
+            # counted to the plain step before it, which made drafting look free
+            return device_s
+        # at least its device time: a step completed right after the one before it, nothing launched
+        # between (a rollout's last), adds little wall time, and the budget prices plain decoding at
+        # a bucket's least cost
         return max(wall, device_s)
 
 
