@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ (gemm_cho
 
 from gemm_choice import products  # noqa: E402
 
+from kernels import sm_count  # noqa: E402
 from kernels.skinny_gemm import cold_copies, cublas_linear, graph_ms, skinny_linear  # noqa: E402
 from rollout.tools.bench_args import SPEED_SHAPES  # noqa: E402
 
@@ -47,10 +48,6 @@ def _read_kernel(w_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 def read(weight: torch.Tensor, programs: int, block: int, out: torch.Tensor) -> torch.Tensor:
     _read_kernel[(programs,)](weight, out, weight.numel(), BLOCK=block)
     return out
-
-
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def read_ms(copies: list[torch.Tensor], fn) -> float:
