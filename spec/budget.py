@@ -46,11 +46,10 @@ S (1 + acc(C)) / cost(b, C).
   drafting steps of any bucket added: a fixed part (drafting, laying out the rows: 0.15 ms of a
   3.4-ms step at 128 sequences on an H100) and a part per row (with one number of rows seen, r
   alone); until a drafting step was measured, a row is taken to cost a tenth of a plain step's
-  time per sequence (on a CPU, where a row costs its arithmetic, all of it: there no draft pays).
-  The line is only a first guess: what a row adds depends on the bucket (the host's work per
-  sequence, attention over longer contexts in the tail), and a guess too low is corrected after
-  MEASURED_AFTER steps at (b, C), while one too high only keeps the budget from a choice that
-  would not have paid by much.
+  time per sequence. The line is only a first guess: what a row adds depends on the bucket (the
+  host's work per sequence, attention over longer contexts in the tail), and a guess too low
+  is corrected after MEASURED_AFTER steps at (b, C), while one too high only keeps the budget
+  from a choice that would not have paid by much.
 """
 
 from __future__ import annotations
@@ -74,9 +73,6 @@ ACCEPT_WEIGHT = 0.3  # how much one evaluation of trees moves acc
 SEQ_WEIGHT = 0.1  # how much one evaluation moves a sequence's own rate (its trees are scored every 8-32 steps)
 SLOWEST = 0.1  # the share of running sequences whose rate bounds acc while the batch drains
 PRIOR_ROW_SHARE = 0.1  # a draft row's cost until one is measured, as a share of a plain step's per sequence
-# ... on a CPU, where a row costs its arithmetic: 8 draft rows added 65 ms to a 236-ms step of 32 sequences of the
-# default model (1.1 sequences' share each), and a first verify step priced at a tenth of that ran 8 rows a sequence
-CPU_PRIOR_ROW_SHARE = 1.0
 FRACTIONS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # draft rows per sequence a step may take
 
 
@@ -95,10 +91,8 @@ def rows_at(fraction: float, num_seqs: int, depth: int) -> int:
 
 
 class DraftBudget:
-    def __init__(self, max_draft_tokens: int, max_verify_tokens: int, max_rows: int, adaptive: bool = True,
-                 prior_row_share: float = PRIOR_ROW_SHARE):
+    def __init__(self, max_draft_tokens: int, max_verify_tokens: int, max_rows: int, adaptive: bool = True):
         self.depth = max_draft_tokens
-        self.prior_row_share = prior_row_share
         self.max_verify_tokens = max_verify_tokens
         self.adaptive = adaptive
         self.acc: dict[int, np.ndarray] = {}  # bucket -> accepted drafts per sequence, by fraction
@@ -147,7 +141,7 @@ class DraftBudget:
         if fits and not self.adaptive:
             c = fits[-1][1]
         elif fits and (plain := self._plain_cost(b)) is not None:  # (a bucket's first steps measure plain decoding)
-            a, r = self._fitted_line() or (0.0, self.prior_row_share * plain / b)
+            a, r = self._fitted_line() or (0.0, PRIOR_ROW_SHARE * plain / b)
             acc = self.accepted_at(b)
             if draining and self.slowest is not None:
                 acc = np.minimum(acc, self.slowest)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout.config import SpecConfig
-from spec.budget import CPU_PRIOR_ROW_SHARE, FRACTIONS, PRIOR_ROW_SHARE, DraftBudget, StepPlan, rows_at
+from spec.budget import FRACTIONS, DraftBudget, StepPlan, rows_at
 from spec.head_watch import INFORMED_AFTER, HeadCycle, HeadWatch
 from spec.index import NgramIndex
 from spec.step import Drafted, DraftSettings, HeadWork, StepReport, bucket
@@ -78,8 +78,7 @@ class Speculator:
         index's scan table, which the runner's CUDA graphs read, and the head's measured costs stay."""
         cfg = self.cfg
         self.index.reset()
-        prior = CPU_PRIOR_ROW_SHARE if self.index.table.device.type == "cpu" else PRIOR_ROW_SHARE
-        self.budget = DraftBudget(self.depth, cfg.max_verify_tokens, self.index.table.padding_row, cfg.adaptive, prior)
+        self.budget = DraftBudget(self.depth, cfg.max_verify_tokens, self.index.table.padding_row, cfg.adaptive)
         self.watch = HeadWatch(cfg.head_min_accept) if self.drafts_ahead else None
         self.cycle = HeadCycle(costs=self.cycle.costs if self.cycle else None) if self.drafts_ahead else None
         self._index_misses = 1  # a hybrid: sequences the index had nothing for in its last drafting step (none seen yet)

@@ -9,7 +9,6 @@ import pytest
 from engine_probes import attention_slack, count_chained, draft_every_other_step
 
 from rollout import Engine, SamplingParams
-from spec.step import bucket
 
 
 def random_prompts(num: int, seed: int) -> list[list[int]]:
@@ -155,28 +154,12 @@ def test_a_weight_update_completes_the_step_in_flight_under_the_old_version(mode
     assert seq.weight_versions == [0] * (before + 1) + [1] * (20 - before - 1)
 
 
-def test_the_budget_never_prices_a_step_below_its_device_time(model_dir):
-    """A rollout's last step completes right after the one before it, with nothing launched between, and
-    adds next to no wall time. The budget prices plain decoding at a bucket's least cost; such a period
-    priced a CPU step at 0.1 ms against its 90, and drafting could never pay there."""
-    engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
-    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=8, seed=1, ignore_eos=True)
-    for seed in (3, 4):  # (the second rollout's buckets start from the first's costs)
-        engine.generate(random_prompts(4, seed=seed), params)
-    decode = [r for r in engine.step_log if not r.prefill]
-    assert decode[-1].wall_ms < decode[-1].device_ms  # the case at hand: the last step's period
-    plain = {int(k.removeprefix("rollout/spec_cost_ms_b").removesuffix("_plain")): ms
-             for k, ms in engine.stats().items() if k.startswith("rollout/spec_cost_ms_b")}
-    assert plain
-    for b, ms in plain.items():
-        assert ms >= min(r.device_ms for r in decode if bucket(r.num_seqs) == b and not r.draft_rows)
-
-
 def test_on_the_cpu_the_budget_prices_a_step_at_its_own_time(model_dir):
     """On the CPU a step runs at its launch, before the step ahead of it completes, so the wall time between
     two completions is the next step's. Priced by it, a verify step cost what the plain step after it cost,
-    and the plain step before it paid for the drafts: drafting looked free (`make demo` drafted on at 0.88x
-    of spec off)."""
+    the plain step before it paid for the drafts, and a rollout's last step, completed right after the one
+    before it, cost ~0.1 ms, which the budget took as a bucket's plain cost (its least): drafting was judged
+    against a plain step 2,000x too cheap."""
     engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
     draft_every_other_step(engine)
     priced, observe = [], engine.spec.observe
@@ -190,5 +173,6 @@ def test_on_the_cpu_the_budget_prices_a_step_at_its_own_time(model_dir):
                                                               ignore_eos=True))
     decode = [(r.draft_rows, r.device_ms) for r in engine.step_log if not r.prefill]
     assert any(rows for rows, _ in decode)
+    assert engine.step_log[-1].wall_ms < engine.step_log[-1].device_ms  # (the last step's period)
     assert [rows for rows, _ in priced] == [rows for rows, _ in decode]
     assert [ms for _, ms in priced] == pytest.approx([ms for _, ms in decode], rel=1e-9)
