@@ -383,10 +383,14 @@ class TritonAttention:
             # did alone, more bytes in flight a program, where the tail ran at half the bandwidth.
             # The same in both kernels, so the invariant one's tiles never depend on the batch.
             block_n = 128 if block_d <= 128 else 32
+            # three stages where a tile is small (heads of 64, 32 KiB of K/V a stage): rl 1.03x, its
+            # tail 1.09x alone; not at heads of 128 (0.97x alone), nor in the invariant kernel,
+            # whose 512 rows of 300-600 keys took 1.09x longer (bench/RESULTS.md)
+            num_stages = 3 if block_d <= 64 and not self.batch_invariant else 2
         else:
             block_m = 128 if block_d <= 128 else 64
             block_n = 64 if block_d <= 128 else 32
-        num_stages = 2
+            num_stages = 2
         if dtype == torch.float32:
             # fp32 (tests) through 3xTF32 needs ~2.5x the shared memory of bf16: the bf16 tiles
             # would ask for 256 KiB at head_dim 128, over the H100's 227 KiB
