@@ -4,7 +4,7 @@ default model: ~96 rows of ~2k keys, half the rollout's time), the Triton kernel
 slot layout and launch choice.
 
     python bench/probes/attention_tail.py [--seqs 96] [--keys 2100] [--layouts interleaved,contiguous]
-        [--variants default,n64,n256,stages3,stages4,warps8,splits2,splits4,invariant,invariant-stages3]
+        [--variants default,n64,n256,stages2,stages3,stages4,warps8,splits2,splits4,invariant,invariant-stages3]
 
 Layouts: `interleaved` is what a decode rollout leaves (each step hands every sequence the next free slot, so
 consecutive keys of a sequence lie --seqs slots apart, each key a separate 128-byte read a head); `contiguous`
@@ -32,6 +32,7 @@ VARIANTS = {  # name -> (the batch-invariant backend?, changes to its LaunchConf
     "default": (False, {}),
     "n64": (False, {"block_n": 64}),
     "n256": (False, {"block_n": 256}),
+    "stages2": (False, {"num_stages": 2}),
     "stages3": (False, {"num_stages": 3}),
     "stages4": (False, {"num_stages": 4}),
     "warps8": (False, {"num_warps": 8}),

@@ -134,5 +134,6 @@ def main() -> None:
     print(f"\na b1 step's products ({layers} layers and the LM head), ms: "
           + "; ".join(f"{what} {ms:.3f}" for what, ms in at.items()))
 
+
 if __name__ == "__main__":
     main()
