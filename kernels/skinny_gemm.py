@@ -58,6 +58,7 @@ INVARIANT_TILES = [  # largest first (bench/invariant_tiles.py timed them agains
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
 ]
+INVARIANT_GROUP_M = 8  # row blocks whose programs take a column block in turn (invariant_linear, many rows)
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 MAX_COLD_COPIES = 1024  # weights a choice is timed on, at most (cold_copies)
 CPU_BLOCK_ROWS = 8
@@ -305,6 +306,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                                   weight.stride(0), y.stride(0), prefetch, HAS_BIAS=bias is not None, **tile,
                                   PREFETCH=prefetch > 0, IEEE=x.dtype == torch.float32,
+                                  GROUP_M=1 if one_block else INVARIANT_GROUP_M,
                                   **({"PDL": False} if INTERPRET else pdl.launch_args()))
     return y.view(*lead, n)
 
@@ -326,15 +328,32 @@ if triton is not None:
             is_pure=False, pack=1)
 
     @triton.jit
+    def _tile_of_program(GROUP_M: tl.constexpr):
+        """(column block, row block) of this program. The grid is (column blocks, row blocks), and
+        programs start in launch order, the column block fastest: every row block then reads the
+        whole weight, from memory once it outgrows L2 (the 8B shape's gate/up, 235 MB, 128 times
+        at 16k rows). With GROUP_M > 1, programs in launch order take GROUP_M row blocks of one
+        column block, then the next column block: a weight tile serves GROUP_M row blocks from L2."""
+        if GROUP_M == 1:
+            return tl.program_id(0), tl.program_id(1)
+        col_blocks, row_blocks = tl.num_programs(0), tl.num_programs(1)
+        pid = tl.program_id(1) * col_blocks + tl.program_id(0)
+        per_group = GROUP_M * col_blocks
+        first_row_block = pid // per_group * GROUP_M
+        group_rows = tl.minimum(row_blocks - first_row_block, GROUP_M)  # (the last group may hold fewer)
+        return (pid % per_group) // group_rows, first_row_block + pid % per_group % group_rows
+
+    @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym, prefetch_bytes,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                            IEEE: tl.constexpr = False):
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                            IEEE: tl.constexpr = False, GROUP_M: tl.constexpr = 1):
+        col_block, row_block = _tile_of_program(GROUP_M)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
         if PREFETCH:  # before the wait: the kernel before may still run (the module's docstring)
             _prefetch_rows(w_ptr, cols, n, stride_wn, prefetch_bytes, BLOCK_N)
         pdl.wait_for_previous(PDL)
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (one row block unless batch-invariant)
+        rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (one row block unless batch-invariant)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < m
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

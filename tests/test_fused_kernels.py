@@ -223,6 +223,24 @@ def test_every_invariant_tile_gives_a_row_the_same_bits(dtype, out_dtype):
     assert invariant_tile(1, 4099, x.device) != invariant_tile(150, 4099, x.device)  # (the rows choose)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_invariant_product_over_many_row_blocks_writes_every_tile(dtype):
+    """Many row blocks take their programs in groups (kernels/skinny_gemm.py `_tile_of_program`):
+    every tile written, a short last group and a short last column block included, each row's
+    bits those it has alone (on the GPU; the interpreter's sums follow the block's rows)."""
+    from kernels.skinny_gemm import INVARIANT_GROUP_M, invariant_linear
+
+    tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
+    rows = 16 * (INVARIANT_GROUP_M + 3) + 5  # a group of 8 row blocks, then 4, the last one short
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    x = torch.randn(rows, 96, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(100, 96, generator=g, device=DEVICE) / 10).to(dtype)
+    y = invariant_linear(x, w, None, None, tile)
+    close(y, torch.nn.functional.linear(x.double(), w.double()), dtype)
+    if ON_GPU:
+        assert torch.equal(invariant_linear(x[150:151], w, None, None, tile), y[150:151])
+
+
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 @pytest.mark.parametrize("rows", [1, 9, 16, 40])
 def test_float32_output_is_the_accumulator_rounded_once(dtype, rows):
