@@ -1,12 +1,17 @@
-"""A CPU engine's steps reuse freed host memory instead of mapping it afresh (rollout/engine/build.py:
-keep_host_heap)."""
+"""An engine's host memory: a CPU engine's steps reuse freed host memory instead of mapping it afresh
+(rollout/engine/build.py: keep_host_heap), and a finished rollout is freed by reference counting, not left
+to Python's cyclic collector (Request.detach)."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from rollout import Engine, SamplingParams
+from rollout.engine.sequence import Request, Sequence
 
 PROBE = textwrap.dedent("""
     import resource, sys, torch
@@ -37,3 +42,62 @@ def test_a_cpu_engines_process_reuses_freed_blocks_instead_of_faulting_them_in_a
     before, after = int(out[-2]), int(out[-1])
     assert before > 10_000  # ~12,288 pages: mapped afresh
     assert after < 100
+
+
+def cyclic_requests_after(run) -> list[str]:
+    """The requests and sequences a full collection finds unreachable after `run()` (and nothing else)."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # (what a collection finds unreachable stays in gc.garbage)
+    try:
+        run()
+        gc.collect()
+        return [type(o).__name__ for o in gc.garbage if isinstance(o, (Request, Sequence))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_a_finished_rollout_leaves_no_request_or_sequence_for_the_cyclic_collector(model_dir):
+    """A request and its samples point at each other. Left as a cycle, every rollout's samples waited for
+    a full collection, which freed many rounds' token lists at once inside one step (158 ms in a grpo b512
+    rollout of 0.65 s on an H200). Once `generate` hands the outputs out, nothing of them is cyclic garbage."""
+    engine = Engine(model=str(model_dir), spec="ngram", device="cpu")
+    prompts = [[5 + k, 9, 13, 7, 11 + k] * 3 for k in range(3)]
+
+    def rollouts():
+        for seed in (3, 4):  # (the second rollout's steps replace what the engine's last step still holds)
+            outputs = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=seed))
+            assert [len(o) for o in outputs] == [4, 4, 4] and all(s.token_ids for o in outputs for s in o)
+
+    assert cyclic_requests_after(rollouts) == []
+
+
+def test_the_servers_loop_lets_go_of_a_request_once_its_last_output_is_sent(model_dir):
+    """The same in the server's engine process, streaming or not."""
+    from rollout.server import protocol
+    from rollout.server.engine_loop import EngineLoop
+
+    class Pipe:
+        def __init__(self):
+            self.finished = set()
+
+        def send(self, data):
+            msg = protocol.unpack(data)
+            if isinstance(msg, protocol.Outputs):
+                self.finished |= {r.rid for r in msg.requests if all(s.finish for s in r.samples)}
+
+    engine = Engine(model=str(model_dir), device="cpu", spec="ngram")
+    loop = EngineLoop(engine, recv=None, send=(pipe := Pipe()))
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+
+    def requests():
+        for round_ in range(2):
+            loop.take_batch([protocol.AddRequest(f"{round_}-{stream}", [5, 6, 7, 8], params, True, 0, stream)
+                             for stream in (False, True)], [])
+            while engine.has_work:
+                loop._step()
+        assert pipe.finished == {"0-False", "0-True", "1-False", "1-True"}
+
+    assert cyclic_requests_after(requests) == []

@@ -215,6 +215,7 @@ class EngineLoop:
             if sent is None:  # not streaming: everything at once, when the whole request is done
                 if req.finished:
                     reqs.append(RequestOut(req.rid, [sample_out(seq, 0, self.version_label) for seq in req.sequences]))
+                    req.detach()
                 continue
             seqs = []
             for seq in req.sequences:
@@ -224,6 +225,7 @@ class EngineLoop:
                     sent[seq.sample_index] = -1 if seq.finished else seq.num_output  # -1: finish sent
             if req.finished:
                 del self.streams[req.rid]
+                req.detach()
             if seqs:
                 reqs.append(RequestOut(req.rid, seqs))
         if reqs:
