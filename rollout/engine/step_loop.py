@@ -123,6 +123,8 @@ class StepLoop:
             if req.finished and self.requests.get(req.rid) is req:
                 del self.requests[req.rid]
                 self._editing_logits -= req.edits_logits
+                if self.tp is not None and self.tp.rank > 0:  # (rank 0 hands it out; here nothing reads it again)
+                    req.detach()
         return list(updated.values())
 
     def _launch(self, batch: Batch, began: float, after: StepInFlight | None = None) -> StepInFlight:

@@ -214,8 +214,7 @@ class EngineLoop:
             sent = self.streams.get(req.rid)
             if sent is None:  # not streaming: everything at once, when the whole request is done
                 if req.finished:
-                    reqs.append(RequestOut(req.rid, [sample_out(seq, 0, self.version_label) for seq in req.sequences]))
-                    req.detach()
+                    reqs.append(RequestOut(req.rid, [sample_out(seq, 0, self.version_label) for seq in req.detach()]))
                 continue
             seqs = []
             for seq in req.sequences:
