@@ -9,6 +9,7 @@
 #   order:  after it landed: deterministic rl 64 x 8 T=1.0 (decode's 512 rows: 8 row blocks of 64) against the order before
 #           (ab/row-order), then the 8B shape with a 256 x 128 tile first (ab/tile-256x128), in turns, 2 cycles each
 #   gc:     a finished request lets go of its sequences (1a02d80), against the same without: grpo b512, 2 cycles
+#           (request-detach.diff is 1a02d80's change: run this stage from that commit)
 #   steps:  where the grpo b512 row's time goes (256 new tokens, T=$TEMP), spec off against n-gram, step by step
 ROOT=$PWD
 OUT=${OUT:-/tmp/out}
