@@ -10,6 +10,7 @@
 #           (ab/row-order), then the 8B shape with a 256 x 128 tile first (ab/tile-256x128), in turns, 2 cycles each
 #   gc:     a finished request lets go of its sequences (1a02d80), against the same without: grpo b512, 2 cycles
 #           (request-detach.diff is 1a02d80's change: run this stage from that commit)
+#   prefill: the deterministic 8B b64 prefill's kernels against the default mode's
 #   steps:  where the grpo b512 row's time goes (256 new tokens, T=$TEMP), spec off against n-gram, step by step
 ROOT=$PWD
 OUT=${OUT:-/tmp/out}
@@ -23,7 +24,7 @@ tree() {  # ab/NAME: this checkout's code, then the command given (made on the m
   mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" && (cd "ab/$name" && "$@")
 }
 quiet() { grep -v -i -e "^$" -e warn -e "^Loading"; }
-case ${1:?tiles | det | kernels | order | gc | steps} in
+case ${1:?tiles | det | kernels | order | gc | prefill | steps} in
 tiles)
   tree invariant-grouped-rows patch -s -p1 -i ../../bench/pending/invariant-grouped-rows.diff  # (then pending)
   (cd ab/invariant-grouped-rows && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu \
@@ -51,6 +52,10 @@ gc)  # the grpo b512 rows (T=0.7 and 1.0, 3 runs each) in turns with ab/cyclic-r
   # Request.detach (request-detach.diff reversed), 2 cycles
   tree cyclic-requests patch -s -R -p1 -i ../../bench/results/session-20261130h/request-detach.diff
   VERSIONS="head cyclic-requests" CYCLES=2 bash bench/gpu_session.sh grpo-ab | tail -16
+  ;;
+prefill)  # deterministic against default: the 8B shape b64's 1k-token prompts' prefill, its costliest kernels
+  timeout 150 python3 bench/tp_profile.py --shape llama3-8b --tp-sizes 1 --batch 64 --prompt-len 1024 --kernels 14 \
+    --prefill --variants default,deterministic 2>&1 | quiet | tee "$OUT/prefill-kernels-8b-b64.log" | tail -40
   ;;
 steps)
   OUTPUT_LEN=256 TEMP=${TEMP:-0.7} bash bench/gpu_session.sh steps
