@@ -4,6 +4,8 @@
 #
 #   here:        bash bench/ab_versions.sh prepare REV...    (git archive of each REV's code and tests into ab/REV)
 #                bash bench/ab_versions.sh pending NAME...   (ab/NAME: this commit with bench/pending/NAME.diff applied)
+#   on the GPU:  bash bench/ab_versions.sh copy NAME CMD...     (ab/NAME: the checkout's code, then CMD run in it, e.g.
+#                `patch -s -p1 -i ../../X.diff`: where ab/ does not fit beside a model part, and there is no git)
 #   on the GPU:  [CYCLES=N] bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
 #
 # `run` takes "head" for the checkout itself; each version runs in its own directory, so it
@@ -16,7 +18,7 @@
 # brings back 8 files). Each cycle draws its own samples (--seed), the versions of a
 # cycle the same ones (rollout bench's rounds do the same).
 set -uo pipefail
-cmd=${1:?prepare | pending | run}; shift
+cmd=${1:?prepare | pending | copy | run}; shift
 revs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do revs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -34,6 +36,12 @@ pending)  # a change waiting for its A/B, kept as a diff (bench/pending/NAME.dif
     bash "$0" prepare HEAD && rm -rf "ab/$name" && mv ab/HEAD "ab/$name" &&
       git apply --directory="ab/$name" --exclude='docs/*' --exclude='bench/*' --exclude='*.md' "bench/pending/$name.diff" || exit 1
   done
+  ;;
+copy)  # (revs: the name, then the command)
+  name=${revs[0]}
+  [ -d "ab/$name" ] && exit 0
+  mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" &&
+    (cd "ab/$name" && "${revs[@]:1}")
   ;;
 run)
   export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf

@@ -11,13 +11,7 @@
 #   stages:  decode attention alone at 512 x 600 keys by stages, then rl 64 x 8 T=1.0 spec off in turns, 2 cycles: head
 #            was 1b6da30 (two stages) and ab/decode-stages3-d64 the change `fa6889a` landed (three at heads of 64; it
 #            had them in the invariant kernel too); to run it again, `ab_versions.sh prepare 1b6da30` and swap the names
-ROOT=$PWD
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
-bash bench/gpu_session.sh setup > /dev/null 2>&1
-export PYTHONPATH=/tmp/site:$ROOT
-quiet() { grep -v -i -e "^$" -e warn -e "^Loading"; }
+source bench/session_env.sh
 case ${1:?probe | det | coupled | tests | tiles | stages} in
 probe)
   timeout 200 python3 bench/probes/read_ceiling.py 2>&1 | quiet | tee "$OUT/read-ceiling-8b.log"

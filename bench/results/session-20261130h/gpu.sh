@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # This session's calls on one H200 (call 1 carries .devcache/smol.part.aa; later calls carry .devcache/smol.part.ab and
-# .whl). A call carries 64 MiB, the model's first part 50 of them: the change's tree is made on the machine (`grouped`).
+# .whl). A call carries 64 MiB, the model's first part 50 of them: the trees compared are made on the machine
+# (`ab_versions.sh copy`).
 #   tiles:  bench/pending/invariant-grouped-rows.diff (ab/invariant-grouped-rows): its GPU tests, then the batch-invariant
 #           product at prefill's rows in this checkout and in the change (each version's kernels first on the path)
 #   det:    deterministic inference, this checkout against the change, in turns (SHAPE=8b: b64 with 1k prompts, its wall
@@ -12,21 +13,11 @@
 #           (request-detach.diff is 1a02d80's change: run this stage from that commit)
 #   prefill: the deterministic 8B b64 prefill's kernels against the default mode's
 #   steps:  where the grpo b512 row's time goes (256 new tokens, T=$TEMP), spec off against n-gram, step by step
-ROOT=$PWD
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
-bash bench/gpu_session.sh setup > /dev/null 2>&1
-export PYTHONPATH=/tmp/site:$ROOT
-tree() {  # ab/NAME: this checkout's code, then the command given (made on the machine, without git)
-  local name=$1; shift
-  [ -d "ab/$name" ] && return
-  mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" && (cd "ab/$name" && "$@")
-}
-quiet() { grep -v -i -e "^$" -e warn -e "^Loading"; }
+source bench/session_env.sh
 case ${1:?tiles | det | kernels | order | gc | prefill | steps} in
 tiles)
-  tree invariant-grouped-rows patch -s -p1 -i ../../bench/pending/invariant-grouped-rows.diff  # (then pending)
+  bash bench/ab_versions.sh copy invariant-grouped-rows \
+    patch -s -p1 -i ../../bench/pending/invariant-grouped-rows.diff  # (then pending)
   (cd ab/invariant-grouped-rows && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu \
     tests/test_fused_kernels.py -k invariant 2>&1 | tail -4) | tee "$OUT/grouped-rows-tests.log"
   for v in . ab/invariant-grouped-rows; do
@@ -42,15 +33,18 @@ kernels)  # the fused kernels' GPU tests in this checkout (call 1 of a lease: no
   timeout 300 python3 -m pytest -q -m gpu tests/test_fused_kernels.py 2>&1 | tail -4 | tee "$OUT/fused-kernels-tests.log"
   ;;
 order)  # (ab/row-order: the order before the change; ab/tile-256x128: a tile tried first beside it)
-  tree row-order sed -i 's/GROUP_M=1 if one_block else INVARIANT_GROUP_M/GROUP_M=1/' kernels/skinny_gemm.py
-  tree tile-256x128 sed -i 's/^INVARIANT_TILES = \[.*/&\n    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),/' \
+  bash bench/ab_versions.sh copy row-order \
+    sed -i 's/GROUP_M=1 if one_block else INVARIANT_GROUP_M/GROUP_M=1/' kernels/skinny_gemm.py
+  bash bench/ab_versions.sh copy tile-256x128 \
+    sed -i 's/^INVARIANT_TILES = \[.*/&\n    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),/' \
     kernels/skinny_gemm.py
   SHAPE=rl VERSIONS="head row-order" CYCLES=2 bash bench/gpu_session.sh deterministic-ab 2>&1 | grep -v "^| rollout" | tail -12
   SHAPE=8b VERSIONS="head tile-256x128" CYCLES=2 bash bench/gpu_session.sh deterministic-ab 2>&1 | grep -v "^| rollout" | tail -12
   ;;
 gc)  # the grpo b512 rows (T=0.7 and 1.0, 3 runs each) in turns with ab/cyclic-requests: this checkout without
   # Request.detach (request-detach.diff reversed), 2 cycles
-  tree cyclic-requests patch -s -R -p1 -i ../../bench/results/session-20261130h/request-detach.diff
+  bash bench/ab_versions.sh copy cyclic-requests \
+    patch -s -R -p1 -i ../../bench/results/session-20261130h/request-detach.diff
   VERSIONS="head cyclic-requests" CYCLES=2 bash bench/gpu_session.sh grpo-ab | tail -16
   ;;
 prefill)  # deterministic against default: the 8B shape b64's 1k-token prompts' prefill, its costliest kernels
