@@ -22,7 +22,8 @@
   each alone in a CUDA graph, over the default model's vocabulary.
 - steps: where a rollout's time goes, spec off against n-gram (`--modes`: or against spec off under
   --enable-deterministic-inference, `deterministic`): the `rl` workload's prompts
-  (one warm-up rollout each, then the measured one), its steps grouped by batch-size bucket and
+  (one warm-up rollout each, then the measured one): its wall by part (prefill steps, decode
+  steps, outside the steps, the garbage collector), its steps grouped by batch-size bucket and
   draft rows from `Engine.step_log`, and whether the drafter ran (it does with no draft rows for the
   budget's statistics): how many, and the median wall, device and host milliseconds.
 - host: where the host's time per decode step goes, spec off against n-gram (`--fixed`: the
@@ -181,6 +182,9 @@ def _each_mode(args: argparse.Namespace, run, adaptive: bool = True) -> None:
 
 def steps(args: argparse.Namespace) -> None:
     import statistics
+    import time
+
+    from rollout.tools.bench import GcTimer
 
     from spec.step import bucket
 
@@ -193,15 +197,21 @@ def steps(args: argparse.Namespace) -> None:
             emitted.append(engine.output_tokens - before)
 
         engine.loop._complete = counted
-        engine.generate(prompts, params)
+        with GcTimer() as gc_time:
+            start = time.perf_counter()
+            engine.generate(prompts, params)
+            wall_ms = 1e3 * (time.perf_counter() - start)
         groups: dict[tuple[int, int], list] = {}
         for r, k in zip(engine.step_log, emitted):
             if not r.prefill:
                 groups.setdefault((bucket(r.num_seqs), r.draft_rows, r.drafting), []).append((r, k))
         total = sum(r.wall_ms for r in engine.step_log)
         stats = engine.stats()
+        prefill = sum(r.wall_ms for r in engine.step_log if r.prefill)
         print(f"\n{mode}: {stats['rollout/output_tokens']} tokens, {len(engine.step_log)} steps, "
               f"{total / 1e3:.2f} s of steps")
+        print(f"its wall: {wall_ms:.1f} ms = prefill steps {prefill:.1f} + decode steps {total - prefill:.1f} "
+              f"+ outside steps {wall_ms - total:.1f}; in the garbage collector {1e3 * gc_time.seconds:.1f}")
         # (drafter ran with no draft rows: a step that drafted for the budget's statistics only)
         print("| bucket | draft rows | drafter ran | steps | share of time | wall ms | device ms | host ms | tokens per sequence |\n"
               "|---|---|---|---|---|---|---|---|---|")
