@@ -5,9 +5,12 @@ to Python's cyclic collector (Request.detach)."""
 from __future__ import annotations
 
 import gc
+import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from rollout import Engine, SamplingParams
@@ -44,19 +47,43 @@ def test_a_cpu_engines_process_reuses_freed_blocks_instead_of_faulting_them_in_a
     assert after < 100
 
 
-def cyclic_requests_after(run) -> list[str]:
-    """The requests and sequences a full collection finds unreachable after `run()` (and nothing else)."""
+def keep_what_the_collector_finds() -> None:
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)  # (what a collection finds unreachable stays in gc.garbage)
+
+
+def cyclic_requests_found() -> list[str]:
+    """The requests and sequences a full collection finds unreachable since `keep_what_the_collector_finds`;
+    the collector back as it was."""
     try:
-        run()
         gc.collect()
         return [type(o).__name__ for o in gc.garbage if isinstance(o, (Request, Sequence))]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def cyclic_requests_after(run) -> list[str]:
+    """The requests and sequences a full collection finds unreachable after `run()` (and nothing else)."""
+    keep_what_the_collector_finds()
+    try:
+        run()
+    finally:
+        found = cyclic_requests_found()
+    return found
+
+
+def follower_probe(engine: Engine) -> dict:
+    """A tensor-parallel rank's handlers (Engine's `tp_hooks`): `probe_start`, and `probe_end(path)`, which
+    writes there what a full collection found of requests and sequences in between."""
+
+    def end(path: str) -> None:
+        Path(path + ".part").write_text(json.dumps(cyclic_requests_found()))
+        os.replace(path + ".part", path)
+
+    return {"probe_start": keep_what_the_collector_finds, "probe_end": end}
 
 
 def test_a_finished_rollout_leaves_no_request_or_sequence_for_the_cyclic_collector(model_dir):
@@ -101,3 +128,25 @@ def test_the_servers_loop_lets_go_of_a_request_once_its_last_output_is_sent(mode
         assert pipe.finished == {"0-False", "0-True", "1-False", "1-True"}
 
     assert cyclic_requests_after(requests) == []
+
+
+def test_a_tensor_parallel_follower_lets_go_of_a_finished_rollout_as_rank_0_does(model_dir, tmp_path, monkeypatch):
+    """A rank > 0 replays rank 0's requests and hands nothing out: it lets go of a request's sequences
+    itself once the request finished (StepLoop.collect)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    engine = Engine(model=str(model_dir), spec="ngram", device="cpu", tp_size=2, tp_hooks="test_host_heap:follower_probe")
+    found = tmp_path / "found.json"
+    try:
+        engine.tp.record("probe_start")
+        engine.tp.flush()
+        for seed in (3, 4):
+            engine.generate([[5, 9, 13, 7, 11] * 3, [6, 9, 13, 7, 12] * 3],
+                            SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=seed))
+        engine.tp.record("probe_end", str(found))
+        engine.tp.flush()
+        deadline = time.monotonic() + 60
+        while not found.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(found.read_text()) == []
+    finally:
+        engine.close()
