@@ -143,7 +143,8 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
             timeline.tokens.append(engine.output_tokens)
         _sync(engine.device)
         wall = time.perf_counter() - start
-    seqs = [s for r in reqs for s in r.sequences]
+    samples = [r.detach() for r in reqs]  # (as a caller does once it has read them: Request.detach)
+    seqs = [s for group in samples for s in group]
     tokens = sum(s.num_output for s in seqs)
     ends = sorted(s.finished_at - start for s in seqs)
     found, total = engine.table.indexed(seqs)
@@ -158,7 +159,7 @@ def run_rollout(engine, args, prompts: list[list[int]], n: int, spec: str, batch
         accept_rate=st["rollout/spec_accept_rate"], accept_length=st["rollout/spec_accept_length"],
         coupled_share=st.get("rollout/spec_accepted_tokens/coupled", 0) / tokens if tokens else 0.0,
     )
-    return row, timeline, [[s.output_ids for s in r.sequences] for r in reqs]
+    return row, timeline, [[s.output_ids for s in group] for group in samples]
 
 
 class GcTimer:
