@@ -16,9 +16,11 @@ from server_process import running_server
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    # --health-timeout 12: longer than any step of this load on a CI machine (512-token prefill chunks,
-    # 256-sequence decode steps: ~3 s); before the heartbeat thread, /v1/loads waited ~5 s on steps
-    with running_server("default", "--health-timeout", "12") as s:
+    # --health-timeout 60: this module asks that /health and /v1/loads answer at once, not that a step
+    # is short. Its load's steps take ~1-2 s here (512-token prefill chunks, 256-sequence decode steps),
+    # but a CI run whose other worker held both cores saw one loop iteration pass 12 s (/health 503,
+    # "busy with one step"). Before the heartbeat thread, /v1/loads waited ~5 s on steps.
+    with running_server("default", "--health-timeout", "60") as s:
         yield s
 
 
