@@ -1,6 +1,7 @@
 """`rollout serve --model default` as a user starts it (speculation `auto`: the n-gram index and the
 model's draft head): idle, it holds no KV and hands memory to a colocated trainer; under 500
-concurrent requests, /health and /v1/loads answer at once."""
+concurrent requests, /health and /v1/loads answer at once; a step held past --health-timeout is a
+503 until it ends."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -79,3 +81,23 @@ def test_after_kv_exhaustion_an_idle_default_server_holds_no_kv_and_releases_its
         assert after["rollout/kv_usage"] == 0 and after["rollout/num_running"] == 0
         assert requests.post(server.url + "/release_memory_occupation", json={}, timeout=60).status_code == 200
         assert requests.post(server.url + "/resume_memory_occupation", json={}, timeout=60).status_code == 200
+
+
+def test_a_step_that_holds_the_loop_past_the_health_timeout_is_a_503_until_it_ends(default_model_dir):
+    """/health's other half: a step longer than --health-timeout (one 1,000-token prefill chunk, ~9 s
+    on the CPU) answers 503 naming the step, and the server is healthy again once it ends."""
+    with running_server("default", "--health-timeout", "1.5", "--max-prefill-tokens", "4096") as server:
+        body = {"input_ids": [list(range(1000, 2000))], "sampling_params": {"max_new_tokens": 1}}
+        answers = []
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(requests.post, server.url + "/generate", json=body, timeout=600)
+            while not done.done():
+                r = requests.get(server.url + "/health", timeout=10)
+                answers.append((r.status_code, r.json()["error"]["message"] if r.status_code != 200 else ""))
+                time.sleep(0.1)
+        assert done.result().status_code == 200
+        assert any(code == 503 and "busy with one step" in why for code, why in answers), answers
+        deadline = time.monotonic() + 30
+        while requests.get(server.url + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "/health stayed 503 after the step"
+            time.sleep(0.2)
