@@ -25,4 +25,9 @@ def running_servers(*servers: tuple[str, ...], timeout: float = 300.0):
                    for model, *args in servers]
         for server in started:
             server.wait_healthy(timeout)
-        yield started
+        try:
+            yield started
+        except BaseException:  # the servers' side of a failure (pytest shows it with the test's output)
+            for server in started:
+                print(f"---- {server.url}'s log, last 4,000 characters:\n{server.log()[-4000:]}")
+            raise

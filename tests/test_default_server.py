@@ -85,7 +85,8 @@ def test_after_kv_exhaustion_an_idle_default_server_holds_no_kv_and_releases_its
 
 def test_a_step_that_holds_the_loop_past_the_health_timeout_is_a_503_until_it_ends(default_model_dir):
     """/health's other half: a step longer than --health-timeout (one 1,000-token prefill chunk, ~9 s
-    on the CPU) answers 503 naming the step, and the server is healthy again once it ends."""
+    on the CPU) answers 503 naming the step, and the server is healthy again once it ends; its log
+    says when /health turned, both ways."""
     with running_server("default", "--health-timeout", "1.5", "--max-prefill-tokens", "4096") as server:
         body = {"input_ids": [list(range(1000, 2000))], "sampling_params": {"max_new_tokens": 1}}
         answers = []
@@ -101,3 +102,6 @@ def test_a_step_that_holds_the_loop_past_the_health_timeout_is_a_503_until_it_en
         while requests.get(server.url + "/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "/health stayed 503 after the step"
             time.sleep(0.2)
+        log = server.log()
+        assert "/health answers 503: the engine process's loop has been busy with one step" in log, log
+        assert "/health answers 200 again" in log, log

@@ -268,7 +268,14 @@ async def health(request: Request) -> Response:
     why = [unhealthy(c, "the engine process" if len(clients) == 1 else f"engine process {c.dp_rank}",
                      fe.settings.health_timeout) for c in clients]
     if all(why):
-        return JSON(error_body(503, "; ".join(why) if len(why) > 1 else why[0]), status_code=503)
+        message = "; ".join(why) if len(why) > 1 else why[0]
+        if fe.healthy:  # (the log says when it turns, not at every probe)
+            log.warning("/health answers 503: %s", message)
+        fe.healthy = False
+        return JSON(error_body(503, message), status_code=503)
+    if not fe.healthy:
+        log.warning("/health answers 200 again")
+    fe.healthy = True
     return JSON({"status": "ok", "weight_version": fe.engine.weight_version})
 
 

@@ -92,6 +92,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.settings = settings
         self.model_path = model_path
+        self.healthy = True  # what /health answered last (the server's log says when that changes)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     async def _in_thread(self, fn, *args, **kwargs):
