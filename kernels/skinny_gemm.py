@@ -62,7 +62,9 @@ INVARIANT_GROUP_M = 8  # row blocks whose programs take a column block in turn (
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 MAX_COLD_COPIES = 1024  # weights a choice is timed on, at most (cold_copies)
 CPU_BLOCK_ROWS = 8
-CPU_WEIGHT_CHUNK_BYTES = 4 << 20  # a weight's rows that one pass of the CPU's blocks reads (_cpu_linear)
+# a weight's rows that one pass of the CPU's blocks reads (_cpu_linear): the default model's decode 1.24x / 1.30x / 1.90x
+# at b1 / b8 / b64 against 4 MiB on the 2-core machine, 512 KiB within 3% of it (bench/probes/cpu_chunks.py)
+CPU_WEIGHT_CHUNK_BYTES = 1 << 20
 PREFETCH_BYTES = 16 << 20  # weight a product prefetches into L2 before its wait (bench/gemm_choice.py)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _use_triton: dict[tuple, bool] = {}  # (N, K, rows, dtype, out dtype, has_bias, PDL) -> Triton beat cuBLAS
@@ -164,8 +166,8 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     chunk_rows = max(1, CPU_WEIGHT_CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
     if weight.shape[0] <= 2 * chunk_rows:
         return _block_products(blocks, weight, bias).view(-1, weight.shape[0])[:rows]
-    # a weight larger than the cache (an LM head), each block reading all of it, ran at DRAM speed:
-    # a chunk of its rows at a time, every block over it while it is in the cache (with the blocks
+    # a weight larger than the cache's share (an LM head, an MLP's), each block reading all of it,
+    # ran at DRAM speed: a chunk of its rows at a time, every block over it while it is in the cache (with the blocks
     # batched, 3.3-3.7x at 72-256 rows: bench/probes/cpu_blocks.py). Chunked at any row count: the
     # products' shapes, and so a row's bits, stay the step's own.
     chunks = weight.split(chunk_rows)

@@ -1,8 +1,8 @@
 """The CPU probe behind bench/RESULTS.md's CPU-products row (a record, not a tool): the CPU's products
-(kernels/skinny_gemm.py `_cpu_linear`: 8-row blocks in one batched product, a weight over 4 MiB a chunk
-of rows at a time) against F.linear called on each 8-row block over the whole weight (the definition it
-replaced, the same bits where the weight is not chunked), for the default model's shapes, in turns.
-`python bench/probes/cpu_blocks.py`."""
+(kernels/skinny_gemm.py `_cpu_linear`: 8-row blocks in one batched product, a weight over twice
+CPU_WEIGHT_CHUNK_BYTES a chunk of rows at a time; its log ran at 4 MiB) against F.linear called on
+each 8-row block over the whole weight (the definition it replaced, the same bits where the weight is
+not chunked), for the default model's shapes, in turns. `python bench/probes/cpu_blocks.py`."""
 
 import statistics
 import sys
