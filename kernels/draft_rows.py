@@ -15,9 +15,9 @@ are fixed by (S, N, capacity), so all of it runs inside a CUDA graph.
 `lay_out_drafts` is two Triton kernels on CUDA (a histogram of the keys, then a block of
 sequences per program: the histogram gives the lowest key kept, and each program lays its
 sequences' rows out after counting the earlier blocks' rows) and `lay_out_drafts_ref`
-elsewhere, the definition the kernels are held to. In torch ops the same work was a top-k and
-~80 us more of small index kernels at 128 sequences on an H100, a fixed cost of every drafting
-step whatever its number of rows (bench/RESULTS.md).
+elsewhere, the definition the kernels are held to. In torch ops the same work was ~100 us of
+small index kernels (choosing, laying out, gathering) at 128 sequences on an H100, a fixed cost of
+every drafting step whatever its number of rows (bench/RESULTS.md at commit 8a4b12b).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ MAX_SPLITS = 64
 # Batch-invariant steps (coupled sampling): splits of this many keys from the first, whatever the
 # step, so a query's partial sums, and their merge, depend on its position alone. 2,048: a large batch wants
 # few splits, a rollout's tail of long samples many; on an H200 512 ran the 8B shape's b64 (1k keys) at 0.88x of
-# the default mode and rl 64 x 8 at 0.96x, 2,048 at 0.955x and 0.92x (bench/RESULTS.md)
+# the default mode and rl 64 x 8 at 0.96x, 2,048 at 0.955x and 0.92x (bench/results/session-20261129e/
+# deterministic-ab-8b.log; RESULTS at commit dbfeafd)
 INVARIANT_KEYS_PER_SPLIT = 2048
 
 
@@ -213,7 +214,7 @@ def _attention_kernel(
     # whole tiles before `mid` lie in the cached prefix: no mask needed there. Batch-invariant:
     # every tile masked, since where the cached prefix ends depends on the step (a decode step
     # caches all but its token, a verify step only the root), and with the unmasked tiles the
-    # two kinds of step came out in other bits (bench/coupled_divergence.py, bench/RESULTS.md)
+    # two kinds of step came out in other bits (bench/coupled_divergence.py; commit da467b5)
     if keys_per_split > 0:
         mid = lo
     else:
@@ -375,7 +376,7 @@ class TritonAttention:
             # decode / verify: blocks of 16 rows (tl.dot's least). Most sequences of a verify step
             # have their root alone (GROUP rows), and a block sized for the widest tree made each
             # of them pay for its rows: 27% more attention for 12% more rows at 512 sequences
-            # (bench/RESULTS.md). A tree's further blocks re-read its K/V; they run beside each
+            # (RESULTS at commit c294012). A tree's further blocks re-read its K/V; they run beside each
             # other on axis 0, so mostly from L2 (not profiled).
             block_m = 16
             # 128-key tiles, not 64: rl's tail (96 rows of 1-2k keys) 1.42x alone, the invariant

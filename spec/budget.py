@@ -29,7 +29,7 @@ S (1 + acc(C)) / cost(b, C).
   have accepted (`slowest`): each sequence keeps its own rate, moved by each evaluation of its
   trees. With one estimate for all, the rl workload at T=1.0 (every sample runs to the length
   limit, drafts accepted for a few repetitive ones) drafted on over a third of its steps, raising
-  tokens per second while saving 16 of 2,050 steps (bench/RESULTS.md).
+  tokens per second while saving 16 of 2,050 steps (commit f143e0d).
 - cost(b, C) is a step's period: the wall time from one step's completion to the next's.
   Steps overlap the host's work, so the period is whichever of the device and the host is
   slower, as measured, with nothing modelled (a model of the two apart priced drafting as free

@@ -148,13 +148,13 @@ class Speculator:
         """`draining`: no request waits to be admitted (spec/budget.py)."""
         if not self.enabled:
             return StepPlan(0, False, False)
-        # Sequences that follow their earlier rollout under coupled sampling (as of the last drafting
-        # step) draft its next tokens, accepted 0.87-0.99 of the time on the GPU while aligned
-        # (bench/RESULTS.md); their chains' keys rank above every n-gram draft, so a step's rows go
-        # to them first. The budget weighs them at their measured acceptance (a running mean over
-        # the last few hundred), against its measured costs, rather than wait for its estimates,
-        # which learn too slowly for them (per-sequence rates move a tenth of the way every 8
-        # steps, and the drain caps them at the slowest tenth's).
+        # Sequences that follow their earlier rollout under coupled sampling (as of the last drafting step)
+        # draft its next tokens, accepted 0.995-1.000 of the time on the GPU while aligned (bench/RESULTS.md's
+        # coupled rows and their logs); their chains' keys rank above every n-gram draft, so a step's rows go
+        # to them first. The budget weighs them at their measured acceptance (a running mean over the last few
+        # hundred), against its measured costs, rather than wait for its estimates, which learn too slowly for
+        # them (per-sequence rates move a tenth of the way every 8 steps, and the drain caps them at the
+        # slowest tenth's).
         if self.cycle is not None and self.cycle.awake and self.cycle.evaluations < INFORMED_AFTER:
             self.budget.shadow_often()  # (its estimates are uninformed: its idle and paying steps do not count yet)
         plan = self.budget.plan(num_seqs, free_slots, draining,

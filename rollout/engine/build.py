@@ -195,12 +195,12 @@ def resolve_device(name: str, gpu: int = 0) -> torch.device:
 
 
 def keep_host_heap() -> None:
-    """glibc's malloc, in a process that runs an engine on the CPU: large blocks come from the heap rather
-    than fresh mappings, and the heap's free top is kept. A CPU step's large temporaries (which ones was
-    not traced) were otherwise mapped, faulted in page by page and unmapped at every step: 24.7 million
-    minor faults (~1 GB a step) in a rollout of 2,487 tokens of the default model, at 49.5 tokens/s
-    against 89.1 with the heap kept (bench/RESULTS.md). The process then holds its peak memory, as a
-    caching allocator would. Without glibc (musl, macOS) nothing changes."""
+    """glibc's malloc, in a process that runs an engine on the CPU: large blocks come from the heap rather than fresh
+    mappings, and the heap's free top is kept. A CPU step's large temporaries (which ones was not traced) were
+    otherwise mapped, faulted in page by page and unmapped at every step: 24.7 million minor faults (~1 GB a step)
+    in a rollout of 2,487 tokens of the default model, at 49.5 tokens/s against 89.1 with the heap kept
+    (bench/results/session-20261128b/cpu-heap-*.log). The process then holds its peak memory, as a caching allocator
+    would. Without glibc (musl, macOS) nothing changes."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_MAX, 0)

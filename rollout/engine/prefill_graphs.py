@@ -1,8 +1,8 @@
 """CUDA graphs of small one-sequence prefill steps, one per token-count bucket.
 
 A request alone (b1) prefills its prompt in one step, eagerly: on the Llama-3.1-8B shape its
-~400 launches took the host longer than the GPU took to run them (14 ms for 128 tokens on an
-H200, where reading the weights takes ~3.4 ms; bench/RESULTS.md). A prefill step of one
+~400 launches took the host longer than the GPU took to run them (15-22 ms for 128 tokens on
+an H200, where reading the weights takes ~3.4 ms; 6.1 ms in these graphs: bench/RESULTS.md). A prefill step of one
 sequence's chunk of at most BUCKETS[-1] tokens, with nothing riding along and no draft head
 reading its hidden states, replays instead the graph of the smallest bucket that holds it:
 
