@@ -166,10 +166,10 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     chunk_rows = max(1, CPU_WEIGHT_CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
     if weight.shape[0] <= 2 * chunk_rows:
         return _block_products(blocks, weight, bias).view(-1, weight.shape[0])[:rows]
-    # a weight larger than the cache's share (an LM head, an MLP's), each block reading all of it,
-    # ran at DRAM speed: a chunk of its rows at a time, every block over it while it is in the cache (with the blocks
-    # batched, 3.3-3.7x at 72-256 rows: bench/probes/cpu_blocks.py). Chunked at any row count: the
-    # products' shapes, and so a row's bits, stay the step's own.
+    # a weight larger than the cache's share (an LM head, an MLP's), each block reading all of it, ran at
+    # DRAM speed: a chunk of its rows at a time, every block over it while it is in the cache (with the
+    # blocks batched, 3.3-3.7x at 72-256 rows: bench/probes/cpu_blocks.py). Chunked at any row count:
+    # the products' shapes, and so a row's bits, stay the step's own.
     chunks = weight.split(chunk_rows)
     biases = [None] * len(chunks) if bias is None else bias.split(chunk_rows)
     out = torch.cat([_block_products(blocks, w, b) for w, b in zip(chunks, biases)], dim=-1)
