@@ -71,7 +71,7 @@ def cyclic_requests_after(run) -> list[str]:
     try:
         run()
     finally:
-        found = cyclic_requests_found()
+        found = cyclic_requests_found()  # (the collector back as it was, also when run() raised)
     return found
 
 
@@ -147,6 +147,7 @@ def test_a_tensor_parallel_follower_lets_go_of_a_finished_rollout_as_rank_0_does
         deadline = time.monotonic() + 60
         while not found.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert found.exists(), "rank 1 did not report within 60 s"
         assert json.loads(found.read_text()) == []
     finally:
         engine.close()
