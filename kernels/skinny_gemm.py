@@ -62,8 +62,8 @@ INVARIANT_GROUP_M = 8  # row blocks whose programs take a column block in turn (
 GRAPH_CALLS = 20  # calls in the CUDA graph that times a choice
 MAX_COLD_COPIES = 1024  # weights a choice is timed on, at most (cold_copies)
 CPU_BLOCK_ROWS = 8
-# a weight's rows that one pass of the CPU's blocks reads (_cpu_linear): the default model's decode 1.24x / 1.30x / 1.90x
-# at b1 / b8 / b64 against 4 MiB on the 2-core machine, 512 KiB within 3% of it (bench/probes/cpu_chunks.py)
+# a weight's rows that one pass of the CPU's blocks reads (_cpu_linear): the default model's decode 1.29x / 1.32x / 1.91x
+# at b1 / b8 / b64 against 4 MiB on the 2-core machine; 512 KiB 1.33x / 1.39x / 1.89x (bench/probes/cpu_chunks.py)
 CPU_WEIGHT_CHUNK_BYTES = 1 << 20
 PREFETCH_BYTES = 16 << 20  # weight a product prefetches into L2 before its wait (bench/gemm_choice.py)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
