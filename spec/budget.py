@@ -16,7 +16,10 @@ S (1 + acc(C)) / cost(b, C).
   every fraction and counts how deep each sequence's chosen nodes match what it emitted
   (spec/speculator.py). Under counter-based sampling a draft is accepted exactly when it equals
   the token the sequence emits anyway, so this is what verification would find, without
-  verifying anything.
+  verifying anything. A step that does verify drafts measures acc at its own fraction, and that
+  counts as an evaluation of it (`observe_verified`): with the trees back every 64 steps, a
+  bucket that drafted on estimates learnt at another temperature went on for a rollout (grpo b512
+  at T=1.0 after T=0.7: 10-49 drafting steps a rollout, 0-2 alone).
   Evaluations are averaged with decaying weights, per bucket: a fraction means different
   drafts at different batch sizes (1/8 of a draft per sequence at 512 sequences, a whole one
   for each of 2), and one estimate for all had the tail's acceptance of 0.48 drafts per
@@ -231,6 +234,19 @@ class DraftBudget:
             known = self._seq_acc[~np.isnan(self._seq_acc[:, 0])]
             k = int(SLOWEST * (len(known) - 1))  # (the lower SLOWEST quantile, by partition: np.quantile costs 5x)
             self.slowest = np.partition(known, k, axis=0)[k] if len(known) else None
+
+    def observe_verified(self, num_seqs: int, rows: int, accepted: int) -> None:
+        """A step of `num_seqs` sequences verified `rows` drafts of the index and `accepted` of them
+        were: what acc says of the fraction that gives those rows, measured (a step that drafts on
+        estimates learnt elsewhere, at another temperature or bucket, corrects them at once; trees
+        come back only every SHADOW_EVERY to SHADOW_MOST steps)."""
+        b = bucket(num_seqs)
+        i = next((i for i, c in self._levels_of(b) if c == rows), None)
+        if i is None:
+            return
+        if b not in self.acc:
+            self.acc[b] = self.accepted_at(b).copy()
+        self.acc[b][i] += ACCEPT_WEIGHT * (accepted / num_seqs - self.acc[b][i])
 
     def forget(self, row: int) -> None:
         """The sequence in KV row `row` stopped running."""

@@ -201,6 +201,8 @@ class Speculator:
             if self.watch is not None:
                 self._observe_chains(report)
         self.budget.observe_step(len(seqs), draft_rows, seconds)
+        if draft_rows and report is not None and set(report.by_source) == {"ngram"}:  # (the trees' drafts alone)
+            self.budget.observe_verified(len(seqs), draft_rows, report.by_source["ngram"].accepted)
         if trees is not None:
             self._waiting.append(_Trees(seqs, roots, *trees))
         while self._waiting and self._waiting[0].age > self.depth:  # the tokens after every root are known

@@ -15,7 +15,7 @@ from kernels.draft_rows import lay_out_drafts_ref
 from kernels.ngram_draft import PADDING
 from rollout import Engine, SamplingParams, SpecConfig
 from rollout.tools.datasets import chat_prompt_ids
-from spec.budget import FRACTIONS, MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, SHADOW_MOST, DraftBudget
+from spec.budget import ACCEPT_WEIGHT, FRACTIONS, MEASURED_AFTER, REFRESH_EVERY, SHADOW_EVERY, SHADOW_MOST, DraftBudget
 from spec.speculator import _Trees, kept_drafts, score_trees
 
 QUESTIONS = [
@@ -223,6 +223,29 @@ def test_the_budget_verifies_drafts_only_when_measured_acceptance_pays_for_measu
         host_bound.observe_step(512, 512, 0.004)
     host_bound.acc[512] = np.array([0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.0])
     assert host_bound.plan(512, 10_000).draft_rows == 0  # (1 + 0.5) / 4 ms loses to 1 / 2 ms
+
+
+def test_a_verify_step_corrects_the_acceptance_of_the_fraction_it_drafted_at():
+    """Estimates learnt at another temperature (0.4 drafts a sequence at 1/8) keep a bucket drafting
+    that the trees, back every 64 steps while nothing pays, would correct slowly; its verify
+    steps say what its drafts do now."""
+    budget = DraftBudget(max_draft_tokens=8, max_verify_tokens=4096, max_rows=512)
+    for _ in range(5):
+        budget.observe_step(256, 0, 0.002)
+    for _ in range(MEASURED_AFTER):
+        budget.observe_step(256, 32, 0.0025)  # 32 rows add 0.5 ms
+    budget.acc[256] = np.array([0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7])
+    assert budget.plan(256, 10_000).draft_rows == 32  # (1 + 0.4) / 2.5 ms beats 1 / 2 ms
+    budget.observe_verified(250, 32, 5)  # 0.02 accepted a sequence
+    assert budget.acc[256][0] == pytest.approx(0.4 + ACCEPT_WEIGHT * (5 / 250 - 0.4))
+    assert budget.acc[256][1:].tolist() == [0.45, 0.5, 0.55, 0.6, 0.65, 0.7]  # (the fractions not verified)
+    budget.observe_verified(250, 32, 5)
+    assert budget.plan(256, 10_000).draft_rows == 0
+    before = budget.acc[256].copy()
+    budget.observe_verified(250, 33, 5)  # rows no fraction gives: nothing to say
+    assert budget.acc[256].tolist() == before.tolist()
+    budget.observe_verified(500, 64, 256)  # a bucket not yet evaluated starts from what it borrows
+    assert budget.acc[512][0] == pytest.approx(0.125 + ACCEPT_WEIGHT * (256 / 500 - 0.125))
 
 
 def test_acceptance_is_estimated_per_batch_bucket_and_borrowed_within_what_a_fraction_can_confirm():
