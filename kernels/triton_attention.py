@@ -332,7 +332,7 @@ class TritonAttention:
 
     `batch_invariant`: a query's output is the same bits in any step, whatever else the step holds
     (a decode step, a draft tree's verify, a prefill chunk): blocks of 16 rows, and keys split
-    every INVARIANT_KEYS_PER_SPLIT from the first, always merged. Coupled sampling needs it: its
+    every INVARIANT_KEYS_PER_SPLIT from the first, merged in key order. Coupled sampling needs it: its
     later rollout verifies as trees the tokens its earlier one decoded a row at a time.
     """
 
@@ -471,7 +471,10 @@ class TritonAttention:
             return out
         block_d = triton.next_power_of_2(head_dim)
 
-        split = config.num_splits > 1 or self.batch_invariant
+        # A batch-invariant step whose keys fit one split writes its rows directly: merging one
+        # split, or one beside empty ones, multiplies by exp2(0) = 1 and divides by 1, so a row has
+        # the same bits either way (and a prefill of 1k-token prompts skips the merge's pass)
+        split = config.num_splits > 1
         if split:
             part_out, part_lse = self._alloc_partials(num_tokens, num_heads, config.num_splits, head_dim, q.device)
         else:

@@ -296,6 +296,24 @@ def test_small_batch_invariant_splits_match_reference(tree, monkeypatch):
     assert backend.launch_config(6, 2, 32, torch.float32, DEVICE).num_splits == 4
 
 
+def test_small_batch_invariant_rows_of_one_split_alike_written_directly_or_merged(monkeypatch):
+    """Keys within one split (64 here, 2,048 in steps): a step whose every sequence fits writes its
+    rows directly, and the same rows in a step of more splits (a graph's upper-bound max_kv_len)
+    are merged from one split beside empty ones; the bits must not differ."""
+    monkeypatch.setattr(triton_attention, "INVARIANT_KEYS_PER_SPLIT", 64)
+    partials = []  # the split-KV scratch each step allocated: none without a merge
+    alloc = TritonAttention._alloc_partials
+    monkeypatch.setattr(TritonAttention, "_alloc_partials", lambda self, *a: partials.append(a) or alloc(self, *a))
+    case = make_case([1, 5, 2], [30, 40, 62], heads=6, kv_heads=2, dim=32, dtype=torch.float16, seed=29)
+    check(case, batch_invariant=True)
+    direct, backend = run_triton(case, batch_invariant=True)
+    assert backend.launch_config(6, 2, 32, torch.float16, DEVICE).num_splits == 1 and not partials
+    case.meta.max_kv_len = 200
+    merged, backend = run_triton(case, batch_invariant=True)
+    assert backend.launch_config(6, 2, 32, torch.float16, DEVICE).num_splits == 4
+    assert torch.equal(direct, merged)
+
+
 def test_small_head_dim_not_power_of_two():
     case = make_case([1, 9, 3], [40, 70, 0], heads=4, kv_heads=2, dim=48, dtype=torch.float32, seed=5, tree="random")
     check(case, num_splits=2)
