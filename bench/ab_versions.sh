@@ -6,6 +6,8 @@
 #                bash bench/ab_versions.sh pending NAME...   (ab/NAME: this commit with bench/pending/NAME.diff applied)
 #   on the GPU:  bash bench/ab_versions.sh copy NAME CMD...     (ab/NAME: the checkout's code, then CMD run in it, e.g.
 #                `patch -s -p1 -i ../../X.diff`: where ab/ does not fit beside a model part, and there is no git)
+#   on the GPU:  bash bench/ab_versions.sh apply NAME DIFF...   (ab/NAME: the checkout's code with the code parts of
+#                bench/pending/DIFF.diff applied, each on the one before: pending changes stacked, without git)
 #   on the GPU:  [CYCLES=N] bash bench/ab_versions.sh run REV... -- <rollout bench args>   (carry: ab)
 #
 # `run` takes "head" for the checkout itself; each version runs in its own directory, so it
@@ -18,7 +20,7 @@
 # brings back 8 files). Each cycle draws its own samples (--seed), the versions of a
 # cycle the same ones (rollout bench's rounds do the same).
 set -uo pipefail
-cmd=${1:?prepare | pending | copy | run}; shift
+cmd=${1:?prepare | pending | copy | apply | run}; shift
 revs=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do revs+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -42,6 +44,17 @@ copy)  # (revs: the name, then the command)
   [ -d "ab/$name" ] && exit 0
   mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" &&
     (cd "ab/$name" && "${revs[@]:1}")
+  ;;
+apply)  # (revs: the name, then the pending diffs in order)
+  name=${revs[0]}
+  [ -d "ab/$name" ] && exit 0
+  mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" || exit 1
+  for diff in "${revs[@]:1}"; do  # (a diff's docs, bench and *.md parts are not in the tree a version runs)
+    python3 -c 'import re, sys
+parts = re.split(r"(?m)^(?=diff --git )", open(sys.argv[1]).read())[1:]
+print("".join(p for p in parts if not re.match(r"diff --git a/(docs/|bench/|\S+\.md )", p)), end="")' \
+      "bench/pending/$diff.diff" > "/tmp/$diff.code.diff" && patch -s -p1 -d "ab/$name" -i "/tmp/$diff.code.diff" || exit 1
+  done
   ;;
 run)
   export PYTHONUNBUFFERED=1 ROLLOUT_CACHE=/root/mcache/cache ROLLOUT_DEFAULT_GGUF=/root/mcache/smol.gguf
