@@ -3,10 +3,10 @@
 # .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says). Logs to $OUT.
 #   probes:  bench/probes/skinny_tma.py (decode products by TMA, issue 65) and bench/probes/moe_tma.py (the expert
 #            products' weights by TMA, issue 64) at this checkout
-#   inv:     invariant-tma-loads.diff: its kernel tests and deterministic mode's and coupled sampling's GPU tests, then
-#            deterministic mode's speed on the 8B shape b64 (1k prompts) and on rl 64 x 8 T=1.0, against this checkout
-#   moe:     moe-tma-weights.diff (on top of invariant-tma-loads): the MoE kernel and engine GPU tests, then one layer's
-#            kernels and the Qwen3-30B-A3B shape's decode at b1/b64/b512 against invariant-tma-loads alone, 2 cycles
+#   inv-tests, inv-ab:  invariant-tma-loads.diff: its kernel tests and deterministic mode's and coupled sampling's GPU
+#            tests; deterministic mode's speed on the 8B shape b64 (1k prompts) and on rl 64 x 8 T=1.0 against this checkout
+#   moe-tests, moe-ab:  moe-tma-weights.diff (on top of invariant-tma-loads): the MoE kernel and engine GPU tests; one
+#            layer's kernels and the Qwen3-30B-A3B shape's decode at b1/b64/b512 against invariant-tma-loads alone, 2 cycles
 source bench/session_env.sh
 bash bench/ab_versions.sh apply invariant-tma-loads invariant-tma-loads
 bash bench/ab_versions.sh apply moe-tma-weights invariant-tma-loads moe-tma-weights
@@ -14,21 +14,25 @@ in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over 
   local root=$ROOT/ab/$1 limit=$2; shift 2
   (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 -m pytest -q -m gpu "$@" 2>&1 | tail -4)
 }
-case ${1:?probes | inv | moe} in
+case ${1:?probes | inv-tests | inv-ab | moe-tests | moe-ab} in
 probes)
   timeout 240 python3 bench/probes/skinny_tma.py 2>&1 | grep -v -i warn | tee "$OUT/skinny-tma.log" | grep "a layer"
   timeout 240 python3 bench/probes/moe_tma.py 2>&1 | grep -v -i warn | tee "$OUT/moe-tma.log" | grep "both"
   ;;
-inv)
+inv-tests)
   { in_tree invariant-tma-loads 120 tests/test_fused_kernels.py -k "invariant or tma"
     in_tree invariant-tma-loads 300 tests/test_engine_gpu.py tests/test_numerics_gpu.py -k "invariant or deterministic or coupled"
   } | tee "$OUT/inv-tma-tests.log"
+  ;;
+inv-ab)
   for shape in 8b rl; do
     SHAPE=$shape VERSIONS="head invariant-tma-loads" CYCLES=2 bash bench/gpu_session.sh deterministic-ab | tail -8
   done
   ;;
-moe)
-  in_tree moe-tma-weights 240 tests/test_fused_moe_kernel.py tests/test_moe_gpu.py | tee "$OUT/moe-tma-tests.log"
+moe-tests)
+  in_tree moe-tma-weights 400 tests/test_fused_moe_kernel.py tests/test_moe_gpu.py | tee "$OUT/moe-tma-tests.log"
+  ;;
+moe-ab)
   for v in invariant-tma-loads moe-tma-weights; do
     echo "== $v"
     (cd "ab/$v" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 "$ROOT/bench/moe_kernels.py" --rows 1,64,512 --blocks "" |
