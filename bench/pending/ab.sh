@@ -7,14 +7,17 @@
 #            tests; deterministic mode's speed on the 8B shape b64 (1k prompts) and on rl 64 x 8 T=1.0 against this checkout
 #   moe-tests, moe-ab:  moe-tma-weights.diff (on top of invariant-tma-loads): the MoE kernel and engine GPU tests; one
 #            layer's kernels and the Qwen3-30B-A3B shape's decode at b1/b64/b512 against invariant-tma-loads alone, 2 cycles
+#   skinny:  skinny-tma-weights.diff (on top of invariant-tma-loads), if the probe pays: its kernel tests, then the 8B
+#            shape's b1 decode and the default model's b1/b8/b64 against invariant-tma-loads alone, 2 cycles
 source bench/session_env.sh
 bash bench/ab_versions.sh apply invariant-tma-loads invariant-tma-loads
 bash bench/ab_versions.sh apply moe-tma-weights invariant-tma-loads moe-tma-weights
+bash bench/ab_versions.sh apply skinny-tma-weights invariant-tma-loads skinny-tma-weights
 in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over its own code
   local root=$ROOT/ab/$1 limit=$2; shift 2
   (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 -m pytest -q -m gpu "$@" 2>&1 | tail -4)
 }
-case ${1:?probes | inv-tests | inv-ab | moe-tests | moe-ab} in
+case ${1:?probes | inv-tests | inv-ab | moe-tests | moe-ab | skinny} in
 probes)
   timeout 240 python3 bench/probes/skinny_tma.py 2>&1 | grep -v -i warn | tee "$OUT/skinny-tma.log" | grep "a layer"
   timeout 240 python3 bench/probes/moe_tma.py 2>&1 | grep -v -i warn | tee "$OUT/moe-tma.log" | grep "both"
@@ -41,5 +44,12 @@ moe-ab)
   CYCLES=2 BENCH_OUT=/tmp/bench-moe-tma bash bench/ab_versions.sh run invariant-tma-loads moe-tma-weights -- \
     --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 \
     --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/moe-tma-decode.log" | tail -12
+  ;;
+skinny)
+  in_tree skinny-tma-weights 120 tests/test_fused_kernels.py -k "tma or skinny or few_row" | tee "$OUT/skinny-tma-tests.log"
+  for args in "--random-model llama3-8b --batch-sizes 1" "--batch-sizes 1,8,64"; do
+    CYCLES=2 BENCH_OUT=/tmp/bench-skinny-$RANDOM bash bench/ab_versions.sh run invariant-tma-loads skinny-tma-weights -- \
+      --workload decode --spec-modes off --prompt-len 128 --output-len 128 $args 2>&1 | tail -8
+  done | tee "$OUT/skinny-tma-decode.log"
   ;;
 esac
