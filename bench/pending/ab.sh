@@ -19,8 +19,8 @@ in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over 
 }
 case ${1:?probes | inv-tests | inv-ab | moe-tests | moe-ab | skinny} in
 probes)
-  timeout 240 python3 bench/probes/skinny_tma.py 2>&1 | grep -v -i warn | tee "$OUT/skinny-tma.log" | grep "a layer"
-  timeout 240 python3 bench/probes/moe_tma.py 2>&1 | grep -v -i warn | tee "$OUT/moe-tma.log" | grep "both"
+  timeout 330 python3 bench/probes/skinny_tma.py 2>&1 | grep -v -i warn | tee "$OUT/skinny-tma.log" | grep "a layer"
+  timeout 220 python3 bench/probes/moe_tma.py 2>&1 | grep -v -i warn | tee "$OUT/moe-tma.log" | grep "both"
   ;;
 inv-tests)
   { in_tree invariant-tma-loads 120 tests/test_fused_kernels.py -k "invariant or tma"
