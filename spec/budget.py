@@ -222,9 +222,8 @@ class DraftBudget:
         accepted at each fraction; rows [P]: their KV rows (-1: no longer running)."""
         if len(accepted):
             b = bucket(num_seqs)
-            if b not in self.acc:
-                self.acc[b] = self.accepted_at(b).copy()  # (from the borrowed estimate)
-            self.acc[b] += ACCEPT_WEIGHT * (accepted.mean(axis=0) - self.acc[b])
+            acc = self._own_estimate(b)
+            acc += ACCEPT_WEIGHT * (accepted.mean(axis=0) - acc)
             self.last_evaluated = b
             live = rows >= 0
             rows, accepted = rows[live], accepted[live]
@@ -242,11 +241,15 @@ class DraftBudget:
         come back only every SHADOW_EVERY to SHADOW_MOST steps)."""
         b = bucket(num_seqs)
         i = next((i for i, c in self._levels_of(b) if c == rows), None)
-        if i is None:
-            return
+        if i is not None:
+            acc = self._own_estimate(b)
+            acc[i] += ACCEPT_WEIGHT * (accepted / num_seqs - acc[i])
+
+    def _own_estimate(self, b: int) -> np.ndarray:
+        """Bucket b's estimate, to be moved in place: from the borrowed one (`accepted_at`) at its first evaluation."""
         if b not in self.acc:
             self.acc[b] = self.accepted_at(b).copy()
-        self.acc[b][i] += ACCEPT_WEIGHT * (accepted / num_seqs - self.acc[b][i])
+        return self.acc[b]
 
     def forget(self, row: int) -> None:
         """The sequence in KV row `row` stopped running."""
