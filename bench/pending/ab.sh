@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The pending diffs' GPU A/B, one stage a device call (H200; the first call of a session carries only
 # .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says). Logs to $OUT.
-#   probes:  bench/probes/skinny_tma.py (decode products by TMA, issue 65) and bench/probes/moe_tma.py (the expert
-#            products' weights by TMA, issue 64) at this checkout
 #   inv-tests, inv-ab:  invariant-tma-loads.diff: its kernel tests and deterministic mode's and coupled sampling's GPU
 #            tests; deterministic mode's speed on the 8B shape b64 (1k prompts) and on rl 64 x 8 T=1.0 against this checkout
 #   moe-tests, moe-ab:  moe-tma-weights.diff (on top of invariant-tma-loads): the MoE kernel and engine GPU tests; one
-#            layer's kernels and the Qwen3-30B-A3B shape's decode at b1/b64/b512 against invariant-tma-loads alone, 2 cycles
-#   skinny:  skinny-tma-weights.diff (on top of invariant-tma-loads), if the probe pays: its kernel tests, then the 8B
-#            shape's b1 decode and the default model's b1/b8/b64 against invariant-tma-loads alone, 2 cycles
+#            layer's kernels (bench/moe_kernels.py in each tree) and the Qwen3-30B-A3B shape's decode at b1/b64/b512
+#            against invariant-tma-loads alone, 2 cycles
+#   skinny:  skinny-tma-weights.diff (on top of invariant-tma-loads): its kernel tests, the decode products against cuBLAS
+#            in each tree (bench/gemm_choice.py, TP 1 and 2), then the 8B shape's b1 decode and the default model's
+#            b1/b8/b64 against invariant-tma-loads alone, 2 cycles
 source bench/session_env.sh
 bash bench/ab_versions.sh apply invariant-tma-loads invariant-tma-loads
 bash bench/ab_versions.sh apply moe-tma-weights invariant-tma-loads moe-tma-weights
@@ -17,11 +17,7 @@ in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over 
   local root=$ROOT/ab/$1 limit=$2; shift 2
   (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 -m pytest -q -m gpu "$@" 2>&1 | tail -4)
 }
-case ${1:?probes | inv-tests | inv-ab | moe-tests | moe-ab | skinny} in
-probes)
-  timeout 330 python3 bench/probes/skinny_tma.py 2>&1 | grep -v -i warn | tee "$OUT/skinny-tma.log" | grep "a layer"
-  timeout 220 python3 bench/probes/moe_tma.py 2>&1 | grep -v -i warn | tee "$OUT/moe-tma.log" | grep "both"
-  ;;
+case ${1:?inv-tests | inv-ab | moe-tests | moe-ab | skinny} in
 inv-tests)
   { in_tree invariant-tma-loads 120 tests/test_fused_kernels.py -k "invariant or tma"
     in_tree invariant-tma-loads 300 tests/test_engine_gpu.py tests/test_numerics_gpu.py -k "invariant or deterministic or coupled"
@@ -47,6 +43,11 @@ moe-ab)
   ;;
 skinny)
   in_tree skinny-tma-weights 120 tests/test_fused_kernels.py -k "tma or skinny or few_row" | tee "$OUT/skinny-tma-tests.log"
+  for v in invariant-tma-loads skinny-tma-weights; do
+    echo "== $v"
+    (cd "ab/$v" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 "$ROOT/bench/gemm_choice.py" --tp-sizes 1,2 \
+      --prefetch-mib 16 2>&1 | grep "^|")
+  done | tee "$OUT/skinny-tma-products.log"
   for args in "--random-model llama3-8b --batch-sizes 1" "--batch-sizes 1,8,64"; do
     CYCLES=2 BENCH_OUT=/tmp/bench-skinny-$RANDOM bash bench/ab_versions.sh run invariant-tma-loads skinny-tma-weights -- \
       --workload decode --spec-modes off --prompt-len 128 --output-len 128 $args 2>&1 | tail -8

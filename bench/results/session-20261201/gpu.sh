@@ -1,21 +1,13 @@
 #!/usr/bin/env bash
 # This session's calls on one H200 (call 1 carries .devcache/smol.part.aa; later calls carry .devcache/smol.part.ab and
-# .whl). The pending diffs' trees are made on the machine from their code parts (`ab_versions.sh copy`: no git there).
+# .whl). The pending diffs' trees are made on the machine from their code parts (`ab_versions.sh apply`: no git there).
+# (The two diffs it read landed as 7ece987 and c64a45b; git holds them under bench/pending/ before those commits.)
 #   va:       bench/pending/verified-acceptance.diff against this checkout: grpo b512 at T=0.7 then 1.0, 2 cycles
 #   va-rl:    the same pair on the rl row at T=0.7 (64 x 8, up to 2,048 tokens), where drafting pays, 2 cycles
 #   inv:      bench/pending/invariant-one-split-direct.diff: its kernel and engine GPU tests, then deterministic mode's
 #             speed on the 8B shape b64 (1,024-token prompts) against this checkout, 2 cycles
 source bench/session_env.sh
-pending() {  # ab/NAME: this checkout with the code parts of bench/pending/NAME.diff applied
-  python3 - "$1" <<'PY'
-import re, sys
-text = open(f"bench/pending/{sys.argv[1]}.diff").read()
-parts = re.split(r"(?m)^(?=diff --git )", text)[1:]
-code = [p for p in parts if not re.match(r"diff --git a/(docs/|bench/|\S+\.md )", p)]
-open(f"/tmp/{sys.argv[1]}.diff", "w").write("".join(code))
-PY
-  bash bench/ab_versions.sh copy "$1" patch -s -p1 -i "/tmp/$1.diff"
-}
+pending() { bash bench/ab_versions.sh apply "$1" "$1"; }  # ab/NAME: this checkout with bench/pending/NAME.diff's code
 case ${1:?va | va-rl | inv} in
 va)
   pending verified-acceptance && grep -c observe_verified ab/verified-acceptance/spec/budget.py
