@@ -223,6 +223,25 @@ def test_every_invariant_tile_gives_a_row_the_same_bits(dtype, out_dtype):
     assert invariant_tile(1, 4099, x.device) != invariant_tile(150, 4099, x.device)  # (the rows choose)
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9, reason="TMA: Hopper or later")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype,bias", [(None, True), (torch.float32, False)])
+def test_the_invariant_product_by_tma_loads_has_the_pointer_loads_bits(dtype, out_dtype, bias, monkeypatch):
+    """Many row blocks load their tiles by TMA (kernels/skinny_gemm.py): the same sums in the same
+    order as the pointer loads, so the same bits; K not a multiple of any BLOCK_K, where TMA fills
+    past the end with zeros as the masked loads do. Rows TMA cannot address take the pointer loads."""
+    from kernels import skinny_gemm, tma_ready
+
+    g = torch.Generator(device=DEVICE).manual_seed(13)
+    x = torch.randn(1000, 4104, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(4099, 4104, generator=g, device=DEVICE) / 64).to(dtype)
+    b = torch.randn(4099, generator=g, device=DEVICE).to(dtype) if bias else None
+    assert tma_ready(x, w) and not tma_ready(x[:, 1:], w[:, 1:])  # (rows 2 bytes off)
+    by_tma = skinny_gemm.invariant_linear(x, w, b, out_dtype)
+    monkeypatch.setattr(skinny_gemm, "tma_ready", lambda *tensors: False)
+    assert torch.equal(skinny_gemm.invariant_linear(x, w, b, out_dtype), by_tma)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_invariant_product_over_many_row_blocks_writes_every_tile(dtype):
     """Many row blocks take their programs in groups (kernels/skinny_gemm.py `_tile_of_program`):
