@@ -11,6 +11,14 @@ products, with its output compared bitwise with today's kernel's (the rows a dec
 must keep their bits).
 
     python bench/probes/invariant_tma.py [--rows 4096] [--dtype bfloat16]
+    python bench/probes/invariant_tma.py --stack 32   # a prefill step's products, layer after layer
+
+`--stack L`: L layers' four products (each layer its own weights, as a step reads them) captured in
+one CUDA graph and replayed, ms a replay: cuBLAS, the engine's kernel (`skinny_gemm.invariant_linear`,
+TMA loads since 5d3bc6e) without and with programmatic dependent launch (the engine launches with it),
+and this probe's TMA kernel (its tile stored by TMA). Alone (the table above) the probe's kernel ran
+the 8B products at 0.96x of cuBLAS; in the engine's prefill step the engine's ran at 0.81x
+(`session-20261201b/prefill-kernels-8b-b64.log`): this says whether the kernels or the step differ.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import skinny_gemm, sm_count
+from kernels import pdl, skinny_gemm, sm_count
 from kernels.skinny_gemm import graph_ms, invariant_tile
 
 def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -97,7 +105,10 @@ def main() -> None:
     ap.add_argument("--rows", default="4096")
     ap.add_argument("--shape", choices=SHAPES, default="8b")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--stack", type=int, default=0, help="instead: this many layers' products in one graph")
     args = ap.parse_args()
+    if args.stack:
+        return stack(SHAPES[args.shape], int(args.rows.split(",")[0]), args.stack, getattr(torch, args.dtype))
     for rows in map(int, args.rows.split(",")):
         table(SHAPES[args.shape], rows, getattr(torch, args.dtype))
 
@@ -131,6 +142,54 @@ def table(shapes: dict, rows: int, dtype: torch.dtype) -> None:
     print("|---|---|---|")
     for variant, us in totals.items():
         print(f"| {variant} | {us:.1f} | {totals['cuBLAS'] / us:.2f}x |")
+
+
+def stack(shapes: dict, rows: int, layers: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = {k: torch.randn(rows, k, device="cuda", dtype=dtype, generator=gen) for _, k in shapes.values()}
+    weights = [{name: torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k ** 0.5
+                for name, (n, k) in shapes.items()} for _ in range(layers)]
+
+    def engine(x, w, with_pdl):
+        pdl.set_enabled(with_pdl)
+        try:
+            return skinny_gemm.invariant_linear(x, w)
+        finally:
+            pdl.set_enabled(False)
+
+    variants = {
+        "cuBLAS": torch.nn.functional.linear,
+        "engine's kernel, PDL off": lambda x, w: engine(x, w, False),
+        "engine's kernel, PDL on": lambda x, w: engine(x, w, True),
+        "probe's TMA kernel (TMA store)": lambda x, w: today_tile(x, w, False),
+    }
+    print(f"| {layers} layers' products, {rows} rows | ms a replay | vs cuBLAS | bits = pointer loads' (first layer) |")
+    print("|---|---|---|---|")
+    first = {name: invariant_linear(inputs[k], weights[0][name]) for name, (_, k) in shapes.items()}
+    timed = {}
+    for variant, fn in variants.items():
+        def step():
+            for layer in weights:
+                for name, (_, k) in shapes.items():
+                    fn(inputs[k], layer[name])
+        step()  # compile outside the capture
+        same = all(torch.equal(fn(inputs[k], weights[0][name]), first[name]) for name, (_, k) in shapes.items())
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        ms = []
+        for _ in range(6):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            ms.append(start.elapsed_time(end))
+        timed[variant] = sorted(ms[1:])[2]
+        print(f"| {variant} | {timed[variant]:.2f} | {timed['cuBLAS'] / timed[variant]:.2f}x | "
+              f"{'-' if variant == 'cuBLAS' else same} |", flush=True)
+        del graph
 
 
 if __name__ == "__main__":
