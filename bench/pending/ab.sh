@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The pending diffs' GPU A/B, one stage a device call (H200; the first call of a session carries only
+# .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says). Logs to $OUT.
+#   tma-store:  invariant-tma-store.diff: a prefill step's products in one graph (bench/probes/invariant_tma.py --stack
+#               32) in each tree, its kernel tests, then deterministic mode's speed on the 8B shape b64 (1k prompts)
+#               against this checkout, 2 cycles
+#   moe-route:  moe-routing-counts.diff: its kernel tests, one layer's kernels (bench/moe_kernels.py) in each tree, then
+#               the Qwen3-30B-A3B shape's decode at b1/b64/b512 against this checkout, 2 cycles
+source bench/session_env.sh
+in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over its own code
+  local root=$ROOT/ab/$1 limit=$2; shift 2
+  (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 -m pytest -q -m gpu "$@" 2>&1 | tail -4)
+}
+both() {  # VERSION TIMEOUT SCRIPT ARGS...: a bench script of this checkout over this checkout's code, then the version's
+  local v=$1 limit=$2; shift 2
+  for root in "$ROOT" "$ROOT/ab/$v"; do
+    echo "== ${root#$ROOT/}"
+    (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 "$@" 2>&1 | grep "^|")
+  done
+}
+case ${1:?tma-store | moe-route} in
+tma-store)
+  bash bench/ab_versions.sh apply invariant-tma-store invariant-tma-store
+  both invariant-tma-store 150 "$ROOT/bench/probes/invariant_tma.py" --stack 32 | tee "$OUT/tma-store-stack.log"
+  in_tree invariant-tma-store 150 tests/test_fused_kernels.py -k "invariant or tma" | tee "$OUT/tma-store-tests.log"
+  SHAPE=8b VERSIONS="head invariant-tma-store" CYCLES=2 bash bench/gpu_session.sh deterministic-ab | tail -8
+  ;;
+moe-route)
+  bash bench/ab_versions.sh apply moe-routing-counts moe-routing-counts
+  in_tree moe-routing-counts 200 tests/test_fused_moe_kernel.py | tee "$OUT/moe-route-tests.log"
+  both moe-routing-counts 150 "$ROOT/bench/moe_kernels.py" --rows 1,8,64,512,4096 --blocks "" | tee "$OUT/moe-route-kernels.log"
+  CYCLES=2 BENCH_OUT=/tmp/bench-moe-route bash bench/ab_versions.sh run head moe-routing-counts -- --workload decode \
+    --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 --prompt-len 128 \
+    --output-len 256 2>&1 | tee "$OUT/moe-route-decode.log" | tail -12
+  ;;
+esac
