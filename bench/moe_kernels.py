@@ -2,6 +2,7 @@
 
     python bench/moe_kernels.py [--rows 1,8,32,64,256,512,4096] [--dtype bfloat16] [--blocks 16,32,64,128]
     python bench/moe_kernels.py --route-warps 1,2,4   # the routing alone, by its programs' warps
+    python bench/moe_kernels.py --parts               # the fused path's kernels one by one, each against its bound
 
 Per row count (a decode step's rows, or a prefill's tokens): microseconds of the routing (top-k
 and placement; where a step is small enough to route in one program, also in the two kernels a
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--blocks", default="16,32,64,128", help="rows per block to time the fused path at, besides the rule's")
     ap.add_argument("--route-warps", default="", help="instead: the routing's us by warps a program (fused_moe.ROUTE_WARPS)")
+    ap.add_argument("--parts", action="store_true", help="instead: each kernel of the fused path alone, against its bound")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = "cuda"
@@ -64,6 +66,8 @@ def main() -> None:
     blocks = [int(b) for b in args.blocks.split(",") if b]
     if args.route_warps:
         return routing_by_warps(args, dtype, [int(w) for w in args.route_warps.split(",")])
+    if args.parts:
+        return parts(args, dtype, gate_up, down)
     print("| rows | routing us | routing us, two kernels | block | fused us | " + " | ".join(f"fused us, block {b}" for b in blocks)
           + " | reference us | bound us | fused / bound |")
     print("|---" * (8 + len(blocks)) + "|")
@@ -87,6 +91,38 @@ def main() -> None:
         block = fused_moe.block_rows(rows * TOP_K, EXPERTS)
         print(f"| {rows} | {route:.1f} | {two} | {block} | {fused:.1f} | " + " | ".join(by_block)
               + f" | {ref} | {bound:.1f} | {fused / bound:.2f} |", flush=True)
+
+
+def parts(args: argparse.Namespace, dtype: torch.dtype, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """The fused path's kernels one at a time in a CUDA graph (the routing, the gate/up product with
+    SiLU, the down product, the combine), us, each beside the bytes it must move at 4.8 TB/s: the
+    distinct experts' gate/up or down weights (the products' outputs and gathered rows besides),
+    the picks read and the rows written (the combine)."""
+    print("| rows | routing us | gate/up us (bound) | down us (bound) | combine us (bound) | sum | fused whole |")
+    print("|---|---|---|---|---|---|---|")
+    size = gate_up.element_size()
+    for rows in (int(r) for r in args.rows.split(",")):
+        h = torch.randn(rows, HIDDEN, device="cuda").to(dtype)
+        logits = torch.randn(rows, EXPERTS, device="cuda").to(dtype)
+        route = fused_moe.Route(logits, TOP_K, True, dtype)
+        mid = torch.empty(rows * TOP_K, WIDTH, dtype=dtype, device="cuda")
+        picks = torch.empty(rows * TOP_K, HIDDEN, dtype=dtype, device="cuda")
+        out = torch.empty_like(h)
+        block = min(1024, triton.next_power_of_2(HIDDEN))
+        distinct = len(torch.unique(route.ids))
+        timed = {
+            "route": graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype)),
+            "gate_up": graph_us(lambda: fused_moe._expert_gemm(route, h, gate_up, mid, gated=True, invariant=False)),
+            "down": graph_us(lambda: fused_moe._expert_gemm(route, mid, down, picks, gated=False, invariant=False)),
+            "combine": graph_us(lambda: fused_moe._combine_kernel[(rows, triton.cdiv(HIDDEN, block))](
+                picks, out, HIDDEN, K=TOP_K, BLOCK=block, **fused_moe._pdl())),
+        }
+        bound = {"gate_up": distinct * gate_up[0].numel() * size, "down": distinct * down[0].numel() * size,
+                 "combine": (picks.numel() + out.numel()) * size}
+        bound = {name: b / BANDWIDTH * 1e6 for name, b in bound.items()}
+        whole = graph_us(lambda: fused_moe.experts(h, logits, gate_up, down, TOP_K, True))
+        cells = " | ".join(f"{timed[n]:.1f} ({bound[n]:.1f})" for n in ("gate_up", "down", "combine"))
+        print(f"| {rows} | {timed['route']:.1f} | {cells} | {sum(timed.values()):.1f} | {whole:.1f} |", flush=True)
 
 
 def routing_by_warps(args: argparse.Namespace, dtype: torch.dtype, warps: list[int]) -> None:

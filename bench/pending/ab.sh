@@ -5,7 +5,8 @@
 #               32) in each tree, its kernel tests, then deterministic mode's speed on the 8B shape b64 (1k prompts)
 #               against this checkout, 2 cycles
 #   moe-route:  moe-routing-counts.diff: its kernel tests, one layer's kernels (bench/moe_kernels.py) in each tree, then
-#               the Qwen3-30B-A3B shape's decode at b1/b64/b512 against this checkout, 2 cycles
+#               the Qwen3-30B-A3B shape's decode at b1/b64/b512 against this checkout, 2 cycles; first, this checkout's
+#               MoE layer kernel by kernel against each one's bound (bench/moe_kernels.py --parts: where b512's 1.42x goes)
 source bench/session_env.sh
 in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over its own code
   local root=$ROOT/ab/$1 limit=$2; shift 2
@@ -27,6 +28,7 @@ tma-store)
   ;;
 moe-route)
   bash bench/ab_versions.sh apply moe-routing-counts moe-routing-counts
+  timeout 120 python3 bench/moe_kernels.py --parts --rows 1,64,512,4096 2>&1 | grep "^|" | tee "$OUT/moe-parts.log"
   in_tree moe-routing-counts 200 tests/test_fused_moe_kernel.py | tee "$OUT/moe-route-tests.log"
   both moe-routing-counts 150 "$ROOT/bench/moe_kernels.py" --rows 1,8,64,512,4096 --blocks "" | tee "$OUT/moe-route-kernels.log"
   CYCLES=2 BENCH_OUT=/tmp/bench-moe-route bash bench/ab_versions.sh run head moe-routing-counts -- --workload decode \
