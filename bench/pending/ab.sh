@@ -4,9 +4,11 @@
 #   tma-store:  invariant-tma-store.diff: a prefill step's products in one graph (bench/probes/invariant_tma.py --stack
 #               32) in each tree, its kernel tests, then deterministic mode's speed on the 8B shape b64 (1k prompts)
 #               against this checkout, 2 cycles
-#   moe-route:  moe-routing-counts.diff: its kernel tests, one layer's kernels (bench/moe_kernels.py) in each tree, then
-#               the Qwen3-30B-A3B shape's decode at b1/b64/b512 against this checkout, 2 cycles; first, this checkout's
-#               MoE layer kernel by kernel against each one's bound (bench/moe_kernels.py --parts: where b512's 1.42x goes)
+#   moe-tests:  moe-routing-counts.diff's and moe-combine-norm.diff's kernel tests, and the MoE engine's GPU tests
+#               (graphs = eager = HF greedy, half precision, two GPUs where there are two) over the combine in the norm
+#   moe-ab:     this checkout's MoE layer kernel by kernel against each one's bound (bench/moe_kernels.py --parts: where
+#               b512's 1.42x goes); one layer's kernels (bench/moe_kernels.py) in this checkout and each tree; then the
+#               Qwen3-30B-A3B shape's decode at b1/b64/b512, each diff against this checkout, in turns, 2 cycles
 source bench/session_env.sh
 in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over its own code
   local root=$ROOT/ab/$1 limit=$2; shift 2
@@ -19,20 +21,28 @@ both() {  # VERSION TIMEOUT SCRIPT ARGS...: a bench script of this checkout over
     (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 "$@" 2>&1 | grep "^|")
   done
 }
-case ${1:?tma-store | moe-route} in
+case ${1:?tma-store | moe-tests | moe-ab} in
 tma-store)
   bash bench/ab_versions.sh apply invariant-tma-store invariant-tma-store
   both invariant-tma-store 150 "$ROOT/bench/probes/invariant_tma.py" --stack 32 | tee "$OUT/tma-store-stack.log"
   in_tree invariant-tma-store 150 tests/test_fused_kernels.py -k "invariant or tma" | tee "$OUT/tma-store-tests.log"
   SHAPE=8b VERSIONS="head invariant-tma-store" CYCLES=2 bash bench/gpu_session.sh deterministic-ab | tail -8
   ;;
-moe-route)
+moe-tests)
   bash bench/ab_versions.sh apply moe-routing-counts moe-routing-counts
+  bash bench/ab_versions.sh apply moe-combine-norm moe-combine-norm
+  { in_tree moe-routing-counts 200 tests/test_fused_moe_kernel.py -k "routing or router"
+    in_tree moe-combine-norm 100 tests/test_fused_kernels.py -k parts
+    in_tree moe-combine-norm 300 tests/test_fused_moe_kernel.py tests/test_moe_gpu.py -k "experts_match or moe_in"
+  } | tee "$OUT/moe-tests.log"
+  ;;
+moe-ab)
+  bash bench/ab_versions.sh apply moe-routing-counts moe-routing-counts
+  bash bench/ab_versions.sh apply moe-combine-norm moe-combine-norm
   timeout 120 python3 bench/moe_kernels.py --parts --rows 1,64,512,4096 2>&1 | grep "^|" | tee "$OUT/moe-parts.log"
-  in_tree moe-routing-counts 200 tests/test_fused_moe_kernel.py | tee "$OUT/moe-route-tests.log"
   both moe-routing-counts 150 "$ROOT/bench/moe_kernels.py" --rows 1,8,64,512,4096 --blocks "" | tee "$OUT/moe-route-kernels.log"
-  CYCLES=2 BENCH_OUT=/tmp/bench-moe-route bash bench/ab_versions.sh run head moe-routing-counts -- --workload decode \
-    --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 --prompt-len 128 \
-    --output-len 256 2>&1 | tee "$OUT/moe-route-decode.log" | tail -12
+  CYCLES=2 BENCH_OUT=/tmp/bench-moe-ab bash bench/ab_versions.sh run head moe-routing-counts moe-combine-norm -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 \
+    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/moe-decode.log" | tail -14
   ;;
 esac
