@@ -3,7 +3,8 @@
 # .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says). Logs to $OUT.
 #   tma-store:  invariant-tma-store.diff: a prefill step's products in one graph (bench/probes/invariant_tma.py --stack
 #               32) in each tree, its kernel tests, then deterministic mode's speed on the 8B shape b64 (1k prompts)
-#               against this checkout, 2 cycles
+#               against this checkout, 2 cycles; first, whether invariant attention keeps its bits in larger row
+#               blocks for a prefill (bench/probes/invariant_prefill_rows.py)
 #   moe-tests:  moe-routing-counts.diff's and moe-combine-norm.diff's kernel tests, and the MoE engine's GPU tests
 #               (graphs = eager = HF greedy, half precision, two GPUs where there are two) over the combine in the norm
 #   moe-ab:     this checkout's MoE layer kernel by kernel against each one's bound (bench/moe_kernels.py --parts: where
@@ -24,6 +25,7 @@ both() {  # VERSION TIMEOUT SCRIPT ARGS...: a bench script of this checkout over
 case ${1:?tma-store | moe-tests | moe-ab} in
 tma-store)
   bash bench/ab_versions.sh apply invariant-tma-store invariant-tma-store
+  timeout 100 python3 bench/probes/invariant_prefill_rows.py 2>&1 | grep "^|" | tee "$OUT/invariant-prefill-rows.log"
   both invariant-tma-store 150 "$ROOT/bench/probes/invariant_tma.py" --stack 32 | tee "$OUT/tma-store-stack.log"
   in_tree invariant-tma-store 150 tests/test_fused_kernels.py -k "invariant or tma" | tee "$OUT/tma-store-tests.log"
   SHAPE=8b VERSIONS="head invariant-tma-store" CYCLES=2 bash bench/gpu_session.sh deterministic-ab | tail -8
