@@ -7,7 +7,9 @@ query's bits do not depend on the step: a prefill re-reads each key tile once pe
 8B shape's 4 heads a KV head), where the default prefill config reads it once per 32. The keys'
 tiles (128), their order and the splits (every 2,048 keys) do not depend on the row block, and a
 fully masked tile leaves a row's sums as they are; what may differ is the products' instruction
-and the row reductions' order across threads, which only the GPU can say.
+and the row reductions' order across threads, which only the GPU can say. Today's 16-row block
+spreads its 4 warps along the keys; a block of 32 rows in 8 warps or 64 in 16 may keep that
+arrangement for each 16-row slice, and with it the bits, while reading each key tile once a block.
 
 Here the 8B shape's prefill chunk runs through the invariant kernel with blocks of 16 rows (today),
 and with larger blocks, each output compared bitwise with today's, and timed in a CUDA graph against
@@ -28,7 +30,9 @@ from kernels.skinny_gemm import graph_ms
 from kernels.triton_attention import LaunchConfig, TritonAttention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
-BLOCKS = [(16, 4, 2), (32, 4, 2), (64, 4, 2), (128, 8, 2)]  # rows a block, warps, stages
+# rows a block, warps, stages: today's first; then 4 warps along the keys a 16-row slice, as today's block has them (the
+# products' layout a warp, and the row reductions' order, may then be today's), then fewer warps a slice
+BLOCKS = [(16, 4, 2), (32, 8, 2), (64, 16, 2), (32, 4, 2), (64, 4, 2), (128, 8, 2)]
 
 
 def main() -> None:
