@@ -33,8 +33,8 @@ tma-store)
 moe-tests)
   bash bench/ab_versions.sh apply moe-routing-counts moe-routing-counts
   bash bench/ab_versions.sh apply moe-combine-norm moe-combine-norm
-  { in_tree moe-routing-counts 200 tests/test_fused_moe_kernel.py -k "routing or router"
-    in_tree moe-combine-norm 100 tests/test_fused_kernels.py -k parts
+  { in_tree moe-routing-counts 150 tests/test_fused_moe_kernel.py -k "routing or router"
+    in_tree moe-combine-norm 80 tests/test_fused_kernels.py -k parts
     in_tree moe-combine-norm 300 tests/test_fused_moe_kernel.py tests/test_moe_gpu.py -k "experts_match or moe_in"
   } | tee "$OUT/moe-tests.log"
   ;;
