@@ -10,6 +10,8 @@
 #   moe-ab:     this checkout's MoE layer kernel by kernel against each one's bound (bench/moe_kernels.py --parts: where
 #               b512's 1.42x goes); one layer's kernels (bench/moe_kernels.py) in this checkout and each tree; then the
 #               Qwen3-30B-A3B shape's decode at b1/b64/b512, each diff against this checkout, in turns, 2 cycles
+#   split-k:    no diff yet: whether a few-row product split over K, its partials summed by the next norm, beats
+#               cuBLAS's split-K and reduce (bench/probes/split_k_partials.py; issues 64 and 65)
 source bench/session_env.sh
 in_tree() {  # VERSION TIMEOUT PYTEST-ARGS...: the version's own GPU tests over its own code
   local root=$ROOT/ab/$1 limit=$2; shift 2
@@ -22,7 +24,7 @@ both() {  # VERSION TIMEOUT SCRIPT ARGS...: a bench script of this checkout over
     (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 "$@" 2>&1 | grep "^|")
   done
 }
-case ${1:?tma-store | moe-tests | moe-ab} in
+case ${1:?tma-store | moe-tests | moe-ab | split-k} in
 tma-store)
   bash bench/ab_versions.sh apply invariant-tma-store invariant-tma-store
   timeout 100 python3 bench/probes/invariant_prefill_rows.py 2>&1 | grep "^|" | tee "$OUT/invariant-prefill-rows.log"
@@ -46,5 +48,8 @@ moe-ab)
   CYCLES=2 BENCH_OUT=/tmp/bench-moe-ab bash bench/ab_versions.sh run head moe-routing-counts moe-combine-norm -- \
     --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 \
     --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/moe-decode.log" | tail -14
+  ;;
+split-k)
+  timeout 300 python3 bench/probes/split_k_partials.py 2>&1 | grep "^|" | tee "$OUT/split-k-partials.log"
   ;;
 esac
