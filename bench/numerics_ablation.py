@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
 
 import torch
 import transformers.models.llama.modeling_llama as llama
@@ -67,7 +66,7 @@ def islands(model, names: set[str], low: torch.dtype, master_head: torch.nn.Modu
              "rotary": llama.LlamaRotaryEmbedding.forward, "norm": llama.LlamaRMSNorm.forward,
              "layer": llama.LlamaDecoderLayer.forward}
     lm_head, final_norm = model.lm_head, model.model.norm
-    rotary_forward, norm_forward, layer_forward = saved["rotary"], saved["norm"], saved["layer"]
+    rotary_forward = saved["rotary"]
 
     def rotary(self, x, position_ids):
         cos, sin = rotary_forward(self, x.float(), position_ids)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from rollout.engine.sequence import Sequence
-from spec.step import HeadWork, to_device
+from spec.step import HeadWork
 
 
 @dataclass
