@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The pending diffs' GPU A/B, one stage a device call (H200; the first call of a session carries only
 # .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says). Logs to $OUT.
+# Device time, estimated: tma-store ~450 s, moe-tests ~500 s (its limits), moe-ab ~450 s, split-k ~120 s.
 #   tma-store:  invariant-tma-store.diff: a prefill step's products in one graph (bench/probes/invariant_tma.py --stack
 #               32) in each tree, its kernel tests, then deterministic mode's speed on the 8B shape b64 (1k prompts)
 #               against this checkout, 2 cycles; first, whether invariant attention keeps its bits in larger row
