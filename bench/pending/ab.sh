@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The pending diffs' GPU A/B, one stage a device call (H200; the first call of a session carries only
 # .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says). Logs to $OUT.
-# Device time, estimated: tma-store ~450 s, moe-tests ~500 s (its limits), moe-ab ~450 s, split-k ~120 s.
-#   tma-store:  invariant-tma-store.diff: a prefill step's products in one graph (bench/probes/invariant_tma.py --stack
-#               32) in each tree, its kernel tests, then deterministic mode's speed on the 8B shape b64 (1k prompts)
-#               against this checkout, 2 cycles; first, whether invariant attention keeps its bits in larger row
-#               blocks for a prefill (bench/probes/invariant_prefill_rows.py)
+# Device time, estimated: inv-tests ~450 s, inv-ab ~450 s, moe-tests ~500 s (its limits), moe-ab ~450 s, split-k
+# ~120 s: more than a session's 1,800 s, so split-k last, and moe-ab before moe-tests (its kernels decide first).
+#   inv-tests:  invariant-tma-store.diff's kernel tests; invariant-prefill-pairs.diff's attention tests (a prefill in
+#               pairs against each row decoded alone); deterministic mode's and coupled sampling's engine tests over the
+#               two stacked
+#   inv-ab:     whether invariant attention keeps its bits in larger row blocks (bench/probes/invariant_prefill_rows.py);
+#               a prefill step's products in one graph (bench/probes/invariant_tma.py --stack 32) here and with the
+#               TMA store; then deterministic mode's speed on the 8B shape b64 (1k prompts), each diff against this
+#               checkout, in turns, 2 cycles
 #   moe-tests:  moe-routing-counts.diff's and moe-combine-norm.diff's kernel tests, and the MoE engine's GPU tests
 #               (graphs = eager = HF greedy, half precision, two GPUs where there are two) over the combine in the norm
 #   moe-ab:     this checkout's MoE layer kernel by kernel against each one's bound (bench/moe_kernels.py --parts: where
@@ -25,13 +29,23 @@ both() {  # VERSION TIMEOUT SCRIPT ARGS...: a bench script of this checkout over
     (cd "$root" && PYTHONPATH=/tmp/site:$root timeout "$limit" python3 "$@" 2>&1 | grep "^|")
   done
 }
-case ${1:?tma-store | moe-tests | moe-ab | split-k} in
-tma-store)
+case ${1:?inv-tests | inv-ab | moe-tests | moe-ab | split-k} in
+inv-tests)
   bash bench/ab_versions.sh apply invariant-tma-store invariant-tma-store
+  bash bench/ab_versions.sh apply invariant-prefill-pairs invariant-prefill-pairs
+  bash bench/ab_versions.sh apply inv-both invariant-tma-store invariant-prefill-pairs
+  { in_tree invariant-tma-store 120 tests/test_fused_kernels.py -k "invariant or tma"
+    in_tree invariant-prefill-pairs 150 tests/test_triton_attention.py -k invariant
+    in_tree inv-both 300 tests/test_engine_gpu.py tests/test_numerics_gpu.py -k "invariant or deterministic or coupled"
+  } | tee "$OUT/inv-tests.log"
+  ;;
+inv-ab)
+  bash bench/ab_versions.sh apply invariant-tma-store invariant-tma-store
+  bash bench/ab_versions.sh apply invariant-prefill-pairs invariant-prefill-pairs
   timeout 100 python3 bench/probes/invariant_prefill_rows.py 2>&1 | grep "^|" | tee "$OUT/invariant-prefill-rows.log"
   both invariant-tma-store 150 "$ROOT/bench/probes/invariant_tma.py" --stack 32 | tee "$OUT/tma-store-stack.log"
-  in_tree invariant-tma-store 150 tests/test_fused_kernels.py -k "invariant or tma" | tee "$OUT/tma-store-tests.log"
-  SHAPE=8b VERSIONS="head invariant-tma-store" CYCLES=2 bash bench/gpu_session.sh deterministic-ab | tail -8
+  SHAPE=8b VERSIONS="head invariant-tma-store invariant-prefill-pairs" CYCLES=2 bash bench/gpu_session.sh \
+    deterministic-ab | tail -10
   ;;
 moe-tests)
   bash bench/ab_versions.sh apply moe-routing-counts moe-routing-counts
