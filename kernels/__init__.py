@@ -7,6 +7,8 @@ import os
 
 import torch
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter, for kernel tests
+
 
 @functools.cache
 def sm_count(device: torch.device) -> int:
@@ -19,7 +21,7 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     """Whether a kernel may load these 2-D tensors' tiles by TMA (tensor descriptors): 16-bit, on
     Hopper or later, each tensor and its rows 16-byte aligned with unit column stride (TMA's rule);
     not in Triton's interpreter, whose runs stay on the pointer loads the GPU tests compare with."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRET:
         return False
     ok = all(t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and t.dtype == tensors[0].dtype
              and t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(-2) * t.element_size() % 16 == 0

@@ -8,20 +8,15 @@ the kernels round intermediates to the activation dtype where transformers does.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import pdl
+from kernels import INTERPRET, pdl
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch references below are used
     triton = None
-
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter, for kernel tests
 
 
 def use_triton(x: torch.Tensor) -> bool:

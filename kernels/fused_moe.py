@@ -40,11 +40,9 @@ none of its sums and the combine's order is fixed, so a row's bits do not depend
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import fused, pdl, skinny_gemm
+from kernels import INTERPRET, fused, pdl, skinny_gemm
 
 try:
     import triton
@@ -52,7 +50,6 @@ try:
 except ImportError:  # CPU-only installs: the torch reference
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROUTE_ROWS = 16  # rows per routing program
 # a step of at most this many rows (<= ROUTE_ROWS) routes in one program (H200: 9.0 against the two kernels' 13.9 us at
 # 1 row, 12.5 against 16.2 at 8; that program looping over two chunks was slower than the two kernels: 23.6 against 18.2)
@@ -66,10 +63,6 @@ FEW_ROUTE_ROWS = 4
 FEW_ROUTE_WARPS = 1
 INVARIANT_TILE = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 INVARIANT_BLOCK_ROWS = 16
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    return triton is not None and (x.is_cuda or INTERPRET)
 
 
 # ---------------- torch reference ----------------
@@ -100,7 +93,7 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, invariant: bool = False
     size, which `Route` adds up in order and rounds to h's dtype (the module's docstring). Batch-invariant
     steps keep the one product whose row bits do not depend on the step's rows."""
     rows, hidden = h.shape
-    if invariant or not use_triton(h) or not 0 < rows <= ONE_PROGRAM_ROUTE_ROWS:
+    if invariant or not fused.use_triton(h) or not 0 < rows <= ONE_PROGRAM_ROUTE_ROWS:
         return skinny_gemm.linear(h, router, invariant=invariant)
     num_experts = router.shape[0]
     slices = triton.cdiv(hidden, ROUTER_SLICE)
@@ -117,7 +110,7 @@ def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
     """The experts' output for the normalised hidden states `h` [T, hidden], routed by `logits`
     (`router_logits`: [T, E], or a few rows' [S, T, E] float32 slices): gate_up [E, 2 x width, hidden]
     (gate rows, then up rows), down [E, hidden, width]."""
-    if not use_triton(h):
+    if not fused.use_triton(h):
         return experts_ref(h, logits, gate_up, down, top_k, renormalise, invariant)
     rows, hidden = h.shape
     out = torch.empty_like(h)

@@ -29,8 +29,8 @@ bench/invariant_tiles.py --across`), and the GPU tests hold rows to it across th
 product of more than one row block of 16-bit inputs on Hopper loads its tiles by TMA (tensor
 descriptors) instead of masked pointer loads: the same sums in the same order, so the same bits
 (`bench/probes/invariant_tma.py`), and a prefill chunk's products at 0.96x of cuBLAS instead of
-0.75x alone, 0.81x instead of 0.74x in the engine's step (the 8B shape, 4,096 rows). A step of one row block keeps the pointer loads, whose weight
-prefetch under PDL serves decode.
+0.75x alone, 0.81x instead of 0.74x in the engine's step (the 8B shape, 4,096 rows). A step of
+one row block keeps the pointer loads, whose weight prefetch under PDL serves decode.
 
 Weight prefetch under programmatic dependent launch: the weight is no output of the kernel
 before, so a product placed on the SMs while that kernel still runs asks the L2 cache for the
@@ -42,12 +42,10 @@ and sums are unchanged: the result is bitwise the same.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from kernels import fused, pdl, sm_count, tma_ready
+from kernels import INTERPRET, fused, pdl, sm_count, tma_ready
 
 try:
     import triton
@@ -72,7 +70,6 @@ CPU_BLOCK_ROWS = 8
 # at b1 / b8 / b64 against 4 MiB on the 2-core machine; 512 KiB 1.33x / 1.39x / 1.89x (bench/probes/cpu_chunks.py)
 CPU_WEIGHT_CHUNK_BYTES = 1 << 20
 PREFETCH_BYTES = 16 << 20  # weight a product prefetches into L2 before its wait (bench/gemm_choice.py)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _use_triton: dict[tuple, bool] = {}  # (N, K, rows, dtype, out dtype, has_bias, PDL) -> Triton beat cuBLAS
 
 
