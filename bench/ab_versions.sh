@@ -45,10 +45,9 @@ copy)  # (revs: the name, then the command)
   mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" &&
     (cd "ab/$name" && "${revs[@]:1}")
   ;;
-apply)  # (revs: the name, then the pending diffs in order)
+apply)  # (revs: the name, then the pending diffs in order; rebuilt every time: a warm machine keeps last call's tree)
   name=${revs[0]}
-  [ -d "ab/$name" ] && exit 0
-  mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" || exit 1
+  rm -rf "ab/$name" && mkdir -p "ab/$name" && cp -r rollout spec kernels weight_sync tests pyproject.toml "ab/$name/" || exit 1
   for diff in "${revs[@]:1}"; do  # (a diff's docs, bench and *.md parts are not in the tree a version runs)
     python3 -c 'import re, sys
 parts = re.split(r"(?m)^(?=diff --git )", open(sys.argv[1]).read())[1:]

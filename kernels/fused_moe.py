@@ -14,11 +14,12 @@ The Triton path reads only the experts the step's rows took, each once per block
    its few programs each streaming a long slice of the weight.
 1. `_topk_kernel`: each row's float32 softmax over the router's logits, its top-k (renormalised
    to sum to one when asked, then rounded to the activation dtype, as transformers does), and the
-   rows each expert took, added up over the programs.
+   rows each expert took in the program's rows (a row of counts a program: nothing to zero, no atomics).
 2. `_place_kernel`: each expert's run of slots padded to whole blocks, every pick placed in its
-   expert's run, and the expert of every block. A step of few rows (decode at small batch) does
-   1 and 2 in one program (`_route_kernel`): one launch, and no counts to zero before it; of up
-   to FEW_ROUTE_ROWS rows, in a tile of as many rows.
+   expert's run (after the picks of the programs before, then in pick order: the slots are the
+   same in every run of a step), and the expert of every block. A step of few rows (decode at
+   small batch) does 1 and 2 in one program (`_route_kernel`): one launch; of up to
+   FEW_ROUTE_ROWS rows, in a tile of as many rows.
 3. `_expert_gemm_kernel` with GATED: per block of slots, the rows' hidden states times the block's
    expert's gate and up rows, SiLU(gate) x up, into [rows x top-k, width].
 4. `_expert_gemm_kernel`: that times the expert's down projection, times the routing weight,
@@ -160,23 +161,23 @@ class Route:
         self.block = block or block_rows(picks, num_experts)
         # the blocks: each expert's run rounds up by at most block - 1 slots, and at most `picks` experts have rows
         self.num_blocks = picks // self.block + min(num_experts, picks) + 1
-        counting = (torch.empty if rows <= ONE_PROGRAM_ROUTE_ROWS else torch.zeros)(
-            2, num_experts, dtype=torch.int32, device=dev)  # counts, cursors
-        self.counts = counting[0]
+        self.counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
         self.starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
         self.slots = torch.empty(self.num_blocks * self.block, dtype=torch.int32, device=dev)
         self.block_expert = torch.empty(self.num_blocks, dtype=torch.int32, device=dev)
         runs = dict(BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)))
         if rows <= ONE_PROGRAM_ROUTE_ROWS:
             _route_kernel[(1,)](logits, logits.stride(-2), rows * num_experts, rows, num_experts, self.weights,
-                                self.ids, counting, self.starts, self.slots, self.block_expert, self.num_blocks,
+                                self.ids, self.counts, self.starts, self.slots, self.block_expert, self.num_blocks,
                                 RENORM=renormalise, SLICES=slices, **shape, **runs)
             return
-        grid = (triton.cdiv(rows, tile),)
-        _topk_kernel[grid](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, counting,
-                           RENORM=renormalise, **shape)
-        _place_kernel[grid](self.ids, rows, num_experts, counting, self.starts, self.slots, self.block_expert,
-                            self.num_blocks, **shape, **runs)
+        programs = triton.cdiv(rows, tile)
+        taken = torch.empty(programs, num_experts, dtype=torch.int32, device=dev)  # each program's row of counts
+        _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, taken,
+                                  RENORM=renormalise, **shape)
+        _place_kernel[(programs,)](self.ids, rows, num_experts, taken, programs, self.counts, self.starts, self.slots,
+                                   self.block_expert, self.num_blocks, PB=min(64, triton.next_power_of_2(programs)),
+                                   **shape, **runs)
 
 
 def _expert_gemm(route: Route, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool,
@@ -225,15 +226,14 @@ if triton is not None:
         p = p / tl.sum(p, axis=1)[:, None]
         top = tl.zeros((R, KP), dtype=tl.float32)
         chosen = tl.zeros((R, KP), dtype=tl.int32)
-        taken = tl.zeros((E,), dtype=tl.int32)
         for j in tl.static_range(K):
             best = tl.max(p, axis=1)
             idx = tl.argmax(p, axis=1).to(tl.int32)  # (ties: the lower expert)
             top = tl.where(picks[None, :] == j, best[:, None], top)
             chosen = tl.where(picks[None, :] == j, idx[:, None], chosen)
-            hit = es[None, :] == idx[:, None]
-            p = tl.where(hit, -1.0, p)
-            taken += tl.sum((hit & row_ok[:, None]).to(tl.int32), axis=0)
+            p = tl.where(es[None, :] == idx[:, None], -1.0, p)
+        # the picks are the -1s (a probability is never negative): one sum over the rows, not one a pick
+        taken = tl.sum(((p < 0) & row_ok[:, None]).to(tl.int32), axis=0)
         if RENORM:
             top = top / tl.sum(top, axis=1)[:, None]
         where = r[:, None] * K + picks[None, :]
@@ -256,63 +256,75 @@ if triton is not None:
             tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
 
     @triton.jit
-    def _place_rows(ids_ptr, r, rows, padded, cursors_ptr, slots_ptr, E: tl.constexpr, K: tl.constexpr,
+    def _place_rows(ids_ptr, r, rows, free, slots_ptr, E: tl.constexpr, K: tl.constexpr,
                     KP: tl.constexpr, R: tl.constexpr):
-        """Rows `r`'s picks placed in their experts' runs (`padded`: each run's length)."""
+        """Rows `r`'s picks placed in their experts' runs, in pick order from `free` (each
+        expert's first slot not taken by the programs before)."""
         es = tl.arange(0, E)
         where = r[:, None] * K + tl.arange(0, KP)[None, :]
         ok = (r[:, None] < rows) & (tl.arange(0, KP)[None, :] < K)
         chosen = tl.load(ids_ptr + where, mask=ok, other=0)
         where, ok, chosen = tl.reshape(where, (R * KP,)), tl.reshape(ok, (R * KP,)), tl.reshape(chosen, (R * KP,))
-        start = tl.sum(tl.where(es[None, :] < chosen[:, None], padded[None, :], 0), axis=1)
-        cursor = tl.atomic_add(cursors_ptr + chosen, 1, mask=ok)  # (the order inside a run changes no row)
-        tl.store(slots_ptr + start + cursor, where, mask=ok)
+        first = tl.sum(tl.where(es[None, :] == chosen[:, None], free[None, :], 0), axis=1)
+        i = tl.arange(0, R * KP)
+        earlier = (chosen[None, :] == chosen[:, None]) & (i[None, :] < i[:, None]) & ok[None, :]
+        tl.store(slots_ptr + first + tl.sum(earlier.to(tl.int32), axis=1), where, mask=ok)
 
     @triton.jit
-    def _topk_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, counts_ptr, E: tl.constexpr,
+    def _topk_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, taken_ptr, E: tl.constexpr,
                      K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-        """A program's rows' top-k, and the rows each expert took, added to counts."""
+        """A program's rows' top-k, and the rows each expert took among them (the program's row of `taken`)."""
         pdl.wait_for_previous(PDL)
         r = tl.program_id(0) * R + tl.arange(0, R)
         taken = _topk_rows(logits_ptr, stride_l, 0, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R, RENORM, 0)
         es = tl.arange(0, E)
-        tl.atomic_add(counts_ptr + es, taken, mask=es < num_experts)
+        tl.store(taken_ptr + tl.program_id(0) * num_experts + es, taken, mask=es < num_experts)
 
     @triton.jit
-    def _place_kernel(ids_ptr, rows, num_experts, counting_ptr, starts_ptr, slots_ptr, block_expert_ptr, num_blocks,
-                      E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                      NB: tl.constexpr, PDL: tl.constexpr):
+    def _place_kernel(ids_ptr, rows, num_experts, taken_ptr, programs, counts_ptr, starts_ptr, slots_ptr,
+                      block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                      R: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr):
         """Each expert's run of slots (its count padded to whole blocks), every pick of the program's
-        rows placed in its expert's run, and (program 0) the runs' starts and each block's expert."""
-        pdl.wait_for_previous(PDL)
-        es = tl.arange(0, E)
-        padded = (tl.load(counting_ptr + es, mask=es < num_experts, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        if tl.program_id(0) == 0:
-            _store_runs(padded, tl.cumsum(padded, axis=0), num_experts, starts_ptr, block_expert_ptr, num_blocks, E,
-                        BLOCK_M, NB)
-        r = tl.program_id(0) * R + tl.arange(0, R)
-        _place_rows(ids_ptr, r, rows, padded, counting_ptr + num_experts, slots_ptr, E, K, KP, R)
-
-    @triton.jit
-    def _route_kernel(logits_ptr, stride_l, stride_slice, rows, num_experts, weights_ptr, ids_ptr, counting_ptr,
-                      starts_ptr, slots_ptr, block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr,
-                      KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr,
-                      BLOCK_M: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
-        """A step of at most R rows routed in one program: the top-k, the runs, the placement (no counts
-        to zero beforehand and one launch where the two kernels above take three with the zeroing)."""
+        rows placed in its expert's run after those of the programs before, and (program 0) the
+        counts, the runs' starts and each block's expert."""
         pdl.wait_for_previous(PDL)
         es = tl.arange(0, E)
         expert_ok = es < num_experts
-        tl.store(counting_ptr + num_experts + es, tl.zeros((E,), dtype=tl.int32), mask=expert_ok)  # the cursors
+        pid = tl.program_id(0)
+        counts = tl.zeros((E,), dtype=tl.int32)
+        before = tl.zeros((E,), dtype=tl.int32)  # the picks of the programs before this one, per expert
+        for p0 in range(0, programs, PB):
+            ps = p0 + tl.arange(0, PB)
+            t = tl.load(taken_ptr + ps[:, None] * num_experts + es[None, :],
+                        mask=(ps[:, None] < programs) & expert_ok[None, :], other=0)
+            counts += tl.sum(t, axis=0)
+            before += tl.sum(tl.where(ps[:, None] < pid, t, 0), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        if pid == 0:
+            tl.store(counts_ptr + es, counts, mask=expert_ok)
+            _store_runs(padded, ends, num_experts, starts_ptr, block_expert_ptr, num_blocks, E, BLOCK_M, NB)
+        r = pid * R + tl.arange(0, R)
+        _place_rows(ids_ptr, r, rows, ends - padded + before, slots_ptr, E, K, KP, R)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, stride_l, stride_slice, rows, num_experts, weights_ptr, ids_ptr, counts_ptr,
+                      starts_ptr, slots_ptr, block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr,
+                      KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr,
+                      BLOCK_M: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
+        """A step of at most R rows routed in one program: the top-k, the runs, the placement (one
+        launch where the two kernels above take two)."""
+        pdl.wait_for_previous(PDL)
+        es = tl.arange(0, E)
         r = tl.arange(0, R)
         taken = _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R,
                            RENORM, SLICES)
-        tl.store(counting_ptr + es, taken, mask=expert_ok)
+        tl.store(counts_ptr + es, taken, mask=es < num_experts)
         padded = (taken + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        _store_runs(padded, tl.cumsum(padded, axis=0), num_experts, starts_ptr, block_expert_ptr, num_blocks, E,
-                    BLOCK_M, NB)
-        tl.debug_barrier()  # every thread's ids and zeroed cursors stored before any thread reads them
-        _place_rows(ids_ptr, r, rows, padded, counting_ptr + num_experts, slots_ptr, E, K, KP, R)
+        ends = tl.cumsum(padded, axis=0)
+        _store_runs(padded, ends, num_experts, starts_ptr, block_expert_ptr, num_blocks, E, BLOCK_M, NB)
+        tl.debug_barrier()  # every thread's ids stored before any thread reads them
+        _place_rows(ids_ptr, r, rows, ends - padded, slots_ptr, E, K, KP, R)
 
     @triton.jit
     def _router_slices_kernel(h_ptr, w_ptr, part_ptr, rows, num_experts, hidden, stride_h, stride_w, R: tl.constexpr,

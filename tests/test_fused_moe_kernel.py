@@ -34,8 +34,9 @@ def moe_inputs(rows, experts, top_k, hidden, width, dtype, seed):
 
 
 @pytest.mark.parametrize("renormalise", [True, False])
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + [(1100, 12, 3, 64, 32)])  # (more programs than the placement reads at once)
 def test_routing_picks_the_top_k_and_places_every_pick_once(shape, renormalise):
+    """Every pick in its expert's run, each run in pick order (the same slots in every run of a step)."""
     rows, experts, top_k = shape[:3]
     _, logits, _, _ = moe_inputs(*shape, torch.float32, seed=sum(shape))
     route = fused_moe.Route(logits, top_k, renormalise, torch.float32)
@@ -54,6 +55,9 @@ def test_routing_picks_the_top_k_and_places_every_pick_once(shape, renormalise):
         assert (route.ids.flatten()[slots] == e).all()
         placed += slots.tolist()
     assert sorted(placed) == list(range(rows * top_k))
+    for e in range(experts):
+        run = route.slots[route.starts[e] : route.starts[e] + route.counts[e]]
+        assert torch.equal(run.cpu(), run.sort().values.cpu())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
