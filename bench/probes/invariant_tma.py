@@ -16,7 +16,7 @@ must keep their bits).
 `--stack L`: L layers' four products (each layer its own weights, as a step reads them) captured in
 one CUDA graph and replayed, ms a replay: cuBLAS, the engine's kernel (`skinny_gemm.invariant_linear`,
 TMA loads since 5d3bc6e) without and with programmatic dependent launch (the engine launches with it),
-and this probe's TMA kernel (its tile stored by TMA). Alone (the table above) the probe's kernel ran
+and this probe's TMA kernel (its tile stored by TMA), a program a tile and persistent. Alone (the table above) the probe's kernel ran
 the 8B products at 0.96x of cuBLAS; in the engine's prefill step the engine's ran at 0.81x
 (`session-20261201b/prefill-kernels-8b-b64.log`): this says whether the kernels or the step differ.
 """
@@ -162,6 +162,7 @@ def stack(shapes: dict, rows: int, layers: int, dtype: torch.dtype) -> None:
         "engine's kernel, PDL off": lambda x, w: engine(x, w, False),
         "engine's kernel, PDL on": lambda x, w: engine(x, w, True),
         "probe's TMA kernel (TMA store)": lambda x, w: today_tile(x, w, False),
+        "probe's TMA kernel, persistent": lambda x, w: today_tile(x, w, True),
     }
     print(f"| {layers} layers' products, {rows} rows | ms a replay | vs cuBLAS | bits = pointer loads' (first layer) |")
     print("|---|---|---|---|")
