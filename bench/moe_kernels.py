@@ -3,6 +3,7 @@
     python bench/moe_kernels.py [--rows 1,8,32,64,256,512,4096] [--dtype bfloat16] [--blocks 16,32,64,128]
     python bench/moe_kernels.py --route-warps 1,2,4   # the routing alone, by its programs' warps
     python bench/moe_kernels.py --parts               # the fused path's kernels one by one, each against its bound
+    python bench/moe_kernels.py --parts --retune      # the same, the products' tiles chosen anew at each row count
 
 Per row count (a decode step's rows, or a prefill's tokens): microseconds of the routing (top-k
 and placement; where a step is small enough to route in one program, also in the two kernels a
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--blocks", default="16,32,64,128", help="rows per block to time the fused path at, besides the rule's")
     ap.add_argument("--route-warps", default="", help="instead: the routing's us by warps a program (fused_moe.ROUTE_WARPS)")
     ap.add_argument("--parts", action="store_true", help="instead: each kernel of the fused path alone, against its bound")
+    ap.add_argument("--retune", action="store_true",
+                    help="with --parts: the products' autotuner forgets its tiles before each row count")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     dev = "cuda"
@@ -97,11 +100,18 @@ def parts(args: argparse.Namespace, dtype: torch.dtype, gate_up: torch.Tensor, d
     """The fused path's kernels one at a time in a CUDA graph (the routing, the gate/up product with
     SiLU, the down product, the combine), us, each beside the bytes it must move at 4.8 TB/s: the
     distinct experts' gate/up or down weights (the products' outputs and gathered rows besides),
-    the picks read and the rows written (the combine)."""
-    print("| rows | routing us | gate/up us (bound) | down us (bound) | combine us (bound) | sum | fused whole |")
-    print("|---|---|---|---|---|---|---|")
+    the picks read and the rows written (the combine). The products' tiles are the autotuner's, keyed
+    by the block of rows, not the row count: a step of 64 rows takes the blocks of 16 that 1 row
+    took, and the tile timed there (in an engine at its first graph's warm-up), unless `--retune`
+    has them chosen again at each row count; the last column names the tiles used."""
+    print("| rows | routing us | gate/up us (bound) | down us (bound) | combine us (bound) | sum | fused whole | tiles: "
+          "gate/up; down |")
+    print("|---|---|---|---|---|---|---|---|")
     size = gate_up.element_size()
+    tuner = fused_moe._expert_gemm_tuned
     for rows in (int(r) for r in args.rows.split(",")):
+        if args.retune:
+            tuner.cache.clear()
         h = torch.randn(rows, HIDDEN, device="cuda").to(dtype)
         logits = torch.randn(rows, EXPERTS, device="cuda").to(dtype)
         route = fused_moe.Route(logits, TOP_K, True, dtype)
@@ -122,7 +132,15 @@ def parts(args: argparse.Namespace, dtype: torch.dtype, gate_up: torch.Tensor, d
         bound = {name: b / BANDWIDTH * 1e6 for name, b in bound.items()}
         whole = graph_us(lambda: fused_moe.experts(h, logits, gate_up, down, TOP_K, True))
         cells = " | ".join(f"{timed[n]:.1f} ({bound[n]:.1f})" for n in ("gate_up", "down", "combine"))
-        print(f"| {rows} | {timed['route']:.1f} | {cells} | {sum(timed.values()):.1f} | {whole:.1f} |", flush=True)
+        tiles = "; ".join(tile_name(config) for n, k, gated in ((WIDTH, HIDDEN, True), (HIDDEN, WIDTH, False))
+                          for key, config in tuner.cache.items()  # (its key: n, k, BLOCK_M, GATED, then dtypes)
+                          if tuple(key[:4]) == (n, k, route.block, gated))
+        print(f"| {rows} | {timed['route']:.1f} | {cells} | {sum(timed.values()):.1f} | {whole:.1f} | {tiles} |",
+              flush=True)
+
+
+def tile_name(config) -> str:
+    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']}/{config.num_warps}w/{config.num_stages}s"
 
 
 def routing_by_warps(args: argparse.Namespace, dtype: torch.dtype, warps: list[int]) -> None:
