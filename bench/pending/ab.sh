@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The pending diffs' GPU A/B, one stage a device call (H200; the first call of a session carries only
 # .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says). Logs to $OUT.
-# Device time, estimated: inv-tests ~400 s, inv-ab ~300 s, moe-tiles ~250 s, moe-tiles-ab ~300 s, split-tests ~250 s,
-# split-ab ~400 s: ~1,900 s in all, more than a session's 1,800, in this order.
+# Device time, estimated: inv-tests ~400 s, inv-ab ~300 s, moe-tiles ~250 s, moe-tiles-ab ~500 s, split-tests ~250 s,
+# split-ab ~400 s: ~2,100 s in all, more than a session's 1,800, in this order.
 #   inv-tests:   invariant-tma-persistent.diff's kernel tests; invariant-prefill-32rows.diff's attention tests (a 100-token
 #                prefill in 32-row blocks against each row decoded alone, bf16 and fp16); deterministic mode's and
 #                coupled sampling's engine tests over the two stacked
@@ -12,8 +12,8 @@
 #   moe-tiles:   the MoE layer's kernels one by one (bench/moe_kernels.py --parts) here, with the autotuner's tiles
 #                (keyed by block of rows: 64 rows take the tile timed at 1 row) and with --retune (chosen at each row
 #                count), then in moe-tiles-by-rows' tree (its own moe_kernels.py); its kernel tests
-#   moe-tiles-ab: the Qwen3-30B-A3B shape's decode at b1/b64/b512, this checkout against moe-tiles-by-rows, in turns,
-#                2 cycles
+#   moe-tiles-ab: the b512 decode step's kernels (bench/tp_profile.py --kernels) here and in moe-tiles-by-rows' tree;
+#                the Qwen3-30B-A3B shape's decode at b1/b64/b512, this checkout against it, in turns, 2 cycles
 #   split-tests: split-k-norm.diff's kernel tests (partial sums, the norm that adds them up) and its engine tests (2 and 4
 #                slices forced against none; PDL on = off with 2 slices)
 #   split-ab:    decode b1 in turns, 2 cycles, this checkout against split-k-norm: the 8B shape, the Qwen3-30B-A3B shape,
@@ -80,6 +80,8 @@ moe-tiles)
   ;;
 moe-tiles-ab)
   bash bench/ab_versions.sh apply moe-tiles-by-rows moe-tiles-by-rows
+  both moe-tiles-by-rows 200 "$ROOT/bench/tp_profile.py" --shape qwen3-30b-a3b --tp-sizes 1 --batch 512 --kernels 12 \
+    | tee "$OUT/moe-tiles-kernels-b512.log"
   CYCLES=2 BENCH_OUT=/tmp/bench-moe-tiles bash bench/ab_versions.sh run head moe-tiles-by-rows -- --workload decode \
     --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 --prompt-len 128 \
     --output-len 256 2>&1 | tee "$OUT/moe-tiles-decode.log" | tail -8
