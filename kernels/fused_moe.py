@@ -224,6 +224,9 @@ if triton is not None:
         x = tl.where(expert_ok[None, :], x, -float("inf"))  # (rows past the last: uniform, never stored)
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
+        # a row of NaN or inf logits (an overflow upstream) as zeros: argmax, whose comparisons a NaN fails, would
+        # repeat an expert, and the counts below (one per expert a row took) would leave other rows' picks unplaced
+        p = tl.where(p == p, p, 0.0)
         top = tl.zeros((R, KP), dtype=tl.float32)
         chosen = tl.zeros((R, KP), dtype=tl.int32)
         for j in tl.static_range(K):

@@ -60,6 +60,27 @@ def test_routing_picks_the_top_k_and_places_every_pick_once(shape, renormalise):
         assert torch.equal(run.cpu(), run.sort().values.cpu())
 
 
+@pytest.mark.parametrize("rows", [3, 40])  # (one routing program; two kernels)
+def test_a_row_of_overflowed_logits_takes_k_experts_and_leaves_the_other_rows_placed(rows):
+    """A row whose logits are NaN or inf (fp16 overflow upstream) takes k distinct experts, so every
+    pick of every row is counted and placed once, and the other rows route as the reference does."""
+    experts, top_k = 16, 4
+    _, logits, _, _ = moe_inputs(rows, experts, top_k, 64, 32, torch.float32, seed=rows)
+    logits[1] = float("nan")
+    logits[rows - 1, 3] = float("inf")
+    route = fused_moe.Route(logits, top_k, True, torch.float32)
+    ids = route.ids.long()
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    assert torch.equal(route.counts.cpu(), torch.bincount(ids.flatten(), minlength=experts).int().cpu())
+    placed = sorted(s for e in range(experts)
+                    for s in route.slots[route.starts[e] : route.starts[e] + route.counts[e]].tolist())
+    assert placed == list(range(rows * top_k))
+    healthy = [r for r in range(rows) if r not in (1, rows - 1)]
+    expected = fused_moe.routing_ref(logits[healthy], top_k, True, torch.float32)
+    got = torch.zeros_like(expected).scatter_(1, ids[healthy], route.weights[healthy])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_router_product_in_slices_routes_as_its_ordered_sum(shape, dtype):
