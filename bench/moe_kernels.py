@@ -118,14 +118,12 @@ def parts(args: argparse.Namespace, dtype: torch.dtype, gate_up: torch.Tensor, d
         mid = torch.empty(rows * TOP_K, WIDTH, dtype=dtype, device="cuda")
         picks = torch.empty(rows * TOP_K, HIDDEN, dtype=dtype, device="cuda")
         out = torch.empty_like(h)
-        block = min(1024, triton.next_power_of_2(HIDDEN))
         distinct = len(torch.unique(route.ids))
         timed = {
             "route": graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype)),
             "gate_up": graph_us(lambda: fused_moe._expert_gemm(route, h, gate_up, mid, gated=True, invariant=False)),
             "down": graph_us(lambda: fused_moe._expert_gemm(route, mid, down, picks, gated=False, invariant=False)),
-            "combine": graph_us(lambda: fused_moe._combine_kernel[(rows, triton.cdiv(HIDDEN, block))](
-                picks, out, HIDDEN, K=TOP_K, BLOCK=block, **fused_moe._pdl())),
+            "combine": graph_us(lambda: fused_moe.combine(picks, out, TOP_K)),
         }
         bound = {"gate_up": distinct * gate_up[0].numel() * size, "down": distinct * down[0].numel() * size,
                  "combine": (picks.numel() + out.numel()) * size}

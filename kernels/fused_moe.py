@@ -123,9 +123,15 @@ def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
     _expert_gemm(route, h, gate_up, mid, gated=True, invariant=invariant)
     picks = torch.empty(rows * top_k, hidden, dtype=h.dtype, device=h.device)
     _expert_gemm(route, mid, down, picks, gated=False, invariant=invariant)
+    combine(picks, out, top_k)
+    return out
+
+
+def combine(picks: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
+    """out[row] = the row's `top_k` weighted picks [rows x top_k, hidden] summed in pick order."""
+    rows, hidden = out.shape
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(rows, triton.cdiv(hidden, block))](picks, out, hidden, K=top_k, BLOCK=block, **_pdl())
-    return out
 
 
 def block_rows(assignments: int, experts: int) -> int:

@@ -380,13 +380,13 @@ class TritonAttention:
             # other on axis 0, so mostly from L2 (not profiled).
             block_m = 16
             # 128-key tiles, not 64: rl's tail (96 rows of 1-2k keys) 1.42x alone, the invariant
-            # kernel 1.65x; rl 1.11x, the 8B shape b64 1.04x (bench/RESULTS.md); as two 64-key splits
+            # kernel 1.65x; rl 1.11x, the 8B shape b64 1.04x (bench/results/session-20261130f/); as two 64-key splits
             # did alone, more bytes in flight a program, where the tail ran at half the bandwidth.
             # The same in both kernels, so the invariant one's tiles never depend on the batch.
             block_n = 128 if block_d <= 128 else 32
             # three stages where a tile is small (heads of 64, 32 KiB of K/V a stage): rl 1.03x, its
             # tail 1.09x alone; not at heads of 128 (0.97x alone), nor in the invariant kernel,
-            # whose 512 rows of 300-600 keys took 1.09x longer (bench/RESULTS.md)
+            # whose 512 rows of 300-600 keys took 1.09x longer (bench/results/session-20261130g/)
             num_stages = 3 if block_d <= 64 and not self.batch_invariant else 2
         else:
             block_m = 128 if block_d <= 128 else 64
