@@ -226,20 +226,47 @@ def test_every_invariant_tile_gives_a_row_the_same_bits(dtype, out_dtype):
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9, reason="TMA: Hopper or later")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_dtype,bias", [(None, True), (torch.float32, False)])
-def test_the_invariant_product_by_tma_loads_has_the_pointer_loads_bits(dtype, out_dtype, bias, monkeypatch):
-    """Many row blocks load their tiles by TMA (kernels/skinny_gemm.py): the same sums in the same
-    order as the pointer loads, so the same bits; K not a multiple of any BLOCK_K, where TMA fills
-    past the end with zeros as the masked loads do. Rows TMA cannot address take the pointer loads."""
+@pytest.mark.parametrize("n", [4099, 4104])
+def test_the_invariant_product_by_tma_loads_has_the_pointer_loads_bits(dtype, out_dtype, bias, n, monkeypatch):
+    """Many row blocks load their tiles by TMA (kernels/skinny_gemm.py), one program an SM walking
+    the tiles: the same sums in the same order as the pointer loads, so the same bits; K not a
+    multiple of any BLOCK_K, where TMA fills past the end with zeros as the masked loads do; a 16-bit
+    output of rows TMA can address (n = 4,104) stored by TMA, clipped at the ends. Rows TMA cannot
+    address take the pointer loads."""
     from kernels import skinny_gemm, tma_ready
 
     g = torch.Generator(device=DEVICE).manual_seed(13)
     x = torch.randn(1000, 4104, generator=g, device=DEVICE).to(dtype)
-    w = (torch.randn(4099, 4104, generator=g, device=DEVICE) / 64).to(dtype)
-    b = torch.randn(4099, generator=g, device=DEVICE).to(dtype) if bias else None
+    w = (torch.randn(n, 4104, generator=g, device=DEVICE) / 64).to(dtype)
+    b = torch.randn(n, generator=g, device=DEVICE).to(dtype) if bias else None
     assert tma_ready(x, w) and not tma_ready(x[:, 1:], w[:, 1:])  # (rows 2 bytes off)
     by_tma = skinny_gemm.invariant_linear(x, w, b, out_dtype)
     monkeypatch.setattr(skinny_gemm, "tma_ready", lambda *tensors: False)
     assert torch.equal(skinny_gemm.invariant_linear(x, w, b, out_dtype), by_tma)
+
+
+@pytest.mark.parametrize("n,bias", [(99, True), (104, False), (160, True)])
+def test_the_invariant_product_by_tma_walks_every_tile_in_few_programs(n, bias, monkeypatch):
+    """The TMA product's programs (one an SM) each walk several tiles, here 3 programs over 5 x 4-5;
+    every tile is written, the short last row and column blocks clipped, with the pointer loads' bits.
+    The interpreter runs tensor descriptors too, so there TMA is allowed on any 16-byte rows."""
+    from kernels import skinny_gemm
+
+    g = torch.Generator(device=DEVICE).manual_seed(n)
+    x = torch.randn(300, 136, generator=g, device=DEVICE).to(torch.float16)
+    w = (torch.randn(n, 136, generator=g, device=DEVICE) / 12).to(torch.float16)
+    b = torch.randn(n, generator=g, device=DEVICE).to(torch.float16) if bias else None
+    tile = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    by_pointers = skinny_gemm.invariant_linear(x, w, b, tile=tile)
+    if not ON_GPU:
+        monkeypatch.setattr(skinny_gemm, "tma_ready", lambda *t: all(u.stride(0) * u.element_size() % 16 == 0
+                                                                     for u in t))
+    elif torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA: Hopper or later")
+    monkeypatch.setattr(skinny_gemm, "sm_count", lambda device: 3)
+    assert torch.equal(skinny_gemm.invariant_linear(x, w, b, tile=tile), by_pointers)
+    expected = torch.nn.functional.linear(x.float(), w.float(), b if b is None else b.float())
+    assert torch.allclose(by_pointers.float(), expected, atol=5e-3, rtol=5e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
