@@ -331,8 +331,9 @@ class TritonAttention:
     num_seqs * num_kv_heads * row_blocks * splits gives about PROGRAMS_PER_SM programs per SM.
 
     `batch_invariant`: a query's output is the same bits in any step, whatever else the step holds
-    (a decode step, a draft tree's verify, a prefill chunk): blocks of 16 rows, and keys split
-    every INVARIANT_KEYS_PER_SPLIT from the first, merged in key order. Coupled sampling needs it: its
+    (a decode step, a draft tree's verify, a prefill chunk): blocks of 16 rows (a prefill's 32, each
+    half laid out as a 16-row block), and keys split every INVARIANT_KEYS_PER_SPLIT from the first,
+    merged in key order. Coupled sampling needs it: its
     later rollout verifies as trees the tokens its earlier one decoded a row at a time.
     """
 
@@ -379,6 +380,13 @@ class TritonAttention:
             # (RESULTS at commit c294012). A tree's further blocks re-read its K/V; they run beside each
             # other on axis 0, so mostly from L2 (not profiled).
             block_m = 16
+            if self.batch_invariant and max_q_len > DECODE_MAX_Q_LEN and dtype != torch.float32 and block_d <= 128:
+                # a batch-invariant prefill in blocks of 32 rows, still 4 warps: Triton lays each 16-row
+                # half out as a 16-row block (its warps along the keys), so every row keeps the bits
+                # a decode step gives it, and a key tile is read once per 32 rows: the 8B shape's 4 x 1k
+                # prefill 353 -> 275 us on an H200, where 64 rows or 8 warps changed the bits
+                # (bench/probes/invariant_prefill_rows.py)
+                block_m = 32
             # 128-key tiles, not 64: rl's tail (96 rows of 1-2k keys) 1.42x alone, the invariant
             # kernel 1.65x; rl 1.11x, the 8B shape b64 1.04x (bench/results/session-20261130f/); as two 64-key splits
             # did alone, more bytes in flight a program, where the tail ran at half the bandwidth.
