@@ -36,6 +36,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: t
     return (weight * x.to(dtype)).to(dtype)
 
 
+def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, parts, n] float32 -> [rows, n]: each row's parts summed in order, rounded once to `dtype`."""
+    total = parts[:, 0]
+    for j in range(1, parts.shape[1]):
+        total = total + parts[:, j]
+    return total.to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -58,23 +66,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """norm(x) or, with `residual`, (norm(x + residual), x + residual): the residual add fused in.
     The sum is kept in the residual's dtype (a float32 residual stream: `--enable-fp32-residual`),
     the norm rounded to `out_dtype` (default x's; float32 for a float32 LM head's input), twice as
-    transformers rounds it or, `round_once`, once (`rms_norm_ref`)."""
-    out_dtype = out_dtype or x.dtype
+    transformers rounds it or, `round_once`, once (`rms_norm_ref`). A 3-D float32 `x` [rows, parts, n]
+    is a product's partial sums over slices of K (`skinny_gemm.linear_into_norm`): each row's parts
+    summed in order and rounded to the residual's dtype (the product's own output, `parts_sum_ref`)
+    before the add; it needs the residual, whose dtype is then the norm's default."""
+    parts = x.shape[1] if x.dim() == 3 else 1
+    if x.dim() == 3 and residual is None:
+        raise ValueError("a product's partial sums are added to a residual: pass it")
+    out_dtype = out_dtype or (residual.dtype if x.dim() == 3 else x.dtype)
     if not use_triton(x):
+        x = parts_sum_ref(x, residual.dtype) if x.dim() == 3 else x
         if residual is None:
             return rms_norm_ref(x, weight, eps, out_dtype, round_once)
         summed = (x + residual).to(residual.dtype)
         return rms_norm_ref(summed, weight, eps, out_dtype, round_once), summed
-    rows, n = x.shape
+    rows, n = x.shape[0], x.shape[-1]
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     summed = torch.empty((rows, n), dtype=residual.dtype, device=x.device) if residual is not None else out
     if rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, summed,
-            x.stride(0), residual.stride(0) if residual is not None else 0, n, eps,
-            HAS_RESIDUAL=residual is not None, ROUND_ONCE=round_once, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-            **pdl.launch_args(),
+            x.stride(0), x.stride(1) if parts > 1 else 0, residual.stride(0) if residual is not None else 0, n, eps,
+            PARTS=parts, HAS_RESIDUAL=residual is not None, ROUND_ONCE=round_once, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)), **pdl.launch_args(),
         )
     return out if residual is None else (out, summed)
 
@@ -142,13 +157,18 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> tor
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, n, eps,
-                         HAS_RESIDUAL: tl.constexpr, ROUND_ONCE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_part, stride_r, n, eps,
+                         PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_ONCE: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl.wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if PARTS > 1:  # a product's float32 partial sums, in order, rounded to its dtype (parts_sum_ref)
+            for j in tl.static_range(1, PARTS):
+                x += tl.load(x_ptr + row * stride_x + j * stride_part + cols, mask=ok, other=0.0)
+            x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         if HAS_RESIDUAL:
             # The sum is rounded to the residual's dtype, as an eager `x + residual` is (none for a float32 residual).

@@ -72,6 +72,9 @@ CPU_BLOCK_ROWS = 8
 CPU_WEIGHT_CHUNK_BYTES = 1 << 20
 PREFETCH_BYTES = 16 << 20  # weight a product prefetches into L2 before its wait (bench/gemm_choice.py)
 _use_triton: dict[tuple, bool] = {}  # (N, K, rows, dtype, out dtype, has_bias, PDL) -> Triton beat cuBLAS
+# slices of K a few-row product into a norm may take (bench/probes/split_k_partials.py: 2 or 4 were best on an H200)
+SPLIT_K_CANDIDATES = (2, 4)
+_split_k: dict[tuple, int] = {}  # (N, K, rows, dtype, PDL) -> the fastest slices of K, 0 for `linear`'s product
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -86,6 +89,68 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if takes_triton(x, weight, bias, out_dtype):
         return skinny_linear(x, weight, bias, out_dtype)
     return cublas_linear(x, weight, bias, out_dtype)
+
+
+def linear_into_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for a product whose one consumer is the residual add + RMSNorm (`fused.rms_norm`):
+    on the GPU a product of few rows may come out as float32 partial sums over slices of K,
+    [rows, slices, n], which the norm adds up in order and rounds to the dtype before the residual
+    (a few-row product reads its weight faster split over K, and this split needs no reduce kernel
+    of its own: cuBLAS's split-K launches one). Timed once per shape against `linear`, each with
+    its norm as a step runs them; else `linear`'s [rows, n]."""
+    slices = split_k_slices(x, weight)
+    return split_k_partials(x, weight, slices) if slices else linear(x, weight)
+
+
+def split_k_slices(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The slices of K `linear_into_norm` takes for this product (0: none, `linear`'s product)."""
+    usable = (
+        triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1 and weight.stride(1) == 1
+    )
+    if not usable:
+        return 0
+    rows = 1 << (x.shape[0] - 1).bit_length()
+    key = (weight.shape[0], weight.shape[1], rows, x.dtype, pdl.enabled())
+    slices = _split_k.get(key)
+    if slices is None:
+        slices = _split_k[key] = _fastest_split_k(rows, weight)
+    return slices
+
+
+def _fastest_split_k(rows: int, weight: torch.Tensor) -> int:
+    """Each way of `linear_into_norm`, its norm after it, timed as a step runs them (`after_kernel_ms`)."""
+    copies = cold_copies(weight)
+    n, k = weight.shape
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    residual = torch.randn(rows, n, generator=g, device=weight.device).to(weight.dtype)
+    norm_weight = torch.rand(n, generator=g, device=weight.device).to(weight.dtype)
+
+    def into_norm(slices: int):
+        def product(x, w, bias, out_dtype):
+            fused.rms_norm(split_k_partials(x, w, slices) if slices else linear(x, w), norm_weight, 1e-6, residual)
+        return product
+
+    times = {slices: after_kernel_ms(into_norm(slices), k, copies, rows=rows) for slices in (0, *SPLIT_K_CANDIDATES)}
+    return min(times, key=times.get)
+
+
+def split_k_partials(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
+    """[rows, slices, n] float32: x @ weight.T summed over each of `slices` slices of K (equal, in
+    whole BLOCK_K tiles), one program a column block and slice; at most MAX_ROWS rows."""
+    m, k = x.shape
+    n = weight.shape[0]
+    parts = torch.empty((m, slices, n), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return parts
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), slices)  # noqa: E731
+    args = (x, weight, parts, m, n, k, x.stride(0), weight.stride(0))
+    if INTERPRET:  # the interpreter cannot time configurations
+        _split_k_kernel[grid](*args, SLICES=slices, BLOCK_M=MAX_ROWS, BLOCK_N=32, BLOCK_K=64, PDL=False)
+    else:
+        _split_k_tuned[grid](*args, SLICES=slices, BLOCK_M=MAX_ROWS, **pdl.launch_args())
+    return parts
 
 
 def float32_input_linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
@@ -419,6 +484,33 @@ if triton is not None:
             acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rows < m)[:, None] & (cols[None, :] < n))
+
+    @triton.jit
+    def _split_k_kernel(x_ptr, w_ptr, part_ptr, m, n, k, stride_xm, stride_wn, SLICES: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """Program (column block, slice): its slice of K's float32 sums for every row, at part[row, slice]."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        piece = tl.program_id(1)
+        pdl.wait_for_previous(PDL)
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        per_slice = tl.cdiv(tl.cdiv(k, SLICES), BLOCK_K) * BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(piece * per_slice, tl.minimum(k, (piece + 1) * per_slice), BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=(rows[:, None] < m) & (kk[None, :] < k),
+                        other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < n) & (kk[None, :] < k),
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        tl.store(part_ptr + (rows[:, None] * SLICES + piece) * n + cols[None, :], acc,
+                 mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+    _split_k_tuned = triton.autotune(  # (bench/probes/split_k_partials.py's best on an H200, and one of 256-wide K tiles)
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
+                 for bn, bk, st in [(32, 128, 4), (64, 128, 4), (32, 256, 3)]],
+        key=["n", "k", "SLICES"],
+    )(_split_k_kernel)
 
     _skinny_gemm_tuned = triton.autotune(
         configs=[

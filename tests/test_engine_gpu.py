@@ -144,6 +144,29 @@ def test_half_precision_generates_finite_logprobs_close_to_fp32(default_model_di
     assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)) < 0.1
 
 
+@pytest.mark.parametrize("slices", [2, 4])
+def test_products_split_over_k_into_their_norm_keep_the_tokens(default_model_dir, prompts, monkeypatch, slices):
+    """The o and down products of few rows as float32 partial sums over slices of K, which the next
+    norm adds up (kernels/skinny_gemm.py `linear_into_norm`), against the products whole: bf16's
+    first greedy tokens and their logprobs alike, in CUDA graphs."""
+    from kernels import skinny_gemm
+
+    outs, calls = {}, []
+    split = skinny_gemm.split_k_partials
+    monkeypatch.setattr(skinny_gemm, "split_k_partials", lambda *args: calls.append(args[2]) or split(*args))
+    for chosen in (0, slices):
+        monkeypatch.setattr(skinny_gemm, "_split_k", {})
+        monkeypatch.setattr(skinny_gemm, "_fastest_split_k", lambda *args, chosen=chosen: chosen)
+        engine = Engine(model=str(default_model_dir), device="cuda", spec="off", kv_cache_tokens=100_000,
+                        dtype="bfloat16")
+        outs[chosen] = run(engine, prompts, temperature=0)
+        del engine
+    assert calls and set(calls) == {slices}
+    a, b = outs[0], outs[slices]
+    assert sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b)) >= len(a) - 1
+    assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)) < 0.05
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts, monkeypatch, dtype):
     """PDL only lets a kernel be launched early and wait on the device for the one before it:
@@ -153,6 +176,8 @@ def test_programmatic_dependent_launch_changes_no_bit(default_model_dir, prompts
 
     monkeypatch.setattr(skinny_gemm, "_use_triton", {})
     monkeypatch.setattr(skinny_gemm, "_triton_is_faster", lambda *args: True)
+    monkeypatch.setattr(skinny_gemm, "_split_k", {})  # (o and down into their norms in 2 slices, with either launch)
+    monkeypatch.setattr(skinny_gemm, "_fastest_split_k", lambda *args: 2)
     before, outs = pdl.enabled(), {}
     try:
         for on in (False, True):

@@ -37,6 +37,37 @@ def test_rms_norm_with_and_without_residual_matches_reference(dtype, rows, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("slices,rows,n,k", [(2, 1, 576, 1536), (4, 9, 100, 200), (3, 16, 256, 64)])
+def test_a_product_split_over_k_is_summed_by_the_norm_as_its_reference_sums_it(dtype, slices, rows, n, k):
+    """A few-row product into a norm as float32 partial sums over slices of K (kernels/skinny_gemm.py
+    `split_k_partials`; K of one BLOCK_K tile leaves slices empty): each slice the product over its
+    part of K, and the norm sums them in order, rounds to the dtype, adds the residual
+    (`parts_sum_ref`): the sum bitwise, the norm as the reference rounds it."""
+    from kernels.skinny_gemm import split_k_partials
+
+    g = torch.Generator(device=DEVICE).manual_seed(rows * n + slices)
+    x = torch.randn(rows, k, generator=g, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=DEVICE) / k**0.5).to(dtype)
+    r = torch.randn(rows, n, generator=g, device=DEVICE).to(dtype)
+    nw = (1 + torch.randn(n, generator=g, device=DEVICE) / 4).to(dtype)
+    parts = split_k_partials(x, w, slices)
+    assert parts.shape == (rows, slices, n) and parts.dtype == torch.float32
+    block_k = 64 if not ON_GPU else None  # (the interpreter's tile; the GPU's is autotuned)
+    if block_k:
+        per = -(-(-(-k // slices)) // block_k) * block_k
+        for j in range(slices):
+            part = x[:, j * per : (j + 1) * per].float() @ w[:, j * per : (j + 1) * per].float().T
+            assert torch.allclose(parts[:, j], part, atol=1e-4, rtol=1e-4), j
+    assert torch.allclose(parts.sum(1), x.float() @ w.float().T, atol=1e-3, rtol=1e-3)
+    out, summed = fused.rms_norm(parts, nw, 1e-5, residual=r)
+    assert summed.dtype == out.dtype == dtype
+    assert torch.equal(summed, fused.parts_sum_ref(parts, dtype) + r)
+    close(out, fused.rms_norm_ref(summed, nw, 1e-5), dtype)
+    with pytest.raises(ValueError, match="residual"):
+        fused.rms_norm(parts, nw, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
 @pytest.mark.parametrize("rows,n", [(1, 576), (9, 4096)])
 def test_rms_norm_keeps_a_float32_residual_unrounded_and_rounds_the_norm_to_the_asked_dtype(dtype, rows, n):
     """The float32 islands (--enable-fp32-residual, --enable-fp32-lm-head): a half-precision branch

@@ -6,10 +6,11 @@ shape's o product takes cuBLAS's split-K kernel 6.8 us and its reduce 1.7 us a l
 (`session-20261130d/8b-b1-kernels.log`). Both outputs go to the residual add and RMSNorm. Here
 each product runs as a step runs it (in a CUDA graph, each layer's weight from memory, under PDL)
 with the norm after it, three ways: cuBLAS then the norm; the Triton few-row kernel the engine
-times against cuBLAS (kernels/skinny_gemm.py) then the norm; and a kernel whose programs each take
-a column block and a slice of K, writing float32 partials that the norm's kernel sums in order
-(the product rounded to the dtype once, as the others round it) before it adds the residual. If
-the third wins by a launch and more, issue 65's "the split-K reduction into its consumer" pays.
+times against cuBLAS (kernels/skinny_gemm.py) then the norm; and the engine's split kernel
+(`split_k_partials`: its programs each take a column block and a slice of K, writing float32
+partials) over its configurations, the norm summing the partials in order (the product rounded to
+the dtype once, as the others round it) before it adds the residual: the third is what
+`linear_into_norm` chooses where it wins (on the H200 by 1.04-1.26x: session-20261201c).
 
     python bench/probes/split_k_partials.py [--rows 1,8] [--dtype bfloat16]
 """
@@ -21,9 +22,8 @@ import itertools
 
 import torch
 import triton
-import triton.language as tl
 
-from kernels import fused, pdl
+from kernels import fused, pdl, skinny_gemm
 from kernels.skinny_gemm import cold_copies, graph_ms, skinny_linear
 
 SHAPES = {  # N x K
@@ -38,63 +38,18 @@ CONFIGS = [dict(SPLITS=s, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=4)
 EPS = 1e-6
 
 
-@triton.jit
-def _split_kernel(x_ptr, w_ptr, part_ptr, m, n, k, stride_xm, stride_wn, k_per_split, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Program (column block, split): its slice of K's sum for every row, float32, at part[split]."""
-    pdl.wait_for_previous(PDL)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(split * k_per_split, tl.minimum(k, (split + 1) * k_per_split), BLOCK_K):
-        kk = k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=(rows[:, None] < m) & (kk[None, :] < k),
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < n) & (kk[None, :] < k),
-                    other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(part_ptr + (split * m + rows[:, None]) * n + cols[None, :], acc,
-             mask=(rows[:, None] < m) & (cols[None, :] < n))
-
-
-@triton.jit
-def _partials_norm_kernel(part_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, m, n, eps, SPLITS: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """A row's partials summed in split order and rounded to the dtype (the product's output), plus
-    the residual, then RMSNorm rounded as kernels/fused.py's: that kernel with the reduce in front."""
-    pdl.wait_for_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n
-    x = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        x += tl.load(part_ptr + (s * m + row) * n + cols, mask=ok, other=0.0)
-    dtype = out_ptr.dtype.element_ty
-    x = x.to(dtype).to(tl.float32) + tl.load(res_ptr + row * n + cols, mask=ok, other=0.0).to(tl.float32)
-    x = x.to(dtype)
-    tl.store(sum_ptr + row * n + cols, x, mask=ok)
-    x = x.to(tl.float32)
-    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (y * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype),
-             mask=ok)
-
-
 def split_then_norm(x, weight, residual, norm_weight, config):
+    """The engine's split kernel (kernels/skinny_gemm.py `split_k_partials`) at `config`, then the norm that adds up
+    its partial sums (`fused.rms_norm`)."""
     m, k = x.shape
     n = weight.shape[0]
-    splits = config["SPLITS"]
-    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    per_split = triton.cdiv(triton.cdiv(k, splits), config["BLOCK_K"]) * config["BLOCK_K"]
     launch = dict(config)
-    launch.pop("SPLITS")
-    _split_kernel[(triton.cdiv(n, config["BLOCK_N"]), splits)](x, weight, parts, m, n, k, x.stride(0), weight.stride(0),
-                                                                per_split, BLOCK_M=16, **launch, **pdl.launch_args())
-    out, summed = torch.empty_like(residual), torch.empty_like(residual)
-    _partials_norm_kernel[(m,)](parts, residual, norm_weight, out, summed, m, n, EPS, SPLITS=splits,
-                                BLOCK=triton.next_power_of_2(n), num_warps=4, **pdl.launch_args())
-    return out, summed
+    slices = launch.pop("SPLITS")
+    parts = torch.empty(m, slices, n, dtype=torch.float32, device=x.device)
+    skinny_gemm._split_k_kernel[(triton.cdiv(n, config["BLOCK_N"]), slices)](
+        x, weight, parts, m, n, k, x.stride(0), weight.stride(0), SLICES=slices, BLOCK_M=16, **launch,
+        **pdl.launch_args())
+    return fused.rms_norm(parts, norm_weight, EPS, residual)
 
 
 def main() -> None:

@@ -159,8 +159,13 @@ class Linear(nn.Linear):
 
     batch_invariant = False
     float32_output = False  # its float32 accumulator, not rounded (CausalLM.keep_float32's activations)
+    # its output's one consumer is the residual add + norm (`RMSNorm.add`), which may take it as partial sums
+    # over slices of K (skinny_gemm.linear_into_norm): a decoder layer's o and down products at one rank
+    into_norm = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.into_norm and not (self.batch_invariant or self.float32_output) and self.bias is None:
+            return skinny_gemm.linear_into_norm(x, self.weight)
         out_dtype = torch.float32 if self.float32_output else None
         return skinny_gemm.linear(x, self.weight, self.bias, out_dtype, invariant=self.batch_invariant)
 
@@ -269,6 +274,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(cfg, shard)
+        if shard.alone:  # (under tensor parallelism the products' parts go to the all-reduce whole)
+            self.self_attn.o_proj.into_norm = True
+            if isinstance(self.mlp, MLP):
+                self.mlp.down_proj.into_norm = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (this rank's part of this layer's output, the residual stream before it): the
@@ -341,6 +350,8 @@ class CausalLM(nn.Module):
                 products += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
             for linear in products:
                 linear.float32_output = activations
+                # (partial sums round to the residual's dtype in the norm: a float32 stream would skip the dtype's rounding)
+                linear.into_norm = linear.into_norm and not residual
         self.fp32_lm_head = lm_head
 
     @property
