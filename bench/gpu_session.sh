@@ -396,9 +396,13 @@ moe-spec)  # issue 64: speculation never slower than off on MoE: the grpo rows o
     --max-running-seqs 512 --temperature 0.7,1.0 --output-len 256 --repeats ${REPEATS:-3} | tee "$OUT/moe-spec.log" | grep -E "^\| rollout"
   ;;
 kernel-tables)  # issues 62, 64 and 65: the unmet rows' steps kernel by kernel (bench/tp_profile.py --kernels: graphs, no PDL;
-  # SKIP_MOE=1 leaves out the MoE shape): the MoE shape at b1, the 8B shape at b1, at b64 (prompt 1,024) deterministic against default, at b512 fp16 against bf16
+  # SKIP_MOE=1 leaves out the MoE shape; SKIP_8B=1 the 8B shape's): the MoE shape at each of MOE_BATCHES (default 1), the
+  # 8B shape at b1, at b64 (prompt 1,024) deterministic against default, at b512 fp16 against bf16
   P="timeout ${LIMIT:-200} python3 bench/tp_profile.py --tp-sizes 1 --tokens 32 --kernels ${TOP:-25}"
-  [ -n "${SKIP_MOE:-}" ] || $P --shape qwen3-30b-a3b 2>&1 | grep "^|" | tee "$OUT/kernels-moe-b1.log"
+  for b in ${MOE_BATCHES:-1}; do
+    [ -n "${SKIP_MOE:-}" ] || $P --shape qwen3-30b-a3b --batch "$b" 2>&1 | grep "^|" | tee "$OUT/kernels-moe-b$b.log"
+  done
+  [ -z "${SKIP_8B:-}" ] || exit 0
   $P --batch 1 2>&1 | grep "^|" | tee "$OUT/kernels-8b-b1.log"
   $P --batch 64 --prompt-len 1024 --variants default,deterministic 2>&1 | grep "^|" | tee "$OUT/kernels-8b-b64-deterministic.log"
   $P --batch 512 --variants default,float16 2>&1 | grep "^|" | tee "$OUT/kernels-8b-b512-fp16.log"
