@@ -2,7 +2,7 @@
 # The next GPU session's measurements and the pending diff's A/B, one stage a device call (H200; the first call of a
 # session carries only .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says;
 # every later call within 30 s of the last, or the machine is gone with the model). Logs to $OUT.
-# Device time, estimated: tests ~330 s, profile ~300 s, ab ~400 s.
+# Device time, estimated: tests ~330 s, profile ~300 s, ab ~400 s, moe-prefetch ~120 s, moe-prefetch-ab ~300 s.
 #   tests:   this checkout's MoE kernel tests whole (the routing's NaN row among them, not yet run on a GPU), then
 #            split-k-prefetch's kernel tests (the prefetch bitwise alike; the partials summed by the norm)
 #   profile: decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL): the Qwen3-30B-A3B shape at b1, b64
@@ -10,8 +10,11 @@
 #   ab:      decode b1 in turns, 2 cycles: this checkout, split-k-prefetch, and this checkout without the split
 #            (SPLIT_K_CANDIDATES emptied: what split-k-norm gave the MoE shape, unmeasured when it landed); the 8B
 #            shape, then the Qwen3-30B-A3B shape
+#   moe-prefetch: moe-weight-prefetch's tests (the prefetch changes no bit); the MoE layer's parts
+#            (bench/moe_kernels.py --parts, this checkout's script over each tree's code) here and in its tree
+#   moe-prefetch-ab: if the parts moved, the Qwen3-30B-A3B shape's decode at b1/b64/b512 in turns, 2 cycles
 source bench/session_env.sh
-case ${1:?tests | profile | ab} in
+case ${1:?tests | profile | ab | moe-prefetch | moe-prefetch-ab} in
 tests)
   { echo "== this checkout: MoE routing (the overflowed rows first), then the rest of the MoE kernel tests"
     timeout 100 python3 -m pytest -q -m gpu tests/test_fused_moe_kernel.py -k "overflowed or routing" 2>&1 | tail -3; \
@@ -40,5 +43,22 @@ ab)
       --workload decode --spec-modes off --random-model $shape --batch-sizes 1 --prompt-len 128 --output-len 128 2>&1 \
       | tee "$OUT/ab-$shape.log" | tail -5
   done
+  ;;
+moe-prefetch)
+  bash bench/ab_versions.sh apply moe-weight-prefetch moe-weight-prefetch > /dev/null
+  { (cd ab/moe-weight-prefetch && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 -m pytest -q -m gpu \
+      tests/test_fused_moe_kernel.py -k "prefetch or experts_match" 2>&1 | tail -3; echo "rc=${PIPESTATUS[0]}")
+    for root in "$ROOT" "$ROOT/ab/moe-weight-prefetch"; do
+      echo "== ${root#$ROOT/}"
+      (cd "$root" && PYTHONPATH=/tmp/site:$root timeout 100 python3 "$ROOT/bench/moe_kernels.py" --parts \
+        --rows 1,8,64,512 2>&1 | grep "^|")
+    done
+  } | tee "$OUT/moe-prefetch-parts.log"
+  ;;
+moe-prefetch-ab)
+  bash bench/ab_versions.sh apply moe-weight-prefetch moe-weight-prefetch > /dev/null
+  CYCLES=2 BENCH_OUT=/tmp/bench-moe-prefetch timeout 420 bash bench/ab_versions.sh run head moe-weight-prefetch -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 \
+    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/moe-prefetch-decode.log" | tail -8
   ;;
 esac
