@@ -6,7 +6,9 @@
 #   tests:   this checkout's MoE kernel tests whole (the routing's NaN row among them, not yet run on a GPU), then
 #            split-k-prefetch's kernel tests (the prefetch bitwise alike; the partials summed by the norm)
 #   profile: decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL): the Qwen3-30B-A3B shape at b1, b64
-#            and b512 (where do b512's ~7 ms outside the expert products go?), the 8B shape at b1 (after split-k-norm)
+#            and b512 (where do b512's ~7 ms outside the expert products go?), the 8B shape at b1 (after split-k-norm);
+#            then what a chain of 100-550 tiny kernels costs in one graph, PDL off and on (bench/probes/launch_floor.py:
+#            the floor of a b1 step's ~300 (8B) or ~550 (MoE) kernels)
 #   ab:      decode b1 in turns, 2 cycles: this checkout, split-k-prefetch, and this checkout without the split
 #            (SPLIT_K_CANDIDATES emptied: what split-k-norm gave the MoE shape, unmeasured when it landed); the 8B
 #            shape, then the Qwen3-30B-A3B shape
@@ -31,7 +33,8 @@ profile)
   MOE_BATCHES="1 64 512" SKIP_8B=1 bash bench/gpu_session.sh kernel-tables > /dev/null
   timeout 200 python3 bench/tp_profile.py --tp-sizes 1 --tokens 32 --kernels 25 --batch 1 2>&1 | grep "^|" \
     > "$OUT/kernels-8b-b1.log"
-  tail -n 3 "$OUT"/kernels-*.log
+  timeout 60 python3 bench/probes/launch_floor.py 2>&1 | grep "^|" > "$OUT/launch-floor.log"
+  tail -n 3 "$OUT"/kernels-*.log; cat "$OUT/launch-floor.log"
   ;;
 ab)
   bash bench/ab_versions.sh apply split-k-prefetch split-k-prefetch > /dev/null
