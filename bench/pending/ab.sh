@@ -3,7 +3,7 @@
 # session carries only .devcache/smol.part.aa, the next .devcache/smol.part.ab and .whl, as bench/gpu_session.sh says;
 # every later call within 30 s of the last, or the machine is gone with the model). Logs to $OUT.
 # Device time, estimated: tests ~330 s, profile ~300 s, ab ~400 s, moe-prefetch ~120 s, moe-prefetch-ab ~300 s,
-# route ~250 s.
+# route ~350 s.
 #   tests:   this checkout's MoE kernel tests whole (the routing's NaN row among them, not yet run on a GPU), then
 #            split-k-prefetch's kernel tests (the prefetch bitwise alike; the partials summed by the norm)
 #   profile: decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL): the Qwen3-30B-A3B shape at b1, b64
@@ -16,8 +16,9 @@
 #   moe-prefetch: moe-weight-prefetch's tests (the prefetch changes no bit); the MoE layer's parts
 #            (bench/moe_kernels.py --parts, this checkout's script over each tree's code) here and in its tree
 #   moe-prefetch-ab: if the parts moved, the Qwen3-30B-A3B shape's decode at b1/b64/b512 in turns, 2 cycles
-#   route:   moe-router-route's tests (the router and routing in one launch = two, bitwise, 20 graph replays), then the
-#            Qwen3-30B-A3B shape's decode at b1 and b8 in turns, 2 cycles
+#   route:   moe-router-route with moe-down-combine over it: their tests (the router and routing in one launch = two,
+#            the picks combined in the down product's launch = the combine kernel, bitwise, 20 graph replays each), then
+#            the Qwen3-30B-A3B shape's decode at b1 and b8 in turns, 2 cycles: this checkout, route, route + combine
 source bench/session_env.sh
 case ${1:?tests | profile | ab | moe-prefetch | moe-prefetch-ab | route} in
 tests)
@@ -69,11 +70,12 @@ moe-prefetch-ab)
   ;;
 route)
   bash bench/ab_versions.sh apply moe-router-route moe-router-route > /dev/null
-  (cd ab/moe-router-route && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -m gpu \
-    tests/test_fused_moe_kernel.py -k "one_launch or routing or overflowed" 2>&1 | tail -3; echo "rc=${PIPESTATUS[0]}") \
-    | tee "$OUT/route-tests.log"
-  CYCLES=2 BENCH_OUT=/tmp/bench-route timeout 300 bash bench/ab_versions.sh run head moe-router-route -- \
-    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8 --prompt-len 128 \
-    --output-len 256 2>&1 | tee "$OUT/route-decode.log" | tail -6
+  bash bench/ab_versions.sh apply moe-route-combine moe-router-route moe-down-combine > /dev/null
+  (cd ab/moe-route-combine && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu \
+    tests/test_fused_moe_kernel.py -k "one_launch or combines or routing or overflowed" 2>&1 | tail -3; \
+    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/route-tests.log"
+  CYCLES=2 BENCH_OUT=/tmp/bench-route timeout 400 bash bench/ab_versions.sh run head moe-router-route \
+    moe-route-combine -- --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8 \
+    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/route-decode.log" | tail -8
   ;;
 esac
