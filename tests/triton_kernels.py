@@ -27,3 +27,18 @@ if not ON_GPU:  # the interpreter keeps scalars as 1-element arrays, which NumPy
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+def assert_bitwise_alike(monkeypatch, module, name: str, off, on, run) -> None:
+    """`run()` gives the same bits with `module.name` set to `off` and to `on` (left on), eagerly and
+    replayed in a CUDA graph: for a hint to the hardware, such as a prefetch, which must change no bit."""
+    monkeypatch.setattr(module, name, off)
+    plain = run()
+    monkeypatch.setattr(module, name, on)
+    assert torch.equal(run(), plain)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    assert torch.equal(out, plain)
