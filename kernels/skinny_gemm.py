@@ -104,14 +104,9 @@ def linear_into_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def split_k_slices(x: torch.Tensor, weight: torch.Tensor) -> int:
     """The slices of K `linear_into_norm` takes for this product (0: none, `linear`'s product)."""
-    usable = (
-        triton is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-        and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(1) == 1 and weight.stride(1) == 1
-    )
-    if not usable:
+    rows = _few_rows(x, weight) if x.is_cuda and x.dtype == weight.dtype else 0
+    if not rows:
         return 0
-    rows = 1 << (x.shape[0] - 1).bit_length()
     key = (weight.shape[0], weight.shape[1], rows, x.dtype, pdl.enabled())
     slices = _split_k.get(key)
     if slices is None:
@@ -206,18 +201,25 @@ def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def takes_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype | None = None) -> bool:
     """Whether `linear(x, weight, bias, out_dtype)` runs the Triton kernel (timed against cuBLAS once per shape)."""
-    usable = (
-        triton is not None and (x.is_cuda or INTERPRET) and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-        and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1
-    )  # float32 stays with cuBLAS: tl.dot would round its inputs to tf32
-    if not usable:
+    rows = _few_rows(x, weight) if x.is_cuda or INTERPRET else 0
+    if not rows:
         return False
-    rows = 1 << (x.shape[0] - 1).bit_length()
     key = (weight.shape[0], weight.shape[1], rows, x.dtype, out_dtype, bias is not None, pdl.enabled())
     choice = _use_triton.get(key)
     if choice is None:
         choice = _use_triton[key] = INTERPRET or _triton_is_faster(rows, weight, bias, out_dtype)
     return choice
+
+
+def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The power of two of rows a few-row Triton product of `x` is timed and chosen at, or 0 where none
+    runs: no Triton, not 2-D, more than MAX_ROWS rows, strided, or float32 (which stays with cuBLAS:
+    tl.dot would round its inputs to tf32)."""
+    usable = (
+        triton is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1 and weight.stride(1) == 1
+    )
+    return 1 << (x.shape[0] - 1).bit_length() if usable else 0
 
 
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
