@@ -70,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     is a product's partial sums over slices of K (`skinny_gemm.linear_into_norm`): each row's parts
     summed in order and rounded to the residual's dtype (the product's own output, `parts_sum_ref`)
     before the add; it needs the residual, whose dtype is then the norm's default."""
-    parts = x.shape[1] if x.dim() == 3 else 1
+    parts = x.shape[1] if x.dim() == 3 else 0  # (0: a whole product, not partial sums)
     if x.dim() == 3 and residual is None:
         raise ValueError("a product's partial sums are added to a residual: pass it")
     out_dtype = out_dtype or (residual.dtype if x.dim() == 3 else x.dtype)
@@ -87,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, summed,
-            x.stride(0), x.stride(1) if parts > 1 else 0, residual.stride(0) if residual is not None else 0, n, eps,
+            x.stride(0), x.stride(1) if parts else 0, residual.stride(0) if residual is not None else 0, n, eps,
             PARTS=parts, HAS_RESIDUAL=residual is not None, ROUND_ONCE=round_once, BLOCK=block,
             num_warps=min(16, max(1, block // 256)), **pdl.launch_args(),
         )
@@ -165,7 +165,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         ok = cols < n
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        if PARTS > 1:  # a product's float32 partial sums, in order, rounded to its dtype (parts_sum_ref)
+        if PARTS > 0:  # a product's float32 partial sums, in order, rounded to its dtype (parts_sum_ref)
             for j in tl.static_range(1, PARTS):
                 x += tl.load(x_ptr + row * stride_x + j * stride_part + cols, mask=ok, other=0.0)
             x = x.to(res_ptr.dtype.element_ty).to(tl.float32)

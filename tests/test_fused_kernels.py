@@ -37,7 +37,7 @@ def test_rms_norm_with_and_without_residual_matches_reference(dtype, rows, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
-@pytest.mark.parametrize("slices,rows,n,k", [(2, 1, 576, 1536), (4, 9, 100, 200), (3, 16, 256, 64)])
+@pytest.mark.parametrize("slices,rows,n,k", [(2, 1, 576, 1536), (4, 9, 100, 200), (3, 16, 256, 64), (1, 5, 128, 256)])
 def test_a_product_split_over_k_is_summed_by_the_norm_as_its_reference_sums_it(dtype, slices, rows, n, k):
     """A few-row product into a norm as float32 partial sums over slices of K (kernels/skinny_gemm.py
     `split_k_partials`; K of one BLOCK_K tile leaves slices empty): each slice the product over its
