@@ -113,18 +113,54 @@ def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
     (gate rows, then up rows), down [E, hidden, width]."""
     if not fused.use_triton(h):
         return experts_ref(h, logits, gate_up, down, top_k, renormalise, invariant)
-    rows, hidden = h.shape
-    out = torch.empty_like(h)
-    if rows == 0:
-        return out
+    if h.shape[0] == 0:
+        return torch.empty_like(h)
     route = Route(logits, top_k, renormalise, h.dtype, block=INVARIANT_BLOCK_ROWS if invariant else None,
                   invariant=invariant)
-    mid = torch.empty(rows * top_k, down.shape[2], dtype=h.dtype, device=h.device)
+    return _routed_experts(route, h, gate_up, down, invariant)
+
+
+def layer(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+          renormalise: bool, invariant: bool = False) -> torch.Tensor:
+    """The layer whole for the normalised hidden states `h`: the router's product (`router`: [E, hidden]),
+    the routing, the experts (`SparseMoE.block`). A step of at most ONE_PROGRAM_ROUTE_ROWS rows on the
+    GPU takes the router's product and the routing in one launch (`Route.of_router`); else as
+    `experts(h, router_logits(h, router), ...)`, which computes the same bits."""
+    rows = h.shape[0]
+    counter = None
+    if fused.use_triton(h) and not invariant and 0 < rows <= ONE_PROGRAM_ROUTE_ROWS:
+        counter = _route_counter(h.device)
+    if counter is None:
+        return experts(h, router_logits(h, router, invariant), gate_up, down, top_k, renormalise, invariant)
+    route = Route.of_router(h, router, counter, top_k, renormalise)
+    return _routed_experts(route, h, gate_up, down, invariant=False)
+
+
+def _routed_experts(route: "Route", h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    invariant: bool) -> torch.Tensor:
+    """The experts' products over `route`'s slots, then each row's picks combined."""
+    rows, hidden = h.shape
+    out = torch.empty_like(h)
+    mid = torch.empty(rows * route.top_k, down.shape[2], dtype=h.dtype, device=h.device)
     _expert_gemm(route, h, gate_up, mid, gated=True, invariant=invariant)
-    picks = torch.empty(rows * top_k, hidden, dtype=h.dtype, device=h.device)
+    picks = torch.empty(rows * route.top_k, hidden, dtype=h.dtype, device=h.device)
     _expert_gemm(route, mid, down, picks, gated=False, invariant=invariant)
-    combine(picks, out, top_k)
+    combine(picks, out, route.top_k)
     return out
+
+
+_route_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _route_counter(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed int32 that `Route.of_router`'s programs count themselves on (the last one
+    routes, then zeroes it for the next launch: the steps of a device run one at a time, in one
+    stream). Made by the first eager call; None inside a CUDA graph's capture before one (the two
+    launches then)."""
+    counter = _route_counters.get(device)
+    if counter is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        counter = _route_counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def combine(picks: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
@@ -148,10 +184,11 @@ class Route:
     ROUTE_ROWS rows. `invariant`: every step's programs alike (ROUTE_ROWS rows in ROUTE_WARPS
     warps), so that a row's softmax sums alike in any step. `logits`: [T, E], or (at most
     ONE_PROGRAM_ROUTE_ROWS rows) `router_logits`' [S, T, E] float32 slices, added up in order and
-    rounded to `dtype`."""
+    rounded to `dtype`. `launch=False` (such a step only): the tensors and the one program's arguments,
+    which `of_router` launches inside the router's product."""
 
     def __init__(self, logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype,
-                 block: int | None = None, invariant: bool = False):
+                 block: int | None = None, invariant: bool = False, launch: bool = True):
         slices = logits.shape[0] if logits.dim() == 3 else 0
         rows, num_experts = logits.shape[-2:]
         if slices and rows > ONE_PROGRAM_ROUTE_ROWS:
@@ -173,10 +210,15 @@ class Route:
         self.block_expert = torch.empty(self.num_blocks, dtype=torch.int32, device=dev)
         runs = dict(BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)))
         if rows <= ONE_PROGRAM_ROUTE_ROWS:
-            _route_kernel[(1,)](logits, logits.stride(-2), rows * num_experts, rows, num_experts, self.weights,
-                                self.ids, self.counts, self.starts, self.slots, self.block_expert, self.num_blocks,
-                                RENORM=renormalise, SLICES=slices, **shape, **runs)
+            self._one_program = ((logits, logits.stride(-2), rows * num_experts, rows, num_experts, self.weights,
+                                  self.ids, self.counts, self.starts, self.slots, self.block_expert, self.num_blocks),
+                                 dict(RENORM=renormalise, SLICES=slices, **shape, **runs))
+            if launch:
+                args, flags = self._one_program
+                _route_kernel[(1,)](*args, **flags)
             return
+        if not launch:
+            raise ValueError(f"only a step of at most {ONE_PROGRAM_ROUTE_ROWS} rows routes inside another launch")
         programs = triton.cdiv(rows, tile)
         taken = torch.empty(programs, num_experts, dtype=torch.int32, device=dev)  # each program's row of counts
         _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, taken,
@@ -184,6 +226,24 @@ class Route:
         _place_kernel[(programs,)](self.ids, rows, num_experts, taken, programs, self.counts, self.starts, self.slots,
                                    self.block_expert, self.num_blocks, PB=min(64, triton.next_power_of_2(programs)),
                                    **shape, **runs)
+
+    @staticmethod
+    def of_router(h: torch.Tensor, router: torch.Tensor, counter: torch.Tensor, top_k: int,
+                  renormalise: bool) -> "Route":
+        """`Route(router_logits(h, router), ...)` of a step of at most ONE_PROGRAM_ROUTE_ROWS rows in one
+        launch: the router's programs each store their float32 slice of the logits, and the last of them
+        to finish (counted on `counter`, `_route_counter`) routes the step as `_route_kernel` does, from
+        the same slices in the same order: the same bits, a launch (and its wait on the one before) fewer."""
+        rows, hidden = h.shape
+        num_experts = router.shape[0]
+        partials = torch.empty(triton.cdiv(hidden, ROUTER_SLICE), rows, num_experts, dtype=torch.float32,
+                               device=h.device)
+        route = Route(partials, top_k, renormalise, h.dtype, launch=False)
+        args, flags = route._one_program
+        _router_route_kernel[(triton.cdiv(num_experts, ROUTER_EXPERTS), partials.shape[0])](
+            h, router, counter, hidden, h.stride(0), router.stride(0), *args, RR=ROUTE_ROWS, BLOCK_E=ROUTER_EXPERTS,
+            BLOCK_K=ROUTER_SLICE, IEEE=h.dtype == torch.float32, **flags)
+        return route
 
 
 def _expert_gemm(route: Route, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool,
@@ -210,10 +270,11 @@ if triton is not None:
 
     @triton.jit
     def _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr, E: tl.constexpr,
-                   K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr):
+                   K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr,
+                   VOLATILE: tl.constexpr = False):
         """Rows `r`'s top-k of their float32 softmax, stored; returns how many of them took each expert.
         SLICES > 0: the logits are that many float32 slices, added up in order and rounded as a product's
-        output is."""
+        output is (VOLATILE: loaded past this SM's cache, other programs of the launch stored them)."""
         es = tl.arange(0, E)
         picks = tl.arange(0, KP)
         expert_ok = es < num_experts
@@ -223,9 +284,9 @@ if triton is not None:
         if SLICES == 0:
             x = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         else:
-            x = tl.load(at, mask=ok, other=0.0)
+            x = tl.load(at, mask=ok, other=0.0, volatile=VOLATILE)
             for s in tl.static_range(1, SLICES):
-                x += tl.load(at + s * stride_slice, mask=ok, other=0.0)
+                x += tl.load(at + s * stride_slice, mask=ok, other=0.0, volatile=VOLATILE)
             x = x.to(weights_ptr.dtype.element_ty).to(tl.float32)
         x = tl.where(expert_ok[None, :], x, -float("inf"))  # (rows past the last: uniform, never stored)
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
@@ -324,10 +385,40 @@ if triton is not None:
         """A step of at most R rows routed in one program: the top-k, the runs, the placement (one
         launch where the two kernels above take two)."""
         pdl.wait_for_previous(PDL)
+        _route_rows(logits_ptr, stride_l, stride_slice, rows, num_experts, weights_ptr, ids_ptr, counts_ptr,
+                    starts_ptr, slots_ptr, block_expert_ptr, num_blocks, E, K, KP, R, RENORM, SLICES, BLOCK_M, NB,
+                    False)
+
+    @triton.jit
+    def _router_route_kernel(h_ptr, w_ptr, counter_ptr, hidden, stride_h, stride_w, logits_ptr, stride_l, stride_slice,
+                             rows, num_experts, weights_ptr, ids_ptr, counts_ptr, starts_ptr, slots_ptr,
+                             block_expert_ptr, num_blocks, RR: tl.constexpr, BLOCK_E: tl.constexpr,
+                             BLOCK_K: tl.constexpr, IEEE: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
+                             KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr,
+                             BLOCK_M: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
+        """`_router_slices_kernel`'s program, then, in the last of them to finish, `_route_kernel`'s
+        (`Route.of_router`)."""
+        pdl.wait_for_previous(PDL)
+        _router_slice(h_ptr, w_ptr, logits_ptr, rows, num_experts, hidden, stride_h, stride_w, RR, BLOCK_E, BLOCK_K,
+                      IEEE)
+        tl.debug_barrier()  # (every thread's slice stored before the count releases it)
+        done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # (for the next launch)
+            _route_rows(logits_ptr, stride_l, stride_slice, rows, num_experts, weights_ptr, ids_ptr, counts_ptr,
+                        starts_ptr, slots_ptr, block_expert_ptr, num_blocks, E, K, KP, R, RENORM, SLICES, BLOCK_M,
+                        NB, True)
+
+    @triton.jit
+    def _route_rows(logits_ptr, stride_l, stride_slice, rows, num_experts, weights_ptr, ids_ptr, counts_ptr, starts_ptr,
+                    slots_ptr, block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                    R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                    NB: tl.constexpr, VOLATILE: tl.constexpr):
+        """`_route_kernel`'s work (VOLATILE: the logits other programs of this launch stored)."""
         es = tl.arange(0, E)
         r = tl.arange(0, R)
         taken = _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R,
-                           RENORM, SLICES)
+                           RENORM, SLICES, VOLATILE)
         tl.store(counts_ptr + es, taken, mask=es < num_experts)
         padded = (taken + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
@@ -340,6 +431,11 @@ if triton is not None:
                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """Slice program_id(1) of the hidden size: its part of the rows' logits for a block of experts, in float32."""
         pdl.wait_for_previous(PDL)
+        _router_slice(h_ptr, w_ptr, part_ptr, rows, num_experts, hidden, stride_h, stride_w, R, BLOCK_E, BLOCK_K, IEEE)
+
+    @triton.jit
+    def _router_slice(h_ptr, w_ptr, part_ptr, rows, num_experts, hidden, stride_h, stride_w, R: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         r = tl.arange(0, R)

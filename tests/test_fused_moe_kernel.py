@@ -107,6 +107,40 @@ def test_the_router_product_in_slices_routes_as_its_ordered_sum(shape, dtype):
     torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_router_and_routing_in_one_launch_route_as_the_two_launches(shape, dtype):
+    """A step of few rows takes the router's product and its routing in one launch (`Route.of_router`: the
+    last program to finish routes): every routing tensor and the layer's output the same bits as the two
+    launches', call after call (the count starts from zero again), in a CUDA graph too on the GPU."""
+    rows, experts, top_k, hidden = shape[:4]
+    h, _, gate_up, down = moe_inputs(*shape, dtype, seed=3 * sum(shape))
+    g = torch.Generator(device=DEVICE).manual_seed(2 * sum(shape))
+    router = (2 * torch.randn(experts, hidden, generator=g, device=DEVICE) / hidden**0.5).to(dtype)
+    two = fused_moe.experts(h, fused_moe.router_logits(h, router), gate_up, down, top_k, renormalise=True)
+    one = fused_moe.layer(h, router, gate_up, down, top_k, renormalise=True)
+    assert torch.equal(one, two)
+    if rows > fused_moe.ONE_PROGRAM_ROUTE_ROWS:
+        return
+    counter = fused_moe._route_counter(h.device)
+    apart = fused_moe.Route(fused_moe.router_logits(h, router), top_k, True, dtype)
+    for _ in range(3):
+        fused = fused_moe.Route.of_router(h, router, counter, top_k, True)
+        for name in ("ids", "weights", "counts", "starts", "block_expert"):
+            assert torch.equal(getattr(fused, name), getattr(apart, name)), name
+        for start, count in zip(apart.starts.tolist(), apart.counts.tolist()):  # (a run's padding is never written)
+            assert torch.equal(fused.slots[start:start + count], apart.slots[start:start + count])
+        assert int(counter) == 0
+    if ON_GPU:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe.layer(h, router, gate_up, down, top_k, renormalise=True)
+        for _ in range(20):
+            graph.replay()
+            assert torch.equal(out, two)
+
+
 def test_router_slices_of_more_rows_than_one_routing_program_takes_are_refused():
     partials = torch.randn(2, fused_moe.ONE_PROGRAM_ROUTE_ROWS + 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="at most"):

@@ -41,8 +41,7 @@ class SparseMoE(nn.Module):
     def block(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's part of the experts' output for the normalised hidden states `h` [T, hidden]."""
         invariant = self.gate.batch_invariant  # (CausalLM.make_batch_invariant sets it on every Linear)
-        logits = fused_moe.router_logits(h, self.gate.weight, invariant)
-        return fused_moe.experts(h, logits, self.gate_up, self.down, self.top_k, self.norm_topk_prob, invariant)
+        return fused_moe.layer(h, self.gate.weight, self.gate_up, self.down, self.top_k, self.norm_topk_prob, invariant)
 
     def targets(self, prefix: str, cfg: ModelConfig, sh: Shard) -> dict[str, WeightTarget]:
         """The router, each expert's tensors by the checkpoint's names, and the layer's experts stacked as
