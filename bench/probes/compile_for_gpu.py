@@ -1,0 +1,101 @@
+"""Compile, for an H100/H200 (sm_90), every Triton kernel launch that CPU tests make in Triton's interpreter, on a
+machine without a GPU. A kernel the interpreter runs can still fail to compile (a variable redefined at another shape
+inside an `if`), which only a GPU call showed until now (moe-down-combine's first run,
+bench/results/session-20261201e/route-why.log).
+
+The tests run in the interpreter as usual; each launch's specialization (argument types, alignments, constexprs,
+options) is recorded, and a second process, where nothing runs interpreted (the interpreter patches triton.language
+while it runs a kernel), compiles each to PTX and cubin. Kernels under an autotuner are compiled at the configuration
+the interpreter launches, not at each of the autotuner's.
+
+    pip install --target /tmp/triton36 --no-deps triton==3.6.0   # (numpy < 2.3 beside it: the interpreter's)
+    PYTHONPATH=/tmp/np21:/tmp/triton36:. python bench/probes/compile_for_gpu.py tests/test_fused_moe_kernel.py -k layer
+
+Arguments are pytest's. It ends with each kernel's compiled specializations and fails if any did not compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+TARGET = ("cuda", 90, 32)
+
+
+def record_launches(path: str, pytest_args: list[str]) -> int:
+    """Run the tests in the interpreter; write every new launch specialization to `path`."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import pytest
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime import jit as triton_jit
+    from triton.runtime.interpreter import InterpretedFunction
+
+    backend = make_backend(GPUTarget(*TARGET))
+    binders: dict = {}
+    launches: dict[tuple, tuple] = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        if self.fn not in binders:
+            twin = triton_jit.JITFunction(self.fn)  # (only for its binding of arguments to a specialization)
+            binders[self.fn] = (twin, triton_jit.create_function_from_signature(twin.signature, twin.params, backend))
+        twin, binder = binders[self.fn]
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = twin._pack_args(backend, dict(kwargs), bound, specialization, options)
+        spec = (self.fn.__module__, self.fn.__qualname__, signature, constexprs, attrs, options.__dict__)
+        launches.setdefault(repr(spec), spec)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    status = pytest.main(["-q", "-o", "addopts=", "-p", "no:cacheprovider", *pytest_args])
+    with open(path, "wb") as f:
+        pickle.dump(list(launches.values()), f)
+    return int(status)
+
+
+def compile_launches(path: str) -> int:
+    """Compile each recorded specialization for TARGET (nothing interpreted in this process)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    target = GPUTarget(*TARGET)
+    compiled: Counter[str] = Counter()
+    failed: dict[str, str] = {}
+    with open(path, "rb") as f:
+        launches = pickle.load(f)
+    for module, name, signature, constexprs, attrs, options in launches:
+        label = f"{module}.{name}"
+        try:
+            kernel = getattr(importlib.import_module(module), name)
+            compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+            compiled[label] += 1
+        except Exception as e:  # noqa: BLE001 (each failure is the report)
+            failed.setdefault(label, f"{type(e).__name__}: {e}")
+    print(f"\n| kernel | specializations compiled for sm_{TARGET[1]} |\n|---|---|")
+    for label, n in sorted(compiled.items()):
+        print(f"| {label} | {n} |")
+    for label, error in failed.items():
+        print(f"\nFAILED to compile {label}:\n{error}")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--compile"]:
+        return compile_launches(sys.argv[2])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.pickle")
+        status = record_launches(path, sys.argv[1:])
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        compiled = subprocess.run([sys.executable, __file__, "--compile", path], env=env).returncode
+    return status or compiled
+
+
+if __name__ == "__main__":
+    sys.exit(main())
