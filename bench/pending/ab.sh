@@ -4,17 +4,19 @@
 # .whl and starts `cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf &&`; every later call
 # within 30 s of the last, or the machine is gone with the model. Logs to $OUT. Before a call, check the kernels compile:
 # `PYTHONPATH=/tmp/np21:/tmp/triton36:. python bench/probes/compile_for_gpu.py <the diff's kernel tests>` here, on the CPU.
-# Device time, estimated: first ~250 s, allreduce-norm ~420 s, combine ~250 s, profile ~200 s.
+# Device time, estimated: first ~250 s, allreduce-norm ~420 s, split-k-tp ~400 s, combine ~250 s, profile ~200 s.
 #   first (2 GPUs, no model): allreduce-norm-512's GPU tests over 2 ranks and its latencies (bench/allreduce_latency.py:
 #            the all-reduce + norm fused against apart at 16-512 rows, hidden 2,048 and 4,096), beside moe-down-combine's
 #            MoE kernel tests on GPU 1 after them
 #   allreduce-norm (2 GPUs): TP2 decode in turns, 2 cycles, this checkout against allreduce-norm-512: the Qwen3-30B-A3B
 #            shape at b64 and b512, then the 8B shape at b512
+#   split-k-tp (2 GPUs): its GPU tests (the kernel's partials over 2 ranks; TP2 in graphs = eager TP1 tokens), then TP2
+#            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
 #   combine (1 GPU): the Qwen3-30B-A3B shape's decode at b1 and b8 in turns, 2 cycles: this checkout, moe-down-combine
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
 #   On one GPU only: combine-tests (no model), then combine, then profile.
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | combine | combine-tests | profile} in
+case ${1:?first | allreduce-norm | split-k-tp | combine | combine-tests | profile} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -38,6 +40,17 @@ allreduce-norm)
   CYCLES=2 BENCH_OUT=/tmp/bench-arn-8b timeout 200 bash bench/ab_versions.sh run head allreduce-norm-512 -- \
     --workload decode --random-model llama3-8b --tp-size 2 --spec-modes off --batch-sizes 512 --max-running-seqs 512 \
     --prompt-len 128 --output-len 128 2>&1 | tee "$OUT/allreduce-norm-8b.log" | tail -4
+  ;;
+split-k-tp)
+  bash bench/ab_versions.sh apply split-k-tp split-k-tp > /dev/null
+  (cd ab/split-k-tp && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -rs \
+    tests/test_all_reduce_norm_gpu.py tests/test_tensor_parallel_gpu.py -k "bitwise or tp2_with_graphs" 2>&1 | tail -3; \
+    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/split-k-tp-tests.log"
+  for shape in llama3-8b qwen3-30b-a3b; do
+    CYCLES=2 BENCH_OUT=/tmp/bench-sktp-$shape timeout 200 bash bench/ab_versions.sh run head split-k-tp -- \
+      --workload decode --random-model $shape --tp-size 2 --spec-modes off --batch-sizes 1 --prompt-len 128 \
+      --output-len 128 2>&1 | tee "$OUT/split-k-tp-$shape.log" | tail -4
+  done
   ;;
 combine)
   bash bench/ab_versions.sh apply moe-down-combine moe-down-combine > /dev/null
