@@ -4,7 +4,7 @@
 # .whl and starts `cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf &&`; every later call
 # within 30 s of the last, or the machine is gone with the model. Logs to $OUT. Before a call, check the kernels compile:
 # `PYTHONPATH=/tmp/np21:/tmp/triton36:. python bench/probes/compile_for_gpu.py <the diff's kernel tests>` here, on the CPU.
-# Device time, estimated: first ~250 s, allreduce-norm ~420 s, split-k-tp ~400 s, combine ~250 s, profile ~200 s.
+# Device time, estimated: first ~250 s, allreduce-norm ~420 s, split-k-tp ~400 s, combine ~420 s, profile ~200 s.
 #   first (2 GPUs, no model): allreduce-norm-512's GPU tests over 2 ranks and its latencies (bench/allreduce_latency.py:
 #            the all-reduce + norm fused against apart at 16-512 rows, hidden 2,048 and 4,096), beside moe-down-combine's
 #            MoE kernel tests on GPU 1 after them
@@ -12,11 +12,19 @@
 #            shape at b64 and b512, then the 8B shape at b512
 #   split-k-tp (2 GPUs): its GPU tests (the kernel's partials over 2 ranks; TP2 in graphs = eager TP1 tokens), then TP2
 #            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
-#   combine (1 GPU): the Qwen3-30B-A3B shape's decode at b1 and b8 in turns, 2 cycles: this checkout, moe-down-combine
+#   combine (1 GPU): moe-down-prefetch's GPU test (the prefetch changes no bit), then the Qwen3-30B-A3B shape's decode
+#            at b1 and b8 in turns, 2 cycles: this checkout, moe-down-combine, moe-down-combine + moe-down-prefetch
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
-#   On one GPU only: combine-tests (no model), then combine, then profile.
+#   single (2 GPUs): combine on GPU 0 beside profile on GPU 1
+#   On 2 GPUs, in this order: first, allreduce-norm, single, split-k-tp (~1,500 s with the machine's start). On one GPU
+#   only: combine-tests (no model), then combine, then profile.
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | combine | combine-tests | profile} in
+case ${1:?first | allreduce-norm | split-k-tp | single | combine | combine-tests | profile} in
+single)
+  CUDA_VISIBLE_DEVICES=0 bash "$0" combine > "$OUT/combine-gpu0.out" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 bash "$0" profile > "$OUT/profile-gpu1.out" 2>&1
+  wait; tail -n 12 "$OUT/combine-gpu0.out" "$OUT/profile-gpu1.out"
+  ;;
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -54,7 +62,10 @@ split-k-tp)
   ;;
 combine)
   bash bench/ab_versions.sh apply moe-down-combine moe-down-combine > /dev/null
-  CYCLES=2 BENCH_OUT=/tmp/bench-combine timeout 280 bash bench/ab_versions.sh run head moe-down-combine -- \
+  bash bench/ab_versions.sh apply down-prefetch moe-down-combine moe-down-prefetch > /dev/null
+  (cd ab/down-prefetch && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 -m pytest -q -m gpu \
+    tests/test_fused_moe_kernel.py -k "prefetch" 2>&1 | tail -2; echo "rc=${PIPESTATUS[0]}") | tee "$OUT/down-prefetch-tests.log"
+  CYCLES=2 BENCH_OUT=/tmp/bench-combine timeout 400 bash bench/ab_versions.sh run head moe-down-combine down-prefetch -- \
     --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8 --prompt-len 128 \
     --output-len 256 2>&1 | tee "$OUT/combine-decode.log" | tail -6
   ;;
