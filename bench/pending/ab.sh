@@ -30,7 +30,7 @@ first)
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
     tests/test_all_reduce_norm_gpu.py 2>&1 | tail -3; echo "rc=${PIPESTATUS[0]}") | tee "$OUT/allreduce-norm-tests.log"
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m torch.distributed.run \
-    --nproc-per-node 2 bench/allreduce_latency.py --rows 16,64,256,512 --hidden 2048,4096 2>&1 \
+    --nproc-per-node 2 "$ROOT/bench/allreduce_latency.py" --rows 16,64,256,512 --hidden 2048,4096 2>&1 \
     | grep -e "GPUs in a CUDA graph" -e " against " -e rror) | tee "$OUT/allreduce-norm-latency.log"
   CUDA_VISIBLE_DEVICES=1 bash "$0" combine-tests
   ;;
