@@ -6,6 +6,8 @@ Triton's interpreter: `TRITON_INTERPRET=1 pytest -o addopts='' tests/test_fused_
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from triton_kernels import DEVICE, GPU_ONLY, ON_GPU, assert_bitwise_alike
@@ -52,9 +54,8 @@ def test_a_product_split_over_k_is_summed_by_the_norm_as_its_reference_sums_it(d
     nw = (1 + torch.randn(n, generator=g, device=DEVICE) / 4).to(dtype)
     parts = split_k_partials(x, w, slices)
     assert parts.shape == (rows, slices, n) and parts.dtype == torch.float32
-    block_k = 64 if not ON_GPU else None  # (the interpreter's tile; the GPU's is autotuned)
-    if block_k:
-        per = -(-(-(-k // slices)) // block_k) * block_k
+    if not ON_GPU:  # (the interpreter's BLOCK_K of 64; the GPU's is autotuned): each slice whole tiles of K
+        per = math.ceil(math.ceil(k / slices) / 64) * 64
         for j in range(slices):
             part = x[:, j * per : (j + 1) * per].float() @ w[:, j * per : (j + 1) * per].float().T
             assert torch.allclose(parts[:, j], part, atol=1e-4, rtol=1e-4), j
