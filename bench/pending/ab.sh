@@ -16,10 +16,13 @@
 #            at b1 and b8 in turns, 2 cycles: this checkout, moe-down-combine, moe-down-combine + moe-down-prefetch
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
 #   single (2 GPUs): combine on GPU 0 beside profile on GPU 1
+#   skinny-64-tests (1 GPU): skinny-64-rows' GPU tests (the few-row products at 17-64 rows)
+#   skinny-64 (1 GPU): decode in turns, 2 cycles, this checkout against skinny-64-rows: the Qwen3-30B-A3B shape at b64,
+#            then the 8B shape at b64 (~450 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, single, split-k-tp (~1,500 s with the machine's start). On one GPU
 #   only: combine-tests (no model), then combine, then profile.
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | single | combine | combine-tests | profile} in
+case ${1:?first | allreduce-norm | split-k-tp | single | combine | combine-tests | profile | skinny-64-tests | skinny-64} in
 single)
   CUDA_VISIBLE_DEVICES=0 bash "$0" combine > "$OUT/combine-gpu0.out" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 bash "$0" profile > "$OUT/profile-gpu1.out" 2>&1
@@ -68,6 +71,21 @@ combine)
   CYCLES=2 BENCH_OUT=/tmp/bench-combine timeout 400 bash bench/ab_versions.sh run head moe-down-combine down-prefetch -- \
     --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8 --prompt-len 128 \
     --output-len 256 2>&1 | tee "$OUT/combine-decode.log" | tail -6
+  ;;
+skinny-64-tests)
+  bash bench/ab_versions.sh apply skinny-64-rows skinny-64-rows > /dev/null
+  (cd ab/skinny-64-rows && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu \
+    tests/test_fused_kernels.py -k "skinny_gemm_matches or split_over_k or prefetch" 2>&1 | tail -3; \
+    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/skinny-64-tests.log"
+  ;;
+skinny-64)
+  bash bench/ab_versions.sh apply skinny-64-rows skinny-64-rows > /dev/null
+  CYCLES=2 BENCH_OUT=/tmp/bench-sk64-moe timeout 330 bash bench/ab_versions.sh run head skinny-64-rows -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 64 --prompt-len 128 \
+    --output-len 256 2>&1 | tee "$OUT/skinny-64-moe.log" | tail -3
+  CYCLES=2 BENCH_OUT=/tmp/bench-sk64-8b timeout 240 bash bench/ab_versions.sh run head skinny-64-rows -- \
+    --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 64 --prompt-len 128 \
+    --output-len 128 2>&1 | tee "$OUT/skinny-64-8b.log" | tail -3
   ;;
 profile)
   MOE_BATCHES="1 512" SKIP_8B=1 bash bench/gpu_session.sh kernel-tables > /dev/null
