@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl, skinny_gemm
-from kernels.skinny_gemm import MAX_ROWS, after_kernel_ms, cold_copies, cublas_linear, graph_ms, skinny_linear
+from kernels.skinny_gemm import MIN_BLOCK_ROWS, after_kernel_ms, cold_copies, cublas_linear, graph_ms, skinny_linear
 from rollout.tools.bench_args import SPEED_SHAPES
 
 
@@ -48,11 +48,11 @@ def waiting(cycles: int) -> None:
 
 
 def cold_times(copies: list[torch.Tensor]) -> dict[str, tuple[float, ...]]:
-    """Milliseconds per product of one row and of MAX_ROWS rows, by kernel, on each of `copies` in turn."""
+    """Milliseconds per product of one row and of MIN_BLOCK_ROWS (16) rows, by kernel, on each of `copies` in turn."""
     weight, times = copies[0], {}
     for name, fn in (("triton", skinny_linear), ("cublas", F.linear)):
         per_rows = []
-        for rows in (1, MAX_ROWS):
+        for rows in (1, MIN_BLOCK_ROWS):
             probe = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
             per_rows.append(graph_ms(lambda: [fn(probe, w) for w in copies]) / len(copies))  # noqa: B023
         times[name] = tuple(per_rows)

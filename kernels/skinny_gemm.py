@@ -1,8 +1,9 @@
-"""Matrix products with few rows (decode and verify steps): y = x @ w.T (+ b) for x [M <= 16, K].
+"""Matrix products with few rows (decode and verify steps): y = x @ w.T (+ b) for x [M <= 64, K].
 
 At decode, a linear layer reads its whole weight to produce a handful of rows, so it should run
 at memory bandwidth; for small layers what matters is the fixed cost of a launch. The Triton
-kernel below streams the weight once through one tile of 16 rows. Whether it or cuBLAS is faster
+kernel below streams the weight once through one tile of rows (16, 32 or 64: the rows' power of
+two, at least 16). Whether it or cuBLAS is faster
 depends on the shape and the rows (on an H200, Triton wins the 8B shape's products at TP2 for
 one row and cuBLAS for 16), so the first call for each (N, K, dtype) and power of two of rows
 times both as steps run them and keeps the faster: inside a CUDA graph, each product after a
@@ -55,7 +56,11 @@ try:
 except ImportError:
     triton = None
 
-MAX_ROWS = 16
+# rows up to which a product may take the few-row kernels (the skinny product, the split-K partials), in one row tile:
+# at 64 rows cuBLAS read Qwen3-30B-A3B's o product at 1.7 TB/s with its split-K's reduce kernel; the split-K partials
+# into the norm took 7.0 us a layer against 9.7, and the b64 decode step 1.03x (the 8B shape's 1.04x; bench/RESULTS.md)
+MAX_ROWS = 64
+MIN_BLOCK_ROWS = 16  # the smallest row tile (a tensor-core product's)
 INVARIANT_TILES = [  # largest first (bench/invariant_tiles.py timed them against cuBLAS on an H200)
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -133,7 +138,7 @@ def _fastest_split_k(rows: int, weight: torch.Tensor) -> int:
 
 def split_k_partials(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
     """[rows, slices, n] float32: x @ weight.T summed over each of `slices` slices of K (equal, in
-    whole BLOCK_K tiles), one program a column block and slice; at most MAX_ROWS rows."""
+    whole BLOCK_K tiles), one program a column block and slice; at most MAX_ROWS rows, in one row tile."""
     m, k = x.shape
     n = weight.shape[0]
     parts = torch.empty((m, slices, n), dtype=torch.float32, device=x.device)
@@ -142,9 +147,9 @@ def split_k_partials(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torc
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), slices)  # noqa: E731
     args = (x, weight, parts, m, n, k, x.stride(0), weight.stride(0))
     if INTERPRET:  # the interpreter cannot time configurations
-        _split_k_kernel[grid](*args, SLICES=slices, BLOCK_M=MAX_ROWS, BLOCK_N=32, BLOCK_K=64, PDL=False)
+        _split_k_kernel[grid](*args, SLICES=slices, BLOCK_M=block_rows(m), BLOCK_N=32, BLOCK_K=64, PDL=False)
     else:
-        _split_k_tuned[grid](*args, SLICES=slices, BLOCK_M=MAX_ROWS, **pdl.launch_args())
+        _split_k_tuned[grid](*args, SLICES=slices, BLOCK_M=block_rows(m), **pdl.launch_args())
     return parts
 
 
@@ -222,6 +227,11 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
     return 1 << (x.shape[0] - 1).bit_length() if usable else 0
 
 
+def block_rows(rows: int) -> int:
+    """The row tile of a few-row product of `rows` rows: their power of two, at least MIN_BLOCK_ROWS."""
+    return max(MIN_BLOCK_ROWS, 1 << (rows - 1).bit_length())
+
+
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear in blocks of exactly CPU_BLOCK_ROWS rows (the last one padded). CPU BLAS picks
     its kernel, and with it each row's rounding, by the row count (on AVX-512 MKL up to ~20
@@ -282,7 +292,7 @@ def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def after_kernel_ms(product, k: int, copies: list[torch.Tensor], bias: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None, rows: int = MAX_ROWS, before=None) -> float:
+                    out_dtype: torch.dtype | None = None, rows: int = MIN_BLOCK_ROWS, before=None) -> float:
     """Milliseconds of a kernel then `product(x, weight, bias, out_dtype)` of `rows` rows, in a CUDA
     graph, each weight of `copies` in turn. The kernel: `before()`, or by default an RMSNorm that
     writes x (what a step puts before a product: under PDL the Triton product is placed behind it)."""
@@ -326,7 +336,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     prefetch = prefetch_row_bytes(weight)
     args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
             prefetch)
-    flags = dict(HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, PREFETCH=prefetch > 0)
+    flags = dict(HAS_BIAS=bias is not None, BLOCK_M=block_rows(m), PREFETCH=prefetch > 0)
     if INTERPRET:  # the interpreter cannot time configurations
         _skinny_gemm_kernel[grid](*args, **flags, BLOCK_N=32, BLOCK_K=64, PDL=False)
     else:
@@ -511,7 +521,7 @@ if triton is not None:
     _split_k_tuned = triton.autotune(  # (bench/probes/split_k_partials.py's best on an H200, and one of 256-wide K tiles)
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
                  for bn, bk, st in [(32, 128, 4), (64, 128, 4), (32, 256, 3)]],
-        key=["n", "k", "SLICES"],
+        key=["n", "k", "SLICES", "BLOCK_M"],
     )(_split_k_kernel)
 
     _skinny_gemm_tuned = triton.autotune(
@@ -520,5 +530,5 @@ if triton is not None:
             for bn, bk, w, st in [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
                                   (64, 64, 4, 4), (128, 64, 8, 3), (16, 512, 4, 2)]
         ],
-        key=["n", "k"],
+        key=["n", "k", "BLOCK_M"],
     )(_skinny_gemm_kernel)

@@ -39,7 +39,8 @@ def test_rms_norm_with_and_without_residual_matches_reference(dtype, rows, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
-@pytest.mark.parametrize("slices,rows,n,k", [(2, 1, 576, 1536), (4, 9, 100, 200), (3, 16, 256, 64), (1, 5, 128, 256)])
+@pytest.mark.parametrize("slices,rows,n,k", [(2, 1, 576, 1536), (4, 9, 100, 200), (3, 16, 256, 64), (1, 5, 128, 256),
+                                             (2, 29, 200, 384), (4, 64, 256, 512)])
 def test_a_product_split_over_k_is_summed_by_the_norm_as_its_reference_sums_it(dtype, slices, rows, n, k):
     """A few-row product into a norm as float32 partial sums over slices of K (kernels/skinny_gemm.py
     `split_k_partials`; K of one BLOCK_K tile leaves slices empty): each slice the product over its
@@ -156,8 +157,10 @@ def test_silu_mul_matches_reference(dtype, rows, inter):
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
-@pytest.mark.parametrize("rows,n,k,bias", [(1, 960, 576, False), (7, 3072, 576, True), (16, 576, 1536, False), (3, 100, 70, True)])
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 960, 576, False), (7, 3072, 576, True), (16, 576, 1536, False), (3, 100, 70, True),
+                                           (17, 300, 576, True), (64, 960, 576, False), (45, 100, 70, False)])
 def test_skinny_gemm_matches_linear(dtype, rows, n, k, bias):
+    """Up to MAX_ROWS rows in one row tile of 16, 32 or 64 (`block_rows`)."""
     from kernels.skinny_gemm import skinny_linear
 
     g = torch.Generator(device=DEVICE).manual_seed(rows * n + k)
