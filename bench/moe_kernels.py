@@ -78,18 +78,18 @@ def main() -> None:
         h = torch.randn(rows, HIDDEN, device=dev).to(dtype)
         logits = torch.randn(rows, EXPERTS, device=dev).to(dtype)
         call = (h, logits, gate_up, down, TOP_K, True)
-        route = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+        route = graph_us(lambda: fused_moe.route(logits, TOP_K, True, dtype))
         two = "-"
         if rows <= fused_moe.ONE_PROGRAM_ROUTE_ROWS:
             with patched("ONE_PROGRAM_ROUTE_ROWS", 0):
-                two = f"{graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype)):.1f}"
+                two = f"{graph_us(lambda: fused_moe.route(logits, TOP_K, True, dtype)):.1f}"
         fused = graph_us(lambda: fused_moe.experts(*call))
         by_block = []
         for b in blocks:
             with patched("block_rows", lambda assignments, experts, b=b: b):
                 by_block.append(f"{graph_us(lambda: fused_moe.experts(*call)):.1f}")
         ref = f"{graph_us(lambda: fused_moe.experts_ref(*call), calls=2):.0f}" if rows <= 64 else "-"
-        distinct = len(torch.unique(fused_moe.Route(logits, TOP_K, True, dtype).ids))
+        distinct = len(torch.unique(fused_moe.route(logits, TOP_K, True, dtype).ids))
         bound = distinct * expert_bytes / BANDWIDTH * 1e6
         block = fused_moe.block_rows(rows * TOP_K, EXPERTS)
         print(f"| {rows} | {route:.1f} | {two} | {block} | {fused:.1f} | " + " | ".join(by_block)
@@ -114,13 +114,13 @@ def parts(args: argparse.Namespace, dtype: torch.dtype, gate_up: torch.Tensor, d
             tuner.cache.clear()
         h = torch.randn(rows, HIDDEN, device="cuda").to(dtype)
         logits = torch.randn(rows, EXPERTS, device="cuda").to(dtype)
-        route = fused_moe.Route(logits, TOP_K, True, dtype)
+        route = fused_moe.route(logits, TOP_K, True, dtype)
         mid = torch.empty(rows * TOP_K, WIDTH, dtype=dtype, device="cuda")
         picks = torch.empty(rows * TOP_K, HIDDEN, dtype=dtype, device="cuda")
         out = torch.empty_like(h)
         distinct = len(torch.unique(route.ids))
         timed = {
-            "route": graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype)),
+            "route": graph_us(lambda: fused_moe.route(logits, TOP_K, True, dtype)),
             "gate_up": graph_us(lambda: fused_moe._expert_gemm(route, h, gate_up, mid, gated=True, invariant=False)),
             "down": graph_us(lambda: fused_moe._expert_gemm(route, mid, down, picks, gated=False, invariant=False)),
             "combine": graph_us(lambda: fused_moe.combine(picks, out, TOP_K)),
@@ -154,11 +154,11 @@ def routing_by_warps(args: argparse.Namespace, dtype: torch.dtype, warps: list[i
         cells = []
         for w in warps:
             with patched("ROUTE_WARPS", w), patched("FEW_ROUTE_WARPS", w):
-                one = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+                one = graph_us(lambda: fused_moe.route(logits, TOP_K, True, dtype))
                 with patched("FEW_ROUTE_ROWS", 0):
-                    wide = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+                    wide = graph_us(lambda: fused_moe.route(logits, TOP_K, True, dtype))
                 with patched("ONE_PROGRAM_ROUTE_ROWS", 0), patched("FEW_ROUTE_ROWS", 0):
-                    two = graph_us(lambda: fused_moe.Route(logits, TOP_K, True, dtype))
+                    two = graph_us(lambda: fused_moe.route(logits, TOP_K, True, dtype))
             small = rows <= fused_moe.ONE_PROGRAM_ROUTE_ROWS
             cells.append(f"{one:.1f} / {wide:.1f} / {two:.1f}" if small else f"- / - / {two:.1f}")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)

@@ -91,7 +91,7 @@ def experts_ref(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, do
 def router_logits(h: torch.Tensor, router: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """The router's logits for `h` [T, hidden] (`router`: [E, hidden]): [T, E] in h's dtype, or for a step
     of at most ONE_PROGRAM_ROUTE_ROWS rows on the GPU [S, T, E] float32 sums over S slices of the hidden
-    size, which `Route` adds up in order and rounds to h's dtype (the module's docstring). Batch-invariant
+    size, which `route` adds up in order and rounds to h's dtype (the module's docstring). Batch-invariant
     steps keep the one product whose row bits do not depend on the step's rows."""
     rows, hidden = h.shape
     if invariant or not fused.use_triton(h) or not 0 < rows <= ONE_PROGRAM_ROUTE_ROWS:
@@ -115,16 +115,16 @@ def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: 
         return experts_ref(h, logits, gate_up, down, top_k, renormalise, invariant)
     if h.shape[0] == 0:
         return torch.empty_like(h)
-    route = Route(logits, top_k, renormalise, h.dtype, block=INVARIANT_BLOCK_ROWS if invariant else None,
-                  invariant=invariant)
-    return _routed_experts(route, h, gate_up, down, invariant)
+    routed = route(logits, top_k, renormalise, h.dtype, block=INVARIANT_BLOCK_ROWS if invariant else None,
+                   invariant=invariant)
+    return _routed_experts(routed, h, gate_up, down, invariant)
 
 
 def layer(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
           renormalise: bool, invariant: bool = False) -> torch.Tensor:
     """The layer whole for the normalised hidden states `h`: the router's product (`router`: [E, hidden]),
     the routing, the experts (`SparseMoE.block`). A step of at most ONE_PROGRAM_ROUTE_ROWS rows on the
-    GPU takes the router's product and the routing in one launch (`Route.of_router`); else as
+    GPU takes the router's product and the routing in one launch (`route_in_router`); else as
     `experts(h, router_logits(h, router), ...)`, which computes the same bits."""
     rows = h.shape[0]
     counter = None
@@ -132,20 +132,19 @@ def layer(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: to
         counter = _route_counter(h.device)
     if counter is None:
         return experts(h, router_logits(h, router, invariant), gate_up, down, top_k, renormalise, invariant)
-    route = Route.of_router(h, router, counter, top_k, renormalise)
-    return _routed_experts(route, h, gate_up, down, invariant=False)
+    return _routed_experts(route_in_router(h, router, counter, top_k, renormalise), h, gate_up, down, invariant=False)
 
 
-def _routed_experts(route: "Route", h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def _routed_experts(routed: Route, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     invariant: bool) -> torch.Tensor:
-    """The experts' products over `route`'s slots, then each row's picks combined."""
+    """The experts' products over `routed`'s slots, then each row's picks combined."""
     rows, hidden = h.shape
     out = torch.empty_like(h)
-    mid = torch.empty(rows * route.top_k, down.shape[2], dtype=h.dtype, device=h.device)
-    _expert_gemm(route, h, gate_up, mid, gated=True, invariant=invariant)
-    picks = torch.empty(rows * route.top_k, hidden, dtype=h.dtype, device=h.device)
-    _expert_gemm(route, mid, down, picks, gated=False, invariant=invariant)
-    combine(picks, out, route.top_k)
+    mid = torch.empty(rows * routed.top_k, down.shape[2], dtype=h.dtype, device=h.device)
+    _expert_gemm(routed, h, gate_up, mid, gated=True, invariant=invariant)
+    picks = torch.empty(rows * routed.top_k, hidden, dtype=h.dtype, device=h.device)
+    _expert_gemm(routed, mid, down, picks, gated=False, invariant=invariant)
+    combine(picks, out, routed.top_k)
     return out
 
 
@@ -153,7 +152,7 @@ _route_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _route_counter(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed int32 that `Route.of_router`'s programs count themselves on (the last one
+    """The device's zeroed int32 that `route_in_router`'s programs count themselves on (the last one
     routes, then zeroes it for the next launch: the steps of a device run one at a time, in one
     stream). Made by the first eager call; None inside a CUDA graph's capture before one (the two
     launches then)."""
@@ -177,84 +176,96 @@ def block_rows(assignments: int, experts: int) -> int:
 
 
 class Route:
-    """A step's routing on the device: each row's picks (`ids`, `weights` [T, k]) and its slots grouped
-    by expert in blocks of `block` (`slots`: the flat pick index in each slot; `block_expert`: each
-    block's expert, -1 past the used ones; `starts`, `counts` per expert). A step of at most
-    ONE_PROGRAM_ROUTE_ROWS rows routes in one program; a larger one in two kernels of a program per
-    ROUTE_ROWS rows. `invariant`: every step's programs alike (ROUTE_ROWS rows in ROUTE_WARPS
-    warps), so that a row's softmax sums alike in any step. `logits`: [T, E], or (at most
-    ONE_PROGRAM_ROUTE_ROWS rows) `router_logits`' [S, T, E] float32 slices, added up in order and
-    rounded to `dtype`. `launch=False` (such a step only): the tensors and the one program's arguments,
-    which `of_router` launches inside the router's product."""
+    """A step's routing on the device, as `route` or `route_in_router` fill it: each row's picks (`ids`,
+    `weights` [T, k]) and its slots grouped by expert in blocks of `block` (`slots`: the flat pick index
+    in each slot; `block_expert`: each block's expert, -1 past the used ones; `starts`, `counts` per
+    expert)."""
 
-    def __init__(self, logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype,
-                 block: int | None = None, invariant: bool = False, launch: bool = True):
-        slices = logits.shape[0] if logits.dim() == 3 else 0
-        rows, num_experts = logits.shape[-2:]
-        if slices and rows > ONE_PROGRAM_ROUTE_ROWS:
-            raise ValueError(f"the router's slices route steps of at most {ONE_PROGRAM_ROUTE_ROWS} rows, got {rows}")
-        dev = logits.device
+    def __init__(self, rows: int, num_experts: int, top_k: int, dtype: torch.dtype, device: torch.device,
+                 block: int | None = None):
         picks = rows * top_k
-        self.top_k = top_k
-        self.ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
-        self.weights = torch.empty(rows, top_k, dtype=dtype, device=dev)
-        tile = ROUTE_ROWS if invariant or rows > FEW_ROUTE_ROWS else triton.next_power_of_2(rows)
-        shape = dict(E=triton.next_power_of_2(num_experts), K=top_k, KP=triton.next_power_of_2(top_k), R=tile,
-                     num_warps=ROUTE_WARPS if tile == ROUTE_ROWS else FEW_ROUTE_WARPS, **_pdl())
+        self.rows, self.num_experts, self.top_k = rows, num_experts, top_k
+        self.ids = torch.empty(rows, top_k, dtype=torch.int32, device=device)
+        self.weights = torch.empty(rows, top_k, dtype=dtype, device=device)
         self.block = block or block_rows(picks, num_experts)
         # the blocks: each expert's run rounds up by at most block - 1 slots, and at most `picks` experts have rows
         self.num_blocks = picks // self.block + min(num_experts, picks) + 1
-        self.counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        self.starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        self.slots = torch.empty(self.num_blocks * self.block, dtype=torch.int32, device=dev)
-        self.block_expert = torch.empty(self.num_blocks, dtype=torch.int32, device=dev)
-        runs = dict(BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)))
-        if rows <= ONE_PROGRAM_ROUTE_ROWS:
-            self._one_program = ((logits, logits.stride(-2), rows * num_experts, rows, num_experts, self.weights,
-                                  self.ids, self.counts, self.starts, self.slots, self.block_expert, self.num_blocks),
-                                 dict(RENORM=renormalise, SLICES=slices, **shape, **runs))
-            if launch:
-                args, flags = self._one_program
-                _route_kernel[(1,)](*args, **flags)
-            return
-        if not launch:
-            raise ValueError(f"only a step of at most {ONE_PROGRAM_ROUTE_ROWS} rows routes inside another launch")
-        programs = triton.cdiv(rows, tile)
-        taken = torch.empty(programs, num_experts, dtype=torch.int32, device=dev)  # each program's row of counts
-        _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, self.weights, self.ids, taken,
-                                  RENORM=renormalise, **shape)
-        _place_kernel[(programs,)](self.ids, rows, num_experts, taken, programs, self.counts, self.starts, self.slots,
-                                   self.block_expert, self.num_blocks, PB=min(64, triton.next_power_of_2(programs)),
-                                   **shape, **runs)
+        self.counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+        self.starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+        self.slots = torch.empty(self.num_blocks * self.block, dtype=torch.int32, device=device)
+        self.block_expert = torch.empty(self.num_blocks, dtype=torch.int32, device=device)
 
-    @staticmethod
-    def of_router(h: torch.Tensor, router: torch.Tensor, counter: torch.Tensor, top_k: int,
-                  renormalise: bool) -> "Route":
-        """`Route(router_logits(h, router), ...)` of a step of at most ONE_PROGRAM_ROUTE_ROWS rows in one
-        launch: the router's programs each store their float32 slice of the logits, and the last of them
-        to finish (counted on `counter`, `_route_counter`) routes the step as `_route_kernel` does, from
-        the same slices in the same order: the same bits, a launch (and its wait on the one before) fewer."""
-        rows, hidden = h.shape
-        num_experts = router.shape[0]
-        partials = torch.empty(triton.cdiv(hidden, ROUTER_SLICE), rows, num_experts, dtype=torch.float32,
-                               device=h.device)
-        route = Route(partials, top_k, renormalise, h.dtype, launch=False)
-        args, flags = route._one_program
-        _router_route_kernel[(triton.cdiv(num_experts, ROUTER_EXPERTS), partials.shape[0])](
-            h, router, counter, hidden, h.stride(0), router.stride(0), *args, RR=ROUTE_ROWS, BLOCK_E=ROUTER_EXPERTS,
-            BLOCK_K=ROUTER_SLICE, IEEE=h.dtype == torch.float32, **flags)
-        return route
+    def tile(self, invariant: bool) -> dict:
+        """The routing programs' shape: ROUTE_ROWS rows a program, or a step of few rows in a tile of as many."""
+        tile = ROUTE_ROWS if invariant or self.rows > FEW_ROUTE_ROWS else triton.next_power_of_2(self.rows)
+        return dict(E=triton.next_power_of_2(self.num_experts), K=self.top_k, KP=triton.next_power_of_2(self.top_k),
+                    R=tile, num_warps=ROUTE_WARPS if tile == ROUTE_ROWS else FEW_ROUTE_WARPS, **_pdl())
+
+    def runs(self) -> dict:
+        return dict(BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)))
+
+    def one_program(self, logits: torch.Tensor, renormalise: bool, invariant: bool = False) -> tuple[tuple, dict]:
+        """The arguments of the one program that routes this step from `logits` (`_route_kernel`'s, which
+        `_router_route_kernel` takes after its own)."""
+        slices = logits.shape[0] if logits.dim() == 3 else 0
+        args = (logits, logits.stride(-2), self.rows * self.num_experts, self.rows, self.num_experts, self.weights,
+                self.ids, self.counts, self.starts, self.slots, self.block_expert, self.num_blocks)
+        return args, dict(RENORM=renormalise, SLICES=slices, **self.tile(invariant), **self.runs())
 
 
-def _expert_gemm(route: Route, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool,
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype, block: int | None = None,
+          invariant: bool = False) -> Route:
+    """A step routed by its router's `logits`: [T, E], or (at most ONE_PROGRAM_ROUTE_ROWS rows)
+    `router_logits`' [S, T, E] float32 slices, added up in order and rounded to `dtype`. A step of at
+    most ONE_PROGRAM_ROUTE_ROWS rows routes in one program; a larger one in two kernels of a program
+    per ROUTE_ROWS rows. `invariant`: every step's programs alike (ROUTE_ROWS rows in ROUTE_WARPS
+    warps), so that a row's softmax sums alike in any step."""
+    rows, num_experts = logits.shape[-2:]
+    if logits.dim() == 3 and rows > ONE_PROGRAM_ROUTE_ROWS:
+        raise ValueError(f"the router's slices route steps of at most {ONE_PROGRAM_ROUTE_ROWS} rows, got {rows}")
+    r = Route(rows, num_experts, top_k, dtype, logits.device, block)
+    if rows <= ONE_PROGRAM_ROUTE_ROWS:
+        args, flags = r.one_program(logits, renormalise, invariant)
+        _route_kernel[(1,)](*args, **flags)
+        return r
+    shape = r.tile(invariant)
+    programs = triton.cdiv(rows, shape["R"])
+    taken = torch.empty(programs, num_experts, dtype=torch.int32, device=logits.device)  # each program's row of counts
+    _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, r.weights, r.ids, taken,
+                              RENORM=renormalise, **shape)
+    _place_kernel[(programs,)](r.ids, rows, num_experts, taken, programs, r.counts, r.starts, r.slots, r.block_expert,
+                               r.num_blocks, PB=min(64, triton.next_power_of_2(programs)), **shape, **r.runs())
+    return r
+
+
+def route_in_router(h: torch.Tensor, router: torch.Tensor, counter: torch.Tensor, top_k: int,
+                    renormalise: bool) -> Route:
+    """`route(router_logits(h, router), ...)` of a step of at most ONE_PROGRAM_ROUTE_ROWS rows in one
+    launch: the router's programs each store their float32 slice of the logits, and the last of them
+    to finish (counted on `counter`, `_route_counter`) routes the step as `_route_kernel` does, from
+    the same slices in the same order: the same bits, a launch (and its wait on the one before) fewer."""
+    rows, hidden = h.shape
+    num_experts = router.shape[0]
+    if rows > ONE_PROGRAM_ROUTE_ROWS:
+        raise ValueError(f"the router's launch routes steps of at most {ONE_PROGRAM_ROUTE_ROWS} rows, got {rows}")
+    partials = torch.empty(triton.cdiv(hidden, ROUTER_SLICE), rows, num_experts, dtype=torch.float32, device=h.device)
+    r = Route(rows, num_experts, top_k, h.dtype, h.device)
+    args, flags = r.one_program(partials, renormalise)
+    _router_route_kernel[(triton.cdiv(num_experts, ROUTER_EXPERTS), partials.shape[0])](
+        h, router, counter, hidden, h.stride(0), router.stride(0), *args, RR=ROUTE_ROWS, BLOCK_E=ROUTER_EXPERTS,
+        BLOCK_K=ROUTER_SLICE, IEEE=h.dtype == torch.float32, **flags)
+    return r
+
+
+def _expert_gemm(routed: Route, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool,
                  invariant: bool) -> None:
     """out[pick] = SiLU(a[row] @ gate.T) x (a[row] @ up.T) (gated) or (a[pick] @ down.T) x weight."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
-    args = (a, w, out, route.slots, route.block_expert, route.counts, route.starts, route.weights,
+    args = (a, w, out, routed.slots, routed.block_expert, routed.counts, routed.starts, routed.weights,
             n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0))
-    flags = dict(A_DIV=route.top_k if gated else 1, GATED=gated, BLOCK_M=route.block, IEEE=a.dtype == torch.float32)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), route.num_blocks)  # noqa: E731
+    flags = dict(A_DIV=routed.top_k if gated else 1, GATED=gated, BLOCK_M=routed.block, IEEE=a.dtype == torch.float32)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), routed.num_blocks)  # noqa: E731
     if invariant or INTERPRET:  # (the interpreter cannot time configurations)
         _expert_gemm_kernel[grid](*args, **flags, **INVARIANT_TILE, **_pdl())
     else:
@@ -397,7 +408,7 @@ if triton is not None:
                              KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr,
                              BLOCK_M: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
         """`_router_slices_kernel`'s program, then, in the last of them to finish, `_route_kernel`'s
-        (`Route.of_router`)."""
+        (`route_in_router`)."""
         pdl.wait_for_previous(PDL)
         _router_slice(h_ptr, w_ptr, logits_ptr, rows, num_experts, hidden, stride_h, stride_w, RR, BLOCK_E, BLOCK_K,
                       IEEE)

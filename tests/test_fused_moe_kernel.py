@@ -39,7 +39,7 @@ def test_routing_picks_the_top_k_and_places_every_pick_once(shape, renormalise):
     """Every pick in its expert's run, each run in pick order (the same slots in every run of a step)."""
     rows, experts, top_k = shape[:3]
     _, logits, _, _ = moe_inputs(*shape, torch.float32, seed=sum(shape))
-    route = fused_moe.Route(logits, top_k, renormalise, torch.float32)
+    route = fused_moe.route(logits, top_k, renormalise, torch.float32)
     expected = fused_moe.routing_ref(logits, top_k, renormalise, torch.float32)
     got = torch.zeros_like(expected).scatter_(1, route.ids.long(), route.weights)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
@@ -68,7 +68,7 @@ def test_a_row_of_overflowed_logits_takes_k_experts_and_leaves_the_other_rows_pl
     _, logits, _, _ = moe_inputs(rows, experts, top_k, 64, 32, torch.float32, seed=rows)
     logits[1] = float("nan")
     logits[rows - 1, 3] = float("inf")
-    route = fused_moe.Route(logits, top_k, True, torch.float32)
+    route = fused_moe.route(logits, top_k, True, torch.float32)
     ids = route.ids.long()
     assert all(len(set(row)) == top_k for row in ids.tolist())
     assert torch.equal(route.counts.cpu(), torch.bincount(ids.flatten(), minlength=experts).int().cpu())
@@ -100,7 +100,7 @@ def test_the_router_product_in_slices_routes_as_its_ordered_sum(shape, dtype):
     for part in logits[1:]:
         total += part
     torch.testing.assert_close(total, expected, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-4)
-    route = fused_moe.Route(logits, top_k, True, dtype)
+    route = fused_moe.route(logits, top_k, True, dtype)
     got = torch.zeros(rows, experts, dtype=dtype, device=DEVICE).scatter_(1, route.ids.long(), route.weights)
     want = fused_moe.routing_ref(total.to(dtype), top_k, True, dtype)
     assert torch.equal(got != 0, want != 0)  # the same picks
@@ -110,7 +110,7 @@ def test_the_router_product_in_slices_routes_as_its_ordered_sum(shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [sh for sh in SHAPES if sh[0] <= fused_moe.ONE_PROGRAM_ROUTE_ROWS])
 def test_the_router_and_routing_in_one_launch_route_as_the_two_launches(shape, dtype):
-    """A step of few rows takes the router's product and its routing in one launch (`Route.of_router`: the
+    """A step of few rows takes the router's product and its routing in one launch (`route_in_router`: the
     last program to finish routes): every routing tensor and the layer's output the same bits as the two
     launches', call after call (the count starts from zero again), in a CUDA graph too on the GPU."""
     experts, top_k, hidden = shape[1:4]
@@ -121,9 +121,9 @@ def test_the_router_and_routing_in_one_launch_route_as_the_two_launches(shape, d
     one = fused_moe.layer(h, router, gate_up, down, top_k, renormalise=True)
     assert torch.equal(one, two)
     counter = fused_moe._route_counter(h.device)
-    apart = fused_moe.Route(fused_moe.router_logits(h, router), top_k, True, dtype)
+    apart = fused_moe.route(fused_moe.router_logits(h, router), top_k, True, dtype)
     for _ in range(3):
-        fused = fused_moe.Route.of_router(h, router, counter, top_k, True)
+        fused = fused_moe.route_in_router(h, router, counter, top_k, True)
         for name in ("ids", "weights", "counts", "starts", "block_expert"):
             assert torch.equal(getattr(fused, name), getattr(apart, name)), name
         for start, count in zip(apart.starts.tolist(), apart.counts.tolist()):  # (a run's padding is never written)
@@ -142,7 +142,7 @@ def test_the_router_and_routing_in_one_launch_route_as_the_two_launches(shape, d
 def test_router_slices_of_more_rows_than_one_routing_program_takes_are_refused():
     partials = torch.randn(2, fused_moe.ONE_PROGRAM_ROUTE_ROWS + 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="at most"):
-        fused_moe.Route(partials, 2, True, torch.float32)
+        fused_moe.route(partials, 2, True, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
