@@ -12,9 +12,15 @@
 #   split-k-tp (2 GPUs): its GPU tests (the kernel's partials over 2 ranks; TP2 in graphs = eager TP1 tokens), then TP2
 #            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
-#   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start).
+#   one-tests (1 GPU, no model): routing-ranks' MoE kernel tests and skinny-128-rows' product tests (~150 s)
+#   routing-ranks (1 GPU): the routing alone by rows (bench/moe_kernels.py --rows 1,8,64,512), this checkout and
+#            routing-ranks in turns, twice; then Qwen3-30B-A3B decode at b8, b64, b512 in turns, 2 cycles (~450 s)
+#   skinny-128 (1 GPU): decode at b128 in turns, 2 cycles, this checkout against skinny-128-rows: the Qwen3-30B-A3B
+#            shape, then the 8B shape (~400 s)
+#   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
+#   routing-ranks, skinny-128.
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | routing-ranks | skinny-128} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -41,6 +47,37 @@ split-k-tp)
     CYCLES=2 BENCH_OUT=/tmp/bench-sktp-$shape timeout 200 bash bench/ab_versions.sh run head split-k-tp -- \
       --workload decode --random-model $shape --tp-size 2 --spec-modes off --batch-sizes 1 --prompt-len 128 \
       --output-len 128 2>&1 | tee "$OUT/split-k-tp-$shape.log" | tail -4
+  done
+  ;;
+one-tests)
+  bash bench/ab_versions.sh apply routing-ranks routing-ranks > /dev/null
+  bash bench/ab_versions.sh apply skinny-128-rows skinny-128-rows > /dev/null
+  (cd ab/routing-ranks && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu \
+    tests/test_fused_moe_kernel.py -k "routing or one_launch or overflow" 2>&1 | tail -2; \
+    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/routing-ranks-tests.log"
+  (cd ab/skinny-128-rows && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu \
+    tests/test_fused_kernels.py -k "skinny_gemm_matches or split_over_k" 2>&1 | tail -2; \
+    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/skinny-128-tests.log"
+  ;;
+routing-ranks)
+  bash bench/ab_versions.sh apply routing-ranks routing-ranks > /dev/null
+  for turn in 1 2; do
+    for tree in "$ROOT" "$ROOT/ab/routing-ranks"; do
+      echo "== $(basename "$tree") (turn $turn)"
+      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 "$ROOT/bench/moe_kernels.py" --rows 1,8,64,512 \
+        --blocks 16 2>&1 | grep "^|")
+    done
+  done | tee "$OUT/routing-ranks-kernels.log" | grep -v -- "---"
+  CYCLES=2 BENCH_OUT=/tmp/bench-ranks timeout 330 bash bench/ab_versions.sh run head routing-ranks -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 8,64,512 --max-running-seqs 512 \
+    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/routing-ranks-decode.log" | tail -4
+  ;;
+skinny-128)
+  bash bench/ab_versions.sh apply skinny-128-rows skinny-128-rows > /dev/null
+  for shape in qwen3-30b-a3b llama3-8b; do
+    CYCLES=2 BENCH_OUT=/tmp/bench-sk128-$shape timeout 250 bash bench/ab_versions.sh run head skinny-128-rows -- \
+      --workload decode --random-model $shape --spec-modes off --batch-sizes 128 --max-running-seqs 128 \
+      --prompt-len 128 --output-len 128 2>&1 | tee "$OUT/skinny-128-$shape.log" | tail -3
   done
   ;;
 profile)
