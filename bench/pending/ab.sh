@@ -13,8 +13,8 @@
 #            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
 #   one-tests (1 GPU, no model): routing-ranks' MoE kernel tests and skinny-128-rows' product tests (~150 s)
-#   routing-ranks (1 GPU): the routing alone by rows (bench/moe_kernels.py --rows 1,8,64,512), this checkout and
-#            routing-ranks in turns, twice; then Qwen3-30B-A3B decode at b8, b64, b512 in turns, 2 cycles (~450 s)
+#   routing-ranks (1 GPU): Qwen3-30B-A3B decode at b1, b8, b64, b512 in turns, 2 cycles (~450 s; its routing alone by
+#            rows ran in session-20261201f)
 #   skinny-128 (1 GPU): decode at b128 in turns, 2 cycles, this checkout against skinny-128-rows: the Qwen3-30B-A3B
 #            shape, then the 8B shape (~400 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
@@ -61,16 +61,9 @@ one-tests)
   ;;
 routing-ranks)
   bash bench/ab_versions.sh apply routing-ranks routing-ranks > /dev/null
-  for turn in 1 2; do
-    for tree in "$ROOT" "$ROOT/ab/routing-ranks"; do
-      echo "== $(basename "$tree") (turn $turn)"
-      (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 60 python3 "$ROOT/bench/moe_kernels.py" --rows 1,8,64,512 \
-        --blocks 16 2>&1 | grep "^|")
-    done
-  done | tee "$OUT/routing-ranks-kernels.log" | grep -v -- "---"
-  CYCLES=2 BENCH_OUT=/tmp/bench-ranks timeout 330 bash bench/ab_versions.sh run head routing-ranks -- \
-    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 8,64,512 --max-running-seqs 512 \
-    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/routing-ranks-decode.log" | tail -4
+  CYCLES=2 BENCH_OUT=/tmp/bench-ranks timeout 450 bash bench/ab_versions.sh run head routing-ranks -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8,64,512 --max-running-seqs 512 \
+    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/routing-ranks-decode.log" | tail -5
   ;;
 skinny-128)
   bash bench/ab_versions.sh apply skinny-128-rows skinny-128-rows > /dev/null
