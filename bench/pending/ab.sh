@@ -17,10 +17,12 @@
 #            rows ran in session-20261201f)
 #   skinny-128 (1 GPU): decode at b128 in turns, 2 cycles, this checkout against skinny-128-rows: the Qwen3-30B-A3B
 #            shape, then the 8B shape (~400 s)
+#   qkv-split-k (1 GPU): its GPU tests (rope over partial sums; the engine's split products keep the tokens), then decode
+#            in turns, 2 cycles, this checkout against qkv-split-k: Qwen3-30B-A3B at b1 and b64, the 8B shape at b1 (~500 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
-#   routing-ranks, skinny-128.
+#   qkv-split-k, routing-ranks, skinny-128 (~1,650 s with two model carries).
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | routing-ranks | skinny-128} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | routing-ranks | skinny-128} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -58,6 +60,18 @@ one-tests)
   (cd ab/skinny-128-rows && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu \
     tests/test_fused_kernels.py -k "skinny_gemm_matches or split_over_k" 2>&1 | tail -2; \
     echo "rc=${PIPESTATUS[0]}") | tee "$OUT/skinny-128-tests.log"
+  ;;
+qkv-split-k)
+  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
+  (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_fused_kernels.py \
+    tests/test_engine_gpu.py -k "partial_sums or split_over_k" 2>&1 | tail -2; echo "rc=${PIPESTATUS[0]}") \
+    | tee "$OUT/qkv-split-k-tests.log"
+  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-moe timeout 260 bash bench/ab_versions.sh run head qkv-split-k -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64 --prompt-len 128 \
+    --output-len 256 2>&1 | tee "$OUT/qkv-split-k-moe.log" | tail -4
+  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-8b timeout 150 bash bench/ab_versions.sh run head qkv-split-k -- \
+    --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
+    --output-len 128 2>&1 | tee "$OUT/qkv-split-k-8b.log" | tail -3
   ;;
 routing-ranks)
   bash bench/ab_versions.sh apply routing-ranks routing-ranks > /dev/null
