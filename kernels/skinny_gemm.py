@@ -1,21 +1,20 @@
 """Matrix products with few rows (decode and verify steps): y = x @ w.T (+ b) for x [M <= 64, K].
 
-At decode, a linear layer reads its whole weight to produce a handful of rows, so it should run
-at memory bandwidth; for small layers what matters is the fixed cost of a launch. The Triton
-kernel below streams the weight once through one tile of rows (16, 32 or 64: the rows' power of
-two, at least 16). Whether it or cuBLAS is faster
-depends on the shape and the rows (on an H200, Triton wins the 8B shape's products at TP2 for
-one row and cuBLAS for 16), so the first call for each (N, K, dtype) and power of two of rows
-times both as steps run them and keeps the faster: inside a CUDA graph, each product after a
+At decode, a linear layer reads its whole weight to produce a handful of rows, so it should run at
+memory bandwidth; for small layers what matters is the fixed cost of a launch. The Triton kernel
+below streams the weight once through one tile of rows (16, 32 or 64: `block_rows`). Whether it or
+cuBLAS is faster depends on the shape and the rows (on an H200, Triton wins the 8B shape's products
+at TP2 for one row and cuBLAS for 16), so the first call for each (N, K, dtype) and power of two of
+rows times both as steps run them and keeps the faster: inside a CUDA graph, each product after a
 norm kernel (under programmatic dependent launch the Triton kernel is placed behind that kernel,
 cuBLAS's only after it), on copies of the weight that outgrow the L2 cache (a step reads each
-layer's weights once). Timed back to back on one weight, the small products ran from L2, which
-no step sees (bench/RESULTS.md, tensor parallelism). That first call must happen outside
-CUDA-graph capture (the runner's warm-up does it). The RMSNorm before a product stays its own
-kernel: fused into this one, every program normalised the rows again before streaming its tile,
-and on the H100 that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us
-apart: bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the fused
-path was removed).
+layer's weights once). Timed back to back on one weight, the small products ran from L2, which no
+step sees (bench/RESULTS.md, tensor parallelism). That first call must happen outside CUDA-graph
+capture (the runner's warm-up does it). The RMSNorm before a product stays its own kernel: fused
+into this one, every program normalised the rows again before streaming its tile, and on the H100
+that cost more than a launch (Llama-3.1-8B's gate/up at TP2: 58 us fused, 43 us apart:
+bench/results/tp-20261127b/gemm-norm-h100.log, from bench/gemm_choice.py before the fused path was
+removed).
 
 Batch-invariant products (`invariant=True`: deterministic inference, coupled sampling): a row of
 the result is the same bits whatever else is in the step. cuBLAS picks its kernel, and with it
@@ -224,12 +223,16 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
         triton is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(1) == 1 and weight.stride(1) == 1
     )
-    return 1 << (x.shape[0] - 1).bit_length() if usable else 0
+    return _power_of_two(x.shape[0]) if usable else 0
 
 
 def block_rows(rows: int) -> int:
     """The row tile of a few-row product of `rows` rows: their power of two, at least MIN_BLOCK_ROWS."""
-    return max(MIN_BLOCK_ROWS, 1 << (rows - 1).bit_length())
+    return max(MIN_BLOCK_ROWS, _power_of_two(rows))
+
+
+def _power_of_two(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
 
 
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
