@@ -4,6 +4,9 @@
 # .whl and starts `cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf &&`; every later call
 # within 30 s of the last, or the machine is gone with the model. Logs to $OUT. Before a call, check the kernels compile:
 # `PYTHONPATH=/tmp/np21:/tmp/triton36:. python bench/probes/compile_for_gpu.py <the diff's kernel tests>` here, on the CPU.
+# Each diff applies to this checkout alone (qkv-split-k and skinny-128-rows both touch skinny_gemm.py, qkv-split-k and
+# split-k-tp llama.py): after one lands, rebase the rest (a worktree at the old commit, the diff applied and committed,
+# cherry-picked onto the new one, the header kept).
 # Device time, estimated: first ~200 s, allreduce-norm ~420 s, split-k-tp ~400 s, profile ~200 s.
 #   first (2 GPUs, no model): allreduce-norm-512's GPU tests over 2 ranks and its latencies (bench/allreduce_latency.py:
 #            the all-reduce + norm fused against apart at 16-512 rows, hidden 2,048 and 4,096)
