@@ -22,10 +22,13 @@
 #            shape, then the 8B shape (~400 s)
 #   qkv-split-k (1 GPU): its GPU tests (rope over partial sums; the engine's split products keep the tokens), then decode
 #            in turns, 2 cycles, this checkout against qkv-split-k: Qwen3-30B-A3B at b1 and b64, the 8B shape at b1 (~500 s)
+#   split-k-fp32-residual (1 GPU; over qkv-split-k): its GPU test (the island's split products keep the tokens), then
+#            the 8B shape's decode with --enable-fp32-residual --enable-fp32-lm-head at b1 and b64 in turns, 2 cycles,
+#            qkv-split-k's tree against it (~350 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
-#   qkv-split-k, routing-ranks, skinny-128 (~1,650 s with two model carries).
+#   qkv-split-k, routing-ranks, skinny-128 (~1,650 s with two model carries), then split-k-fp32-residual.
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | routing-ranks | skinny-128} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | split-k-fp32-residual | routing-ranks | skinny-128} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -75,6 +78,16 @@ qkv-split-k)
   CYCLES=2 BENCH_OUT=/tmp/bench-qkv-8b timeout 150 bash bench/ab_versions.sh run head qkv-split-k -- \
     --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
     --output-len 128 2>&1 | tee "$OUT/qkv-split-k-8b.log" | tail -3
+  ;;
+split-k-fp32-residual)
+  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
+  bash bench/ab_versions.sh apply fp32-residual qkv-split-k split-k-fp32-residual > /dev/null
+  (cd ab/fp32-residual && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu tests/test_fused_kernels.py \
+    tests/test_engine_gpu.py -k "split_over_k or partial_sums" 2>&1 | tail -2; echo "rc=${PIPESTATUS[0]}") \
+    | tee "$OUT/split-k-fp32-residual-tests.log"
+  CYCLES=2 BENCH_OUT=/tmp/bench-island timeout 300 bash bench/ab_versions.sh run qkv-split-k fp32-residual -- \
+    --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 128 \
+    --enable-fp32-residual --enable-fp32-lm-head 2>&1 | tee "$OUT/split-k-fp32-residual-8b.log" | tail -4
   ;;
 routing-ranks)
   bash bench/ab_versions.sh apply routing-ranks routing-ranks > /dev/null
