@@ -202,6 +202,7 @@ class Route:
                     R=tile, num_warps=ROUTE_WARPS if tile == ROUTE_ROWS else FEW_ROUTE_WARPS, **_pdl())
 
     def runs(self) -> dict:
+        """The placement's shape: slots a block, and the blocks `_store_runs` takes at a time."""
         return dict(BLOCK_M=self.block, NB=min(64, triton.next_power_of_2(self.num_blocks)))
 
     def one_program(self, logits: torch.Tensor, renormalise: bool, invariant: bool = False) -> tuple[tuple, dict]:
@@ -223,19 +224,20 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtyp
     rows, num_experts = logits.shape[-2:]
     if logits.dim() == 3 and rows > ONE_PROGRAM_ROUTE_ROWS:
         raise ValueError(f"the router's slices route steps of at most {ONE_PROGRAM_ROUTE_ROWS} rows, got {rows}")
-    r = Route(rows, num_experts, top_k, dtype, logits.device, block)
+    routed = Route(rows, num_experts, top_k, dtype, logits.device, block)
     if rows <= ONE_PROGRAM_ROUTE_ROWS:
-        args, flags = r.one_program(logits, renormalise, invariant)
+        args, flags = routed.one_program(logits, renormalise, invariant)
         _route_kernel[(1,)](*args, **flags)
-        return r
-    shape = r.tile(invariant)
+        return routed
+    shape = routed.tile(invariant)
     programs = triton.cdiv(rows, shape["R"])
     taken = torch.empty(programs, num_experts, dtype=torch.int32, device=logits.device)  # each program's row of counts
-    _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, r.weights, r.ids, taken,
+    _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, routed.weights, routed.ids, taken,
                               RENORM=renormalise, **shape)
-    _place_kernel[(programs,)](r.ids, rows, num_experts, taken, programs, r.counts, r.starts, r.slots, r.block_expert,
-                               r.num_blocks, PB=min(64, triton.next_power_of_2(programs)), **shape, **r.runs())
-    return r
+    _place_kernel[(programs,)](routed.ids, rows, num_experts, taken, programs, routed.counts, routed.starts,
+                               routed.slots, routed.block_expert, routed.num_blocks,
+                               PB=min(64, triton.next_power_of_2(programs)), **shape, **routed.runs())
+    return routed
 
 
 def route_in_router(h: torch.Tensor, router: torch.Tensor, counter: torch.Tensor, top_k: int,
@@ -249,12 +251,12 @@ def route_in_router(h: torch.Tensor, router: torch.Tensor, counter: torch.Tensor
     if rows > ONE_PROGRAM_ROUTE_ROWS:
         raise ValueError(f"the router's launch routes steps of at most {ONE_PROGRAM_ROUTE_ROWS} rows, got {rows}")
     partials = torch.empty(triton.cdiv(hidden, ROUTER_SLICE), rows, num_experts, dtype=torch.float32, device=h.device)
-    r = Route(rows, num_experts, top_k, h.dtype, h.device)
-    args, flags = r.one_program(partials, renormalise)
+    routed = Route(rows, num_experts, top_k, h.dtype, h.device)
+    args, flags = routed.one_program(partials, renormalise)
     _router_route_kernel[(triton.cdiv(num_experts, ROUTER_EXPERTS), partials.shape[0])](
         h, router, counter, hidden, h.stride(0), router.stride(0), *args, RR=ROUTE_ROWS, BLOCK_E=ROUTER_EXPERTS,
         BLOCK_K=ROUTER_SLICE, IEEE=h.dtype == torch.float32, **flags)
-    return r
+    return routed
 
 
 def _expert_gemm(routed: Route, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool,
