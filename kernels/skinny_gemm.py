@@ -223,16 +223,12 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
         triton is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(1) == 1 and weight.stride(1) == 1
     )
-    return _power_of_two(x.shape[0]) if usable else 0
+    return triton.next_power_of_2(x.shape[0]) if usable else 0
 
 
 def block_rows(rows: int) -> int:
     """The row tile of a few-row product of `rows` rows: their power of two, at least MIN_BLOCK_ROWS."""
-    return max(MIN_BLOCK_ROWS, _power_of_two(rows))
-
-
-def _power_of_two(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
+    return max(MIN_BLOCK_ROWS, triton.next_power_of_2(rows))
 
 
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
