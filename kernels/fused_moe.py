@@ -232,9 +232,10 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtyp
     shape = routed.tile(invariant)
     programs = triton.cdiv(rows, shape["R"])
     taken = torch.empty(programs, num_experts, dtype=torch.int32, device=logits.device)  # each program's row of counts
-    _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, routed.weights, routed.ids, taken,
+    rank = torch.empty(rows, top_k, dtype=torch.int32, device=logits.device)  # each pick's place in its program's run
+    _topk_kernel[(programs,)](logits, logits.stride(0), rows, num_experts, routed.weights, routed.ids, rank, taken,
                               RENORM=renormalise, **shape)
-    _place_kernel[(programs,)](routed.ids, rows, num_experts, taken, programs, routed.counts, routed.starts,
+    _place_kernel[(programs,)](routed.ids, rank, rows, num_experts, taken, programs, routed.counts, routed.starts,
                                routed.slots, routed.block_expert, routed.num_blocks,
                                PB=min(64, triton.next_power_of_2(programs)), **shape, **routed.runs())
     return routed
@@ -285,7 +286,8 @@ if triton is not None:
     def _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr, E: tl.constexpr,
                    K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, SLICES: tl.constexpr,
                    VOLATILE: tl.constexpr = False):
-        """Rows `r`'s top-k of their float32 softmax, stored; returns how many of them took each expert.
+        """Rows `r`'s top-k of their float32 softmax, stored; returns how many of them took each expert, and
+        each pick's (`chosen` [R, KP]) place among its expert's picks in these rows (`rank`).
         SLICES > 0: the logits are that many float32 slices, added up in order and rounded as a product's
         output is (VOLATILE: loaded past this SM's cache, other programs of the launch stored them)."""
         es = tl.arange(0, E)
@@ -316,14 +318,18 @@ if triton is not None:
             chosen = tl.where(picks[None, :] == j, idx[:, None], chosen)
             p = tl.where(es[None, :] == idx[:, None], -1.0, p)
         # the picks are the -1s (a probability is never negative): one sum over the rows, not one a pick
-        taken = tl.sum(((p < 0) & row_ok[:, None]).to(tl.int32), axis=0)
+        took = ((p < 0) & row_ok[:, None]).to(tl.int32)
+        taken = tl.sum(took, axis=0)
+        # each pick's place among its expert's picks in these rows: the rows before it that took the expert (a row
+        # takes an expert once)
+        rank = tl.gather(tl.cumsum(took, axis=0) - took, chosen, axis=1)
         if RENORM:
             top = top / tl.sum(top, axis=1)[:, None]
         where = r[:, None] * K + picks[None, :]
         ok = row_ok[:, None] & (picks[None, :] < K)
         tl.store(weights_ptr + where, top.to(weights_ptr.dtype.element_ty), mask=ok)
         tl.store(ids_ptr + where, chosen, mask=ok)
-        return taken
+        return taken, rank, chosen
 
     @triton.jit
     def _store_runs(padded, ends, num_experts, starts_ptr, block_expert_ptr, num_blocks, E: tl.constexpr,
@@ -339,32 +345,32 @@ if triton is not None:
             tl.store(block_expert_ptr + b, tl.where(expert < num_experts, expert, -1), mask=b < num_blocks)
 
     @triton.jit
-    def _place_rows(ids_ptr, r, rows, free, slots_ptr, E: tl.constexpr, K: tl.constexpr,
-                    KP: tl.constexpr, R: tl.constexpr):
-        """Rows `r`'s picks placed in their experts' runs, in pick order from `free` (each
-        expert's first slot not taken by the programs before)."""
-        es = tl.arange(0, E)
-        where = r[:, None] * K + tl.arange(0, KP)[None, :]
-        ok = (r[:, None] < rows) & (tl.arange(0, KP)[None, :] < K)
-        chosen = tl.load(ids_ptr + where, mask=ok, other=0)
-        where, ok, chosen = tl.reshape(where, (R * KP,)), tl.reshape(ok, (R * KP,)), tl.reshape(chosen, (R * KP,))
-        first = tl.sum(tl.where(es[None, :] == chosen[:, None], free[None, :], 0), axis=1)
-        i = tl.arange(0, R * KP)
-        earlier = (chosen[None, :] == chosen[:, None]) & (i[None, :] < i[:, None]) & ok[None, :]
-        tl.store(slots_ptr + first + tl.sum(earlier.to(tl.int32), axis=1), where, mask=ok)
+    def _place_rows(r, rows, chosen, rank, free, slots_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                    R: tl.constexpr):
+        """Rows `r`'s picks (`chosen` [R, KP], each one's `rank` among its expert's picks in these rows)
+        placed in their experts' runs, in pick order from `free` (each expert's first slot not taken by the
+        programs before)."""
+        picks = tl.arange(0, KP)[None, :]
+        first = tl.gather(tl.broadcast_to(free[None, :], (R, E)), chosen, axis=1)
+        tl.store(slots_ptr + first + rank, r[:, None] * K + picks, mask=(r[:, None] < rows) & (picks < K))
 
     @triton.jit
-    def _topk_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, taken_ptr, E: tl.constexpr,
-                     K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-        """A program's rows' top-k, and the rows each expert took among them (the program's row of `taken`)."""
+    def _topk_kernel(logits_ptr, stride_l, rows, num_experts, weights_ptr, ids_ptr, rank_ptr, taken_ptr,
+                     E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, R: tl.constexpr, RENORM: tl.constexpr,
+                     PDL: tl.constexpr):
+        """A program's rows' top-k, each pick's place among its expert's picks in these rows (`rank` [T, k]),
+        and the rows each expert took among them (the program's row of `taken`)."""
         pdl.wait_for_previous(PDL)
         r = tl.program_id(0) * R + tl.arange(0, R)
-        taken = _topk_rows(logits_ptr, stride_l, 0, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R, RENORM, 0)
+        taken, rank, _ = _topk_rows(logits_ptr, stride_l, 0, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R,
+                                    RENORM, 0)
         es = tl.arange(0, E)
         tl.store(taken_ptr + tl.program_id(0) * num_experts + es, taken, mask=es < num_experts)
+        picks = tl.arange(0, KP)[None, :]
+        tl.store(rank_ptr + r[:, None] * K + picks, rank, mask=(r[:, None] < rows) & (picks < K))
 
     @triton.jit
-    def _place_kernel(ids_ptr, rows, num_experts, taken_ptr, programs, counts_ptr, starts_ptr, slots_ptr,
+    def _place_kernel(ids_ptr, rank_ptr, rows, num_experts, taken_ptr, programs, counts_ptr, starts_ptr, slots_ptr,
                       block_expert_ptr, num_blocks, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                       R: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr):
         """Each expert's run of slots (its count padded to whole blocks), every pick of the program's
@@ -388,7 +394,11 @@ if triton is not None:
             tl.store(counts_ptr + es, counts, mask=expert_ok)
             _store_runs(padded, ends, num_experts, starts_ptr, block_expert_ptr, num_blocks, E, BLOCK_M, NB)
         r = pid * R + tl.arange(0, R)
-        _place_rows(ids_ptr, r, rows, ends - padded + before, slots_ptr, E, K, KP, R)
+        picks = tl.arange(0, KP)[None, :]
+        ok = (r[:, None] < rows) & (picks < K)
+        chosen = tl.load(ids_ptr + r[:, None] * K + picks, mask=ok, other=0)
+        rank = tl.load(rank_ptr + r[:, None] * K + picks, mask=ok, other=0)
+        _place_rows(r, rows, chosen, rank, ends - padded + before, slots_ptr, E, K, KP, R)
 
     @triton.jit
     def _route_kernel(logits_ptr, stride_l, stride_slice, rows, num_experts, weights_ptr, ids_ptr, counts_ptr,
@@ -430,14 +440,13 @@ if triton is not None:
         """`_route_kernel`'s work (VOLATILE: the logits other programs of this launch stored)."""
         es = tl.arange(0, E)
         r = tl.arange(0, R)
-        taken = _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr, E, K, KP, R,
-                           RENORM, SLICES, VOLATILE)
+        taken, rank, chosen = _topk_rows(logits_ptr, stride_l, stride_slice, r, rows, num_experts, weights_ptr, ids_ptr,
+                                         E, K, KP, R, RENORM, SLICES, VOLATILE)
         tl.store(counts_ptr + es, taken, mask=es < num_experts)
         padded = (taken + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
         _store_runs(padded, ends, num_experts, starts_ptr, block_expert_ptr, num_blocks, E, BLOCK_M, NB)
-        tl.debug_barrier()  # every thread's ids stored before any thread reads them
-        _place_rows(ids_ptr, r, rows, ends - padded, slots_ptr, E, K, KP, R)
+        _place_rows(r, rows, chosen, rank, ends - padded, slots_ptr, E, K, KP, R)
 
     @triton.jit
     def _router_slices_kernel(h_ptr, w_ptr, part_ptr, rows, num_experts, hidden, stride_h, stride_w, R: tl.constexpr,
