@@ -4,8 +4,8 @@
 # .whl and starts `cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf &&`; every later call
 # within 30 s of the last, or the machine is gone with the model. Logs to $OUT. Before a call, check the kernels compile:
 # `PYTHONPATH=/tmp/np21:/tmp/triton36:. python bench/probes/compile_for_gpu.py <the diff's kernel tests>` here, on the CPU.
-# Each diff applies to this checkout alone (qkv-split-k and skinny-128-rows both touch skinny_gemm.py, qkv-split-k and
-# split-k-tp llama.py): after one lands, rebase the rest (a worktree at the old commit, the diff applied and committed,
+# Each diff applies to this checkout alone (qkv-split-k and split-k-tp both touch llama.py; split-k-fp32-residual applies
+# over qkv-split-k): after one lands, rebase the rest (a worktree at the old commit, the diff applied and committed,
 # cherry-picked onto the new one, the header kept).
 # Device time, estimated: first ~200 s, allreduce-norm ~420 s, split-k-tp ~400 s, profile ~200 s.
 #   first (2 GPUs, no model): allreduce-norm-512's GPU tests over 2 ranks and its latencies (bench/allreduce_latency.py:
@@ -15,20 +15,18 @@
 #   split-k-tp (2 GPUs): its GPU tests (the kernel's partials over 2 ranks; TP2 in graphs = eager TP1 tokens), then TP2
 #            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
-#   one-tests (1 GPU, no model): routing-ranks' MoE kernel tests and skinny-128-rows' product tests (~150 s)
-#   routing-ranks (1 GPU): Qwen3-30B-A3B decode at b1, b8, b64, b512 in turns, 2 cycles (~450 s; its routing alone by
-#            rows ran in session-20261201f)
-#   skinny-128 (1 GPU): decode at b128 in turns, 2 cycles, this checkout against skinny-128-rows: the Qwen3-30B-A3B
-#            shape, then the 8B shape (~400 s)
-#   qkv-split-k (1 GPU): its GPU tests (rope over partial sums; the engine's split products keep the tokens), then decode
-#            in turns, 2 cycles, this checkout against qkv-split-k: Qwen3-30B-A3B at b1 and b64, the 8B shape at b1 (~500 s)
+#   one-tests (1 GPU, no model): qkv-split-k's kernel tests (rope over partial sums, rope bitwise its reference, the
+#            partials into the norm), failures printed (~250 s: the first call compiles every specialization)
+#   qkv-split-k (1 GPU): its engine GPU test (the split products keep the tokens), then decode in turns, 2 cycles, this
+#            checkout against qkv-split-k: Qwen3-30B-A3B at b1, the 8B shape at b1 (~550 s; b64 measured 1.00x in
+#            session-20261201g)
 #   split-k-fp32-residual (1 GPU; over qkv-split-k): its GPU test (the island's split products keep the tokens), then
 #            the 8B shape's decode with --enable-fp32-residual --enable-fp32-lm-head at b1 and b64 in turns, 2 cycles,
 #            qkv-split-k's tree against it (~350 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
-#   qkv-split-k, routing-ranks, skinny-128 (~1,650 s with two model carries), then split-k-fp32-residual.
+#   qkv-split-k, split-k-fp32-residual (~1,250 s with two model carries).
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | split-k-fp32-residual | routing-ranks | skinny-128} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | split-k-fp32-residual} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -58,24 +56,20 @@ split-k-tp)
   done
   ;;
 one-tests)
-  bash bench/ab_versions.sh apply routing-ranks routing-ranks > /dev/null
-  bash bench/ab_versions.sh apply skinny-128-rows skinny-128-rows > /dev/null
-  (cd ab/routing-ranks && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu \
-    tests/test_fused_moe_kernel.py -k "routing or one_launch or overflow" 2>&1 | tail -2; \
-    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/routing-ranks-tests.log"
-  (cd ab/skinny-128-rows && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu \
-    tests/test_fused_kernels.py -k "skinny_gemm_matches or split_over_k" 2>&1 | tail -2; \
-    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/skinny-128-tests.log"
+  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
+  (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -m gpu -rf --tb=line \
+    tests/test_fused_kernels.py -k "partial_sums or split_over_k or rope" 2>&1 | tail -15; echo "rc=${PIPESTATUS[0]}") \
+    | tee "$OUT/qkv-split-k-kernel-tests.log"
   ;;
 qkv-split-k)
   bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
-  (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu tests/test_fused_kernels.py \
-    tests/test_engine_gpu.py -k "partial_sums or split_over_k" 2>&1 | tail -2; echo "rc=${PIPESTATUS[0]}") \
-    | tee "$OUT/qkv-split-k-tests.log"
-  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-moe timeout 260 bash bench/ab_versions.sh run head qkv-split-k -- \
-    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64 --prompt-len 128 \
-    --output-len 256 2>&1 | tee "$OUT/qkv-split-k-moe.log" | tail -4
-  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-8b timeout 150 bash bench/ab_versions.sh run head qkv-split-k -- \
+  (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rf --tb=line \
+    tests/test_engine_gpu.py -k "split_over_k" 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") \
+    | tee "$OUT/qkv-split-k-engine-test.log"
+  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-moe timeout 200 bash bench/ab_versions.sh run head qkv-split-k -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1 --prompt-len 128 \
+    --output-len 256 2>&1 | tee "$OUT/qkv-split-k-moe.log" | tail -3
+  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-8b timeout 190 bash bench/ab_versions.sh run head qkv-split-k -- \
     --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
     --output-len 128 2>&1 | tee "$OUT/qkv-split-k-8b.log" | tail -3
   ;;
@@ -88,20 +82,6 @@ split-k-fp32-residual)
   CYCLES=2 BENCH_OUT=/tmp/bench-island timeout 300 bash bench/ab_versions.sh run qkv-split-k fp32-residual -- \
     --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 128 \
     --enable-fp32-residual --enable-fp32-lm-head 2>&1 | tee "$OUT/split-k-fp32-residual-8b.log" | tail -4
-  ;;
-routing-ranks)
-  bash bench/ab_versions.sh apply routing-ranks routing-ranks > /dev/null
-  CYCLES=2 BENCH_OUT=/tmp/bench-ranks timeout 450 bash bench/ab_versions.sh run head routing-ranks -- \
-    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8,64,512 --max-running-seqs 512 \
-    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/routing-ranks-decode.log" | tail -5
-  ;;
-skinny-128)
-  bash bench/ab_versions.sh apply skinny-128-rows skinny-128-rows > /dev/null
-  for shape in qwen3-30b-a3b llama3-8b; do
-    CYCLES=2 BENCH_OUT=/tmp/bench-sk128-$shape timeout 250 bash bench/ab_versions.sh run head skinny-128-rows -- \
-      --workload decode --random-model $shape --spec-modes off --batch-sizes 128 --max-running-seqs 128 \
-      --prompt-len 128 --output-len 128 2>&1 | tee "$OUT/skinny-128-$shape.log" | tail -3
-  done
   ;;
 profile)
   MOE_BATCHES="1 512" SKIP_8B=1 bash bench/gpu_session.sh kernel-tables > /dev/null
