@@ -18,15 +18,15 @@
 #   one-tests (1 GPU, no model): qkv-split-k's kernel tests (rope over partial sums, rope bitwise its reference, the
 #            partials into the norm), failures printed (~250 s: the first call compiles every specialization)
 #   qkv-split-k (1 GPU): its engine GPU test (the split products keep the tokens), then decode in turns, 2 cycles, this
-#            checkout against qkv-split-k: Qwen3-30B-A3B at b1, the 8B shape at b1 (~550 s; b64 measured 1.00x in
-#            session-20261201g)
-#   split-k-fp32-residual (1 GPU; over qkv-split-k): its GPU test (the island's split products keep the tokens), then
-#            the 8B shape's decode with --enable-fp32-residual --enable-fp32-lm-head at b1 and b64 in turns, 2 cycles,
-#            qkv-split-k's tree against it (~350 s)
+#            checkout against qkv-split-k: Qwen3-30B-A3B at b1 (~450 s; b64 measured 1.00x in session-20261201g;
+#            a run of the MoE shape is ~70 s, most of it making the random model and capturing graphs)
+#   qkv-8b (1 GPU): the same A/B on the 8B shape at b1, then split-k-fp32-residual's GPU tests (~400 s)
+#   split-k-fp32-residual (1 GPU; over qkv-split-k): the 8B shape's decode with --enable-fp32-residual
+#            --enable-fp32-lm-head at b1 and b64 in turns, 2 cycles, qkv-split-k's tree against it (~300 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
-#   qkv-split-k, split-k-fp32-residual (~1,250 s with two model carries).
+#   qkv-split-k, qkv-8b, split-k-fp32-residual (~1,450 s with two model carries).
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | split-k-fp32-residual} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | qkv-8b | split-k-fp32-residual} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -66,19 +66,23 @@ qkv-split-k)
   (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rf --tb=line \
     tests/test_engine_gpu.py -k "split_over_k" 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") \
     | tee "$OUT/qkv-split-k-engine-test.log"
-  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-moe timeout 200 bash bench/ab_versions.sh run head qkv-split-k -- \
+  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-moe timeout 330 bash bench/ab_versions.sh run head qkv-split-k -- \
     --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1 --prompt-len 128 \
     --output-len 256 2>&1 | tee "$OUT/qkv-split-k-moe.log" | tail -3
-  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-8b timeout 190 bash bench/ab_versions.sh run head qkv-split-k -- \
+  ;;
+qkv-8b)
+  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
+  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-8b timeout 220 bash bench/ab_versions.sh run head qkv-split-k -- \
     --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
     --output-len 128 2>&1 | tee "$OUT/qkv-split-k-8b.log" | tail -3
+  bash bench/ab_versions.sh apply fp32-residual qkv-split-k split-k-fp32-residual > /dev/null
+  (cd ab/fp32-residual && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 -m pytest -q -m gpu -rf --tb=line \
+    tests/test_fused_kernels.py tests/test_engine_gpu.py -k "split_over_k or partial_sums" 2>&1 | tail -8; \
+    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/split-k-fp32-residual-tests.log"
   ;;
 split-k-fp32-residual)
   bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
   bash bench/ab_versions.sh apply fp32-residual qkv-split-k split-k-fp32-residual > /dev/null
-  (cd ab/fp32-residual && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu tests/test_fused_kernels.py \
-    tests/test_engine_gpu.py -k "split_over_k or partial_sums" 2>&1 | tail -2; echo "rc=${PIPESTATUS[0]}") \
-    | tee "$OUT/split-k-fp32-residual-tests.log"
   CYCLES=2 BENCH_OUT=/tmp/bench-island timeout 300 bash bench/ab_versions.sh run qkv-split-k fp32-residual -- \
     --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 128 \
     --enable-fp32-residual --enable-fp32-lm-head 2>&1 | tee "$OUT/split-k-fp32-residual-8b.log" | tail -4
