@@ -16,7 +16,10 @@
 #            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
 #   one-tests (1 GPU, no model): qkv-split-k's kernel tests (rope over partial sums, rope bitwise its reference, the
-#            partials into the norm), failures printed (~250 s: the first call compiles every specialization)
+#            partials into the norm), then moe-combine-into-norm's (the picks into the norm), failures printed (~300 s:
+#            the first call compiles every specialization)
+#   moe-combine-norm (1 GPU): its engine GPU test (the tiny Qwen3-MoE, sampled, the same tokens and logprobs), then
+#            Qwen3-30B-A3B decode at b1, b8, b64, b512 in turns, 2 cycles, this checkout against it (~480 s)
 #   qkv-split-k (1 GPU): its engine GPU test (the split products keep the tokens), then decode in turns, 2 cycles, this
 #            checkout against qkv-split-k: Qwen3-30B-A3B at b1 (~450 s; b64 measured 1.00x in session-20261201g;
 #            a run of the MoE shape is ~70 s, most of it making the random model and capturing graphs)
@@ -24,9 +27,10 @@
 #   split-k-fp32-residual (1 GPU; over qkv-split-k): the 8B shape's decode with --enable-fp32-residual
 #            --enable-fp32-lm-head at b1 and b64 in turns, 2 cycles, qkv-split-k's tree against it (~300 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
-#   qkv-split-k, qkv-8b, split-k-fp32-residual (~1,450 s with two model carries).
+#   qkv-split-k, moe-combine-norm, qkv-8b, split-k-fp32-residual (~1,950 s with two model carries: the last waits for a
+#   second session if the budget runs out).
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | qkv-8b | split-k-fp32-residual} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | moe-combine-norm | qkv-8b | split-k-fp32-residual} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -60,6 +64,18 @@ one-tests)
   (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -m gpu -rf --tb=line \
     tests/test_fused_kernels.py -k "partial_sums or split_over_k or rope" 2>&1 | tail -15; echo "rc=${PIPESTATUS[0]}") \
     | tee "$OUT/qkv-split-k-kernel-tests.log"
+  bash bench/ab_versions.sh apply moe-combine-into-norm moe-combine-into-norm > /dev/null
+  (cd ab/moe-combine-into-norm && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -rf --tb=line \
+    tests/test_fused_moe_kernel.py -k "picks_into_the_norm" 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") \
+    | tee "$OUT/moe-combine-norm-kernel-tests.log"
+  ;;
+moe-combine-norm)
+  bash bench/ab_versions.sh apply moe-combine-into-norm moe-combine-into-norm > /dev/null
+  (cd ab/moe-combine-into-norm && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -m gpu -rf --tb=line \
+    tests/test_moe_gpu.py 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") | tee "$OUT/moe-combine-norm-engine-tests.log"
+  CYCLES=2 BENCH_OUT=/tmp/bench-mcn timeout 420 bash bench/ab_versions.sh run head moe-combine-into-norm -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8,64,512 --max-running-seqs 512 \
+    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/moe-combine-norm-decode.log" | tail -5
   ;;
 qkv-split-k)
   bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
