@@ -71,9 +71,9 @@ one-tests)
   ;;
 moe-combine-norm)
   bash bench/ab_versions.sh apply moe-combine-into-norm moe-combine-into-norm > /dev/null
-  (cd ab/moe-combine-into-norm && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -m gpu -rf --tb=line \
+  (cd ab/moe-combine-into-norm && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rf --tb=line \
     tests/test_moe_gpu.py 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") | tee "$OUT/moe-combine-norm-engine-tests.log"
-  CYCLES=2 BENCH_OUT=/tmp/bench-mcn timeout 420 bash bench/ab_versions.sh run head moe-combine-into-norm -- \
+  CYCLES=2 BENCH_OUT=/tmp/bench-mcn timeout 390 bash bench/ab_versions.sh run head moe-combine-into-norm -- \
     --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8,64,512 --max-running-seqs 512 \
     --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/moe-combine-norm-decode.log" | tail -5
   ;;
