@@ -276,8 +276,8 @@ def _triton_is_faster(rows: int, weight: torch.Tensor, bias: torch.Tensor | None
     timing (at warm-up, at most twice the L2 cache's memory)."""
     copies = cold_copies(weight)
     k = weight.shape[1]
-    return (after_kernel_ms(skinny_linear, k, copies, bias, out_dtype, rows)
-            < after_kernel_ms(cublas_linear, k, copies, bias, out_dtype, rows))
+    return (after_kernel_ms(skinny_linear, k, copies, rows, bias, out_dtype)
+            < after_kernel_ms(cublas_linear, k, copies, rows, bias, out_dtype))
 
 
 def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -290,8 +290,8 @@ def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight] + [torch.empty_like(weight) for _ in range(copies - 1)]
 
 
-def after_kernel_ms(product, k: int, copies: list[torch.Tensor], bias: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None, rows: int = MIN_BLOCK_ROWS, before=None) -> float:
+def after_kernel_ms(product, k: int, copies: list[torch.Tensor], rows: int, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None, before=None) -> float:
     """Milliseconds of a kernel then `product(x, weight, bias, out_dtype)` of `rows` rows, in a CUDA
     graph, each weight of `copies` in turn. The kernel: `before()`, or by default an RMSNorm that
     writes x (what a step puts before a product: under PDL the Triton product is placed behind it)."""
