@@ -15,6 +15,8 @@ from kernels import INTERPRET, pdl
 try:
     import triton
     import triton.language as tl
+
+    TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 except ImportError:  # CPU-only installs: the torch references below are used
     triton = None
 
@@ -67,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     The sum is kept in the residual's dtype (a float32 residual stream: `--enable-fp32-residual`),
     the norm rounded to `out_dtype` (default x's; float32 for a float32 LM head's input), twice as
     transformers rounds it or, `round_once`, once (`rms_norm_ref`). A 3-D float32 `x` [rows, parts, n]
-    is a product's partial sums over slices of K (`skinny_gemm.linear_into_norm`): each row's parts
+    is a product's partial sums over slices of K (`skinny_gemm.linear_into_sum`): each row's parts
     summed in order and rounded to the residual's dtype (the product's own output, `parts_sum_ref`)
     before the add; it needs the residual, whose dtype is then the norm's default."""
     parts = x.shape[1] if x.dim() == 3 else 0  # (0: a whole product, not partial sums)
@@ -105,14 +107,23 @@ def rope_and_store(
     out_slots: torch.Tensor,  # [T] int64
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     out_dtype: torch.dtype | None = None,
+    parts_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """RoPE on q and k, and the rotated k with v written into the KV cache: one kernel on the GPU.
     `qk_norm`: q's and k's RMSNorm weights over a head and their eps (Qwen3's), each head
     normalised first in the same kernel (two launches a layer fewer than the norms apart).
+    With `parts_dtype`, q, k and v are [T, parts, heads, head_dim] views of the qkv product's float32
+    partial sums over slices of K (`skinny_gemm.linear_into_sum`): each summed in order and rounded to
+    `parts_dtype` (`parts_sum_ref`) where the kernel loads it, then as the product's output.
 
     Returns the rotated q [T, num_heads, head_dim], rounded to `out_dtype` (default q's: a float32
     q of --enable-fp32-activations is rotated in float32, then rounded once for attention).
     """
+    if parts_dtype is not None and not use_triton(q):
+        q, k, v = (parts_sum_ref(x.flatten(2), parts_dtype).view(x.shape[0], *x.shape[2:]) for x in (q, k, v))
+    if parts_dtype is not None and use_triton(q):
+        return _rope_and_store_kernel(q, k, v, cos, sin, k_cache, v_cache, out_slots, qk_norm, out_dtype or parts_dtype,
+                                      parts_dtype)
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     if not use_triton(q):
@@ -123,16 +134,31 @@ def rope_and_store(
         k_cache.index_copy_(0, out_slots, rope_ref(k, cos, sin).to(k_cache.dtype))
         v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
         return rope_ref(q, cos, sin).to(out_dtype or q.dtype)
+    return _rope_and_store_kernel(q, k, v, cos, sin, k_cache, v_cache, out_slots, qk_norm, out_dtype or q.dtype)
+
+
+def _rope_and_store_kernel(q, k, v, cos, sin, k_cache, v_cache, out_slots, qk_norm, out_dtype,
+                           parts_dtype=None) -> torch.Tensor:
+    """`rope_and_store`'s launch: q, k, v [T, heads, head_dim], or [T, parts, heads, head_dim] partial sums
+    rounded to `parts_dtype`."""
+    tokens, heads, dim = q.shape[0], q.shape[-2], q.shape[-1]
+    kv_heads = k.shape[-2]
+    parts = q.shape[1] if q.dim() == 4 else 0
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # (pointers unread without the norm)
-    out = torch.empty((tokens, heads, dim), dtype=out_dtype or q.dtype, device=q.device)
+    out = torch.empty((tokens, heads, dim), dtype=out_dtype, device=q.device)
     if tokens:
         _rope_store_kernel[(tokens,)](
             q, k, v, cos, sin, out, k_cache, v_cache, out_slots, q_weight, k_weight, eps,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            q.stride(0), q.stride(-2), k.stride(0), k.stride(-2), v.stride(0), v.stride(-2),
+            q.stride(1) if parts else 0, k.stride(1) if parts else 0, v.stride(1) if parts else 0, cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            heads, kv_heads, HALF=dim // 2, QK_NORM=qk_norm is not None,
+            heads, kv_heads, HALF=dim // 2, QK_NORM=qk_norm is not None, PARTS=parts,
+            PART_DTYPE=TL_DTYPES[parts_dtype] if parts else tl.float32,
             BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads), num_warps=4,
-            **pdl.launch_args(),
+            # (LLVM turns a product rounded to a 16-bit dtype, then added, into a 16-bit multiply and add, then
+            # fuses them into one FMA where its instruction selection likes: the product unrounded, and bits that
+            # depend on how q was loaded. Unfused, each product is rounded as eager torch rounds it.)
+            enable_fp_fusion=False, **pdl.launch_args(),
         )
     return out
 
@@ -184,10 +210,22 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (y * w.to(tl.float32)).to(dtype), mask=ok)
 
     @triton.jit
-    def _halves(x_ptrs, ok, HALF: tl.constexpr):
-        """The two halves of the [heads, 2 * HALF] tile at x_ptrs."""
+    def _summed(x_ptrs, stride_part, ok, PARTS: tl.constexpr, dtype: tl.constexpr):
+        """The tile at x_ptrs; with PARTS > 0, float32 partial sums `stride_part` apart, added up in
+        order and rounded to `dtype` (`parts_sum_ref`)."""
+        x = tl.load(x_ptrs, mask=ok, other=0.0)
+        if PARTS > 0:
+            for j in tl.static_range(1, PARTS):
+                x += tl.load(x_ptrs + j * stride_part, mask=ok, other=0.0)
+            x = x.to(dtype)
+        return x
+
+    @triton.jit
+    def _summed_halves(x_ptrs, stride_part, ok, HALF: tl.constexpr, PARTS: tl.constexpr, dtype: tl.constexpr):
+        """The two halves of the [heads, 2 * HALF] tile at x_ptrs, each `_summed`."""
         d = tl.arange(0, HALF)[None, :]
-        return tl.load(x_ptrs + d, mask=ok, other=0.0), tl.load(x_ptrs + HALF + d, mask=ok, other=0.0)
+        return (_summed(x_ptrs + d, stride_part, ok, PARTS, dtype),
+                _summed(x_ptrs + HALF + d, stride_part, ok, PARTS, dtype))
 
     @triton.jit
     def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr):
@@ -214,11 +252,12 @@ if triton is not None:
     @triton.jit
     def _rope_store_kernel(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kc_ptr, vc_ptr, slots_ptr, qw_ptr, kw_ptr, eps,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qp, stride_kp, stride_vp, stride_c,
         stride_kcs, stride_kch, stride_vcs, stride_vch,
-        heads, kv_heads, HALF: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-        PDL: tl.constexpr,
+        heads, kv_heads, HALF: tl.constexpr, QK_NORM: tl.constexpr, PARTS: tl.constexpr, PART_DTYPE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, PDL: tl.constexpr,
     ):
+        """PARTS > 0: q, k and v are a product's float32 partial sums, each rounded to PART_DTYPE (`_summed`)."""
         pdl.wait_for_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -229,7 +268,7 @@ if triton is not None:
 
         h = tl.arange(0, BLOCK_H)[:, None]
         ok = h < heads
-        x1, x2 = _halves(q_ptr + t * stride_qt + h * stride_qh, ok, HALF)
+        x1, x2 = _summed_halves(q_ptr + t * stride_qt + h * stride_qh, stride_qp, ok, HALF, PARTS, PART_DTYPE)
         if QK_NORM:
             x1, x2 = _head_norm(x1, x2, qw_ptr, eps, HALF)
         lo, hi = _rotate(x1, x2, c, s)
@@ -239,7 +278,7 @@ if triton is not None:
 
         g = tl.arange(0, BLOCK_KV)[:, None]
         ok = g < kv_heads
-        x1, x2 = _halves(k_ptr + t * stride_kt + g * stride_kh, ok, HALF)
+        x1, x2 = _summed_halves(k_ptr + t * stride_kt + g * stride_kh, stride_kp, ok, HALF, PARTS, PART_DTYPE)
         if QK_NORM:
             x1, x2 = _head_norm(x1, x2, kw_ptr, eps, HALF)
         lo, hi = _rotate(x1, x2, c, s)
@@ -247,7 +286,7 @@ if triton is not None:
         tl.store(k_out + d, lo.to(kc_ptr.dtype.element_ty), mask=ok)
         tl.store(k_out + HALF + d, hi.to(kc_ptr.dtype.element_ty), mask=ok)
         dd = tl.arange(0, 2 * HALF)[None, :]
-        v = tl.load(v_ptr + t * stride_vt + g * stride_vh + dd, mask=ok, other=0.0)
+        v = _summed(v_ptr + t * stride_vt + g * stride_vh + dd, stride_vp, ok, PARTS, PART_DTYPE)
         tl.store(vc_ptr + slot * stride_vcs + g * stride_vch + dd, v.to(vc_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit

@@ -95,19 +95,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return cublas_linear(x, weight, bias, out_dtype)
 
 
-def linear_into_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for a product whose one consumer is the residual add + RMSNorm (`fused.rms_norm`):
-    on the GPU a product of few rows may come out as float32 partial sums over slices of K,
-    [rows, slices, n], which the norm adds up in order and rounds to the dtype before the residual
-    (a few-row product reads its weight faster split over K, and this split needs no reduce kernel
-    of its own: cuBLAS's split-K launches one). Timed once per shape against `linear`, each with
-    its norm as a step runs them; else `linear`'s [rows, n]."""
+def linear_into_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for a product whose one consumer adds up partial sums: the residual add + RMSNorm
+    (`fused.rms_norm`: the o and down products) or RoPE + the KV write (`fused.rope_and_store`: qkv).
+    On the GPU a product of few rows may come out as float32 partial sums over slices of K,
+    [rows, slices, n], which the consumer adds up in order and rounds to the dtype where it loads
+    them (a few-row product reads its weight faster split over K, and this split needs no reduce
+    kernel of its own: cuBLAS's split-K launches one). Timed once per shape against `linear`, each
+    with a norm after it as a step runs them (for qkv a stand-in for rope, reading the same
+    partials); else `linear`'s [rows, n]."""
     slices = split_k_slices(x, weight)
     return split_k_partials(x, weight, slices) if slices else linear(x, weight)
 
 
 def split_k_slices(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """The slices of K `linear_into_norm` takes for this product (0: none, `linear`'s product)."""
+    """The slices of K `linear_into_sum` takes for this product (0: none, `linear`'s product)."""
     rows = _few_rows(x, weight) if x.is_cuda and x.dtype == weight.dtype else 0
     if not rows:
         return 0
@@ -119,19 +121,19 @@ def split_k_slices(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def _fastest_split_k(rows: int, weight: torch.Tensor) -> int:
-    """Each way of `linear_into_norm`, its norm after it, timed as a step runs them (`after_kernel_ms`)."""
+    """Each way of `linear_into_sum`, its norm after it, timed as a step runs them (`after_kernel_ms`)."""
     copies = cold_copies(weight)
     n, k = weight.shape
     g = torch.Generator(device=weight.device).manual_seed(0)
     residual = torch.randn(rows, n, generator=g, device=weight.device).to(weight.dtype)
     norm_weight = torch.rand(n, generator=g, device=weight.device).to(weight.dtype)
 
-    def into_norm(slices: int):
+    def then_norm(slices: int):
         def product(x, w, bias, out_dtype):
             fused.rms_norm(split_k_partials(x, w, slices) if slices else linear(x, w), norm_weight, 1e-6, residual)
         return product
 
-    times = {slices: after_kernel_ms(into_norm(slices), k, copies, rows=rows) for slices in (0, *SPLIT_K_CANDIDATES)}
+    times = {slices: after_kernel_ms(then_norm(slices), k, copies, rows=rows) for slices in (0, *SPLIT_K_CANDIDATES)}
     return min(times, key=times.get)
 
 

@@ -145,10 +145,10 @@ def test_half_precision_generates_finite_logprobs_close_to_fp32(default_model_di
 
 
 @pytest.mark.parametrize("slices", [2, 4])
-def test_products_split_over_k_into_their_norm_keep_the_tokens(default_model_dir, prompts, monkeypatch, slices):
-    """The o and down products of few rows as float32 partial sums over slices of K, which the next
-    norm adds up (kernels/skinny_gemm.py `linear_into_norm`), against the products whole: bf16's
-    first greedy tokens and their logprobs alike, in CUDA graphs."""
+def test_products_split_over_k_into_their_consumer_keep_the_tokens(default_model_dir, prompts, monkeypatch, slices):
+    """The qkv, o and down products of few rows as float32 partial sums over slices of K, which rope
+    or the next norm adds up (kernels/skinny_gemm.py `linear_into_sum`), against the products whole:
+    bf16's first greedy tokens and their logprobs alike, in CUDA graphs."""
     from kernels import skinny_gemm
 
     outs, calls = {}, []

@@ -125,7 +125,7 @@ def test_float32_activations_kernels_work_in_float32_and_round_once_to_the_dtype
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_and_store_on_qkv_views_matches_reference(dtype, tokens, heads, kv_heads, dim, qk_norm):
     """RoPE (after Qwen3's per-head RMSNorm of q and k, with `qk_norm`) and the KV write, against
-    the norms apart then the reference rope."""
+    the norms apart then the reference rope; without the norms, bitwise the reference."""
     g = torch.Generator(device=DEVICE).manual_seed(tokens * heads)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g, device=DEVICE) * 3).to(dtype)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # views, as in the model
@@ -140,12 +140,50 @@ def test_rope_and_store_on_qkv_views_matches_reference(dtype, tokens, heads, kv_
     if qk_norm:  # what the model ran before: each head through the norm kernel, then rope
         q = fused.rms_norm(q.reshape(-1, dim), norms[0], 1e-6).view(tokens, heads, dim)
         k = fused.rms_norm(k.reshape(-1, dim), norms[1], 1e-6).view(tokens, kv_heads, dim)
-    close(out, fused.rope_ref(q, emb.cos(), emb.sin()), dtype)
-    close(caches[0][slots], fused.rope_ref(k, emb.cos(), emb.sin()), dtype)
+    for rotated, reference in ((out, fused.rope_ref(q, emb.cos(), emb.sin())),
+                               (caches[0][slots], fused.rope_ref(k, emb.cos(), emb.sin()))):
+        if qk_norm:  # (the head norm's sum of squares runs in its own order)
+            close(rotated, reference, dtype)
+        else:  # each product rounded, then the sum, as eager torch: no FMA
+            assert torch.equal(rotated, reference)
     assert torch.equal(caches[1][slots], v)
     untouched = torch.ones(64, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.isnan(caches[0][untouched]).all() and torch.isnan(caches[1][untouched]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim,slices", [(1, 9, 3, 64, 2), (29, 32, 4, 128, 4), (5, 8, 8, 128, 3)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_adds_up_the_qkv_products_partial_sums_as_their_reference_sums_them(dtype, tokens, heads, kv_heads, dim,
+                                                                                   slices, qk_norm, monkeypatch):
+    """The qkv product as float32 partial sums over slices of K (kernels/skinny_gemm.py `linear_into_sum`):
+    rope sums each of q, k and v's in order and rounds it to the product's dtype (`parts_sum_ref`), then
+    runs as on the product whole: the rotated q and the KV cache bitwise those of the summed product;
+    the torch reference close to them."""
+    g = torch.Generator(device=DEVICE).manual_seed(tokens * heads + slices)
+    n = (heads + 2 * kv_heads) * dim
+    parts = torch.randn(tokens, slices, n, generator=g, device=DEVICE) * 2
+    pos = torch.randint(0, 4000, (tokens,), generator=g, device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
+    slots = torch.randperm(64, generator=g, device=DEVICE)[:tokens]
+    norms = tuple((1 + torch.randn(dim, generator=g, device=DEVICE) / 4).to(dtype) for _ in range(2)) + (1e-6,)
+    norms = norms if qk_norm else None
+    sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
+    whole = fused.parts_sum_ref(parts, dtype)
+    outs = []
+    for qkv, lead, reference in ((parts, (tokens, slices), False), (whole, (tokens,), False), (parts, (tokens, slices), True)):
+        if reference:
+            monkeypatch.setattr(fused, "use_triton", lambda x: False)
+        caches = [torch.full((64, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+        q, k, v = (x.view(*lead, -1, dim) for x in qkv.split(sizes, dim=-1))
+        rotated = fused.rope_and_store(q, k, v, emb.cos(), emb.sin(), *caches, slots, norms, dtype,
+                                       parts_dtype=dtype if qkv is parts else None)
+        outs.append((rotated, caches[0][slots], caches[1][slots]))
+    for a, b, ref in zip(*outs):
+        assert torch.equal(a, b)
+        close(a, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,7 +10,7 @@ times against cuBLAS (kernels/skinny_gemm.py) then the norm; and the engine's sp
 (`split_k_partials`: its programs each take a column block and a slice of K, writing float32
 partials) over its configurations, the norm summing the partials in order (the product rounded to
 the dtype once, as the others round it) before it adds the residual: the third is what
-`linear_into_norm` chooses where it wins (on the H200 by 1.04-1.26x: session-20261201c).
+`linear_into_sum` chooses where it wins (on the H200 by 1.04-1.26x: session-20261201c).
 
     python bench/probes/split_k_partials.py [--rows 1,8] [--dtype bfloat16]
 """

@@ -159,13 +159,13 @@ class Linear(nn.Linear):
 
     batch_invariant = False
     float32_output = False  # its float32 accumulator, not rounded (CausalLM.keep_float32's activations)
-    # its output's one consumer is the residual add + norm (`RMSNorm.add`), which may take it as partial sums
-    # over slices of K (skinny_gemm.linear_into_norm): a decoder layer's o and down products at one rank
-    into_norm = False
+    # its output's one consumer adds up partial sums over slices of K (skinny_gemm.linear_into_sum): the residual add
+    # + norm (`RMSNorm.add`) after a decoder layer's o and down products at one rank, rope after its qkv product
+    into_sum = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.into_norm and not (self.batch_invariant or self.float32_output) and self.bias is None:
-            return skinny_gemm.linear_into_norm(x, self.weight)
+        if self.into_sum and not (self.batch_invariant or self.float32_output) and self.bias is None:
+            return skinny_gemm.linear_into_sum(x, self.weight)
         out_dtype = torch.float32 if self.float32_output else None
         return skinny_gemm.linear(x, self.weight, self.bias, out_dtype, invariant=self.batch_invariant)
 
@@ -199,6 +199,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj.into_sum = True  # (rope adds up its partial sums, at any TP size: each rank's heads are whole)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -209,13 +210,16 @@ class Attention(nn.Module):
         """From the qkv projection of the normalised input, this rank's part of the output (the
         ranks' parts sum to it: the next norm sums them, `RMSNorm.add`)."""
         num_tokens = qkv.shape[0]
+        lead = qkv.shape[:-1]  # ([T], or [T, slices] of a few-row product's partial sums: Linear.into_sum)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None  # (in the rope kernel)
         k_cache, v_cache = ctx.k_caches[self.layer], ctx.v_caches[self.layer]
-        q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots, norms, k_cache.dtype)
+        parts_dtype = self.qkv_proj.weight.dtype if qkv.dim() == 3 else None
+        q = fused.rope_and_store(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.meta.out_slots, norms, k_cache.dtype,
+                                 parts_dtype)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, out=ctx.attn_out)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -275,9 +279,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(cfg, shard)
         if shard.alone:  # (under tensor parallelism the products' parts go to the all-reduce whole)
-            self.self_attn.o_proj.into_norm = True
+            self.self_attn.o_proj.into_sum = True
             if isinstance(self.mlp, MLP):
-                self.mlp.down_proj.into_norm = True
+                self.mlp.down_proj.into_sum = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (this rank's part of this layer's output, the residual stream before it): the
@@ -350,8 +354,9 @@ class CausalLM(nn.Module):
                 products += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
             for linear in products:
                 linear.float32_output = activations
-                # (partial sums round to the residual's dtype in the norm: a float32 stream would skip the dtype's rounding)
-                linear.into_norm = linear.into_norm and not residual
+                # (a norm rounds partial sums to the residual's dtype: a float32 stream would skip the dtype's rounding;
+                # rope, after qkv, rounds them to the product's)
+                linear.into_sum = linear.into_sum and not (residual and linear is not layer.self_attn.qkv_proj)
         self.fp32_lm_head = lm_head
 
     @property
