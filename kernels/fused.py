@@ -39,8 +39,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: t
 
 
 def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, parts, n] float32 -> [rows, n]: each row's parts summed in order, rounded once to `dtype`."""
-    total = parts[:, 0]
+    """[rows, parts, n] -> [rows, n]: each row's parts summed in order in float32, rounded once to `dtype`."""
+    total = parts[:, 0].float()
     for j in range(1, parts.shape[1]):
         total = total + parts[:, j]
     return total.to(dtype)
@@ -68,10 +68,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """norm(x) or, with `residual`, (norm(x + residual), x + residual): the residual add fused in.
     The sum is kept in the residual's dtype (a float32 residual stream: `--enable-fp32-residual`),
     the norm rounded to `out_dtype` (default x's; float32 for a float32 LM head's input), twice as
-    transformers rounds it or, `round_once`, once (`rms_norm_ref`). A 3-D float32 `x` [rows, parts, n]
-    is a product's partial sums over slices of K (`skinny_gemm.linear_into_sum`): each row's parts
-    summed in order and rounded to the residual's dtype (the product's own output, `parts_sum_ref`)
-    before the add; it needs the residual, whose dtype is then the norm's default."""
+    transformers rounds it or, `round_once`, once (`rms_norm_ref`). A 3-D `x` [rows, parts, n] is the
+    terms of a sum: a product's float32 partial sums over slices of K (`skinny_gemm.linear_into_sum`)
+    or a mixture of experts' weighted picks in the dtype (`fused_moe.layer(into_sum=True)`): each row's
+    parts summed in order in float32 and rounded to the residual's dtype (the product's or the layer's
+    own output, `parts_sum_ref`) before the add; it needs the residual, whose dtype is then the norm's
+    default."""
     parts = x.shape[1] if x.dim() == 3 else 0  # (0: a whole product, not partial sums)
     if x.dim() == 3 and residual is None:
         raise ValueError("a product's partial sums are added to a residual: pass it")
@@ -191,9 +193,9 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         ok = cols < n
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        if PARTS > 0:  # a product's float32 partial sums, in order, rounded to its dtype (parts_sum_ref)
+        if PARTS > 0:  # a sum's terms, added in order in float32, rounded to its dtype (parts_sum_ref)
             for j in tl.static_range(1, PARTS):
-                x += tl.load(x_ptr + row * stride_x + j * stride_part + cols, mask=ok, other=0.0)
+                x += tl.load(x_ptr + row * stride_x + j * stride_part + cols, mask=ok, other=0.0).to(tl.float32)
             x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         if HAS_RESIDUAL:

@@ -107,43 +107,51 @@ def router_logits(h: torch.Tensor, router: torch.Tensor, invariant: bool = False
 
 
 def experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-            renormalise: bool, invariant: bool = False) -> torch.Tensor:
+            renormalise: bool, invariant: bool = False, into_sum: bool = False) -> torch.Tensor:
     """The experts' output for the normalised hidden states `h` [T, hidden], routed by `logits`
     (`router_logits`: [T, E], or a few rows' [S, T, E] float32 slices): gate_up [E, 2 x width, hidden]
-    (gate rows, then up rows), down [E, hidden, width]."""
+    (gate rows, then up rows), down [E, hidden, width]. With `into_sum` (the output's one consumer the
+    residual add + norm) the kernels' output is each row's weighted picks [T, top_k, hidden], which
+    `fused.rms_norm` sums in pick order, rounded to the dtype, as `combine` sums them: the same values
+    without the combine's launch."""
     if not fused.use_triton(h):
         return experts_ref(h, logits, gate_up, down, top_k, renormalise, invariant)
     if h.shape[0] == 0:
         return torch.empty_like(h)
     routed = route(logits, top_k, renormalise, h.dtype, block=INVARIANT_BLOCK_ROWS if invariant else None,
                    invariant=invariant)
-    return _routed_experts(routed, h, gate_up, down, invariant)
+    return _routed_experts(routed, h, gate_up, down, invariant, into_sum)
 
 
 def layer(h: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-          renormalise: bool, invariant: bool = False) -> torch.Tensor:
+          renormalise: bool, invariant: bool = False, into_sum: bool = False) -> torch.Tensor:
     """The layer whole for the normalised hidden states `h`: the router's product (`router`: [E, hidden]),
     the routing, the experts (`SparseMoE.block`). A step of at most ONE_PROGRAM_ROUTE_ROWS rows on the
     GPU takes the router's product and the routing in one launch (`route_in_router`); else as
-    `experts(h, router_logits(h, router), ...)`, which computes the same bits."""
+    `experts(h, router_logits(h, router), ...)`, which computes the same bits; `into_sum` as there."""
     rows = h.shape[0]
     counter = None
     if fused.use_triton(h) and not invariant and 0 < rows <= ONE_PROGRAM_ROUTE_ROWS:
         counter = _route_counter(h.device)
     if counter is None:
-        return experts(h, router_logits(h, router, invariant), gate_up, down, top_k, renormalise, invariant)
-    return _routed_experts(route_in_router(h, router, counter, top_k, renormalise), h, gate_up, down, invariant=False)
+        return experts(h, router_logits(h, router, invariant), gate_up, down, top_k, renormalise, invariant,
+                       into_sum)
+    return _routed_experts(route_in_router(h, router, counter, top_k, renormalise), h, gate_up, down,
+                           invariant=False, into_sum=into_sum)
 
 
 def _routed_experts(routed: Route, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                    invariant: bool) -> torch.Tensor:
-    """The experts' products over `routed`'s slots, then each row's picks combined."""
+                    invariant: bool, into_sum: bool) -> torch.Tensor:
+    """The experts' products over `routed`'s slots, then each row's picks combined (`into_sum`: left
+    for the norm to sum, [T, top_k, hidden])."""
     rows, hidden = h.shape
-    out = torch.empty_like(h)
     mid = torch.empty(rows * routed.top_k, down.shape[2], dtype=h.dtype, device=h.device)
     _expert_gemm(routed, h, gate_up, mid, gated=True, invariant=invariant)
     picks = torch.empty(rows * routed.top_k, hidden, dtype=h.dtype, device=h.device)
     _expert_gemm(routed, mid, down, picks, gated=False, invariant=invariant)
+    if into_sum:
+        return picks.view(rows, routed.top_k, hidden)
+    out = torch.empty_like(h)
     combine(picks, out, routed.top_k)
     return out
 

@@ -157,6 +157,28 @@ def test_experts_match_the_reference(shape, dtype):
     assert err <= TOL[dtype], err
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]] + ([SHAPES[-2]] if ON_GPU else []))
+def test_the_picks_into_the_norm_sum_as_the_combine_does(shape, dtype):
+    """`into_sum`: the layer leaves each row's weighted picks [T, top_k, hidden] and the residual add + norm
+    sums them (`fused.rms_norm`'s 3-D input): the sum and the norm the combined output's, then the norm's."""
+    from kernels import fused
+
+    rows, experts, top_k, hidden = shape[:4]
+    h, _, gate_up, down = moe_inputs(*shape, dtype, seed=5 * sum(shape))
+    g = torch.Generator(device=DEVICE).manual_seed(sum(shape))
+    router = (2 * torch.randn(experts, hidden, generator=g, device=DEVICE) / hidden**0.5).to(dtype)
+    residual = torch.randn(rows, hidden, generator=g, device=DEVICE).to(dtype)
+    norm = (1 + torch.randn(hidden, generator=g, device=DEVICE) / 4).to(dtype)
+    picks = fused_moe.layer(h, router, gate_up, down, top_k, renormalise=True, into_sum=True)
+    assert picks.shape == (rows, top_k, hidden) and picks.dtype == dtype
+    combined = fused_moe.layer(h, router, gate_up, down, top_k, renormalise=True)
+    assert torch.equal(fused.parts_sum_ref(picks, dtype), combined)
+    out, summed = fused.rms_norm(picks, norm, 1e-6, residual)
+    expected_out, expected_summed = fused.rms_norm(combined, norm, 1e-6, residual)
+    assert torch.equal(summed, expected_summed) and torch.equal(out, expected_out)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter's tl.dot is NumPy's, whose sums depend on a row's place in the tile")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_row_alone_gets_the_same_bits_as_in_a_batch_with_the_invariant_tile(dtype):

@@ -41,6 +41,32 @@ def test_moe_in_half_precision_gives_finite_logprobs(moe, dtype):
     assert all(o.finish_reason in ("stop", "length") and torch.isfinite(torch.tensor(o.logprobs)).all() for g in outs for o in g)
 
 
+def test_the_picks_summed_by_the_norm_give_the_combines_tokens_and_logprobs(moe, monkeypatch):
+    """A decoder layer's experts leave each row's picks for the next residual add + norm to sum (`into_sum`),
+    in graphs, with speculation: bf16's sampled tokens and logprobs those of the combine kernel's output."""
+    from kernels import fused_moe
+
+    path, _ = moe
+    layer, asked = fused_moe.layer, []
+
+    def sampled(picks: bool) -> list:
+        def moe_layer(*args, into_sum: bool, **kwargs):  # (what the model asks, then what this run takes)
+            asked.append(into_sum)
+            return layer(*args, into_sum=picks, **kwargs)
+
+        monkeypatch.setattr(fused_moe, "layer", moe_layer)
+        engine = Engine(model=str(path), device="cuda", dtype="bfloat16", spec="ngram", kv_cache_tokens=20_000)
+        try:
+            outs = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=4),
+                                   return_logprob=True)
+        finally:
+            engine.close()
+        return [(o.token_ids, o.logprobs) for g in outs for o in g]
+
+    assert sampled(picks=True) == sampled(picks=False)
+    assert asked and all(asked)  # (every layer asked for its picks: one rank)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_moe_over_two_gpus_in_graphs_with_speculation_gives_one_gpus_eager_tokens(moe):
     """Each rank's share of every expert's width, its part summed by the layer's all-reduce, in the captured graphs."""

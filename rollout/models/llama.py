@@ -282,6 +282,8 @@ class DecoderLayer(nn.Module):
             self.self_attn.o_proj.into_sum = True
             if isinstance(self.mlp, MLP):
                 self.mlp.down_proj.into_sum = True
+            else:  # (a mixture of experts': each row's picks, qwen3_moe.SparseMoE)
+                self.mlp.into_sum = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """Returns (this rank's part of this layer's output, the residual stream before it): the
@@ -352,11 +354,13 @@ class CausalLM(nn.Module):
             products = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             if isinstance(layer.mlp, MLP):  # (a mixture of experts' layer writes its output in the dtype)
                 products += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            # (a norm rounds partial sums and picks to the residual's dtype: a float32 stream would skip the dtype's
+            # rounding; rope, after qkv, rounds them to the product's)
             for linear in products:
                 linear.float32_output = activations
-                # (a norm rounds partial sums to the residual's dtype: a float32 stream would skip the dtype's rounding;
-                # rope, after qkv, rounds them to the product's)
                 linear.into_sum = linear.into_sum and not (residual and linear is not layer.self_attn.qkv_proj)
+            if not isinstance(layer.mlp, MLP):
+                layer.mlp.into_sum = layer.mlp.into_sum and not residual
         self.fp32_lm_head = lm_head
 
     @property

@@ -29,6 +29,10 @@ from rollout.models.sharding import Shard
 
 
 class SparseMoE(nn.Module):
+    # its output's one consumer is the residual add + norm, which may take each row's picks and sum them
+    # (fused_moe.experts' `into_sum`): a decoder layer's at one rank
+    into_sum = False
+
     def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
         self.shard = shard
@@ -41,7 +45,8 @@ class SparseMoE(nn.Module):
     def block(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's part of the experts' output for the normalised hidden states `h` [T, hidden]."""
         invariant = self.gate.batch_invariant  # (CausalLM.make_batch_invariant sets it on every Linear)
-        return fused_moe.layer(h, self.gate.weight, self.gate_up, self.down, self.top_k, self.norm_topk_prob, invariant)
+        return fused_moe.layer(h, self.gate.weight, self.gate_up, self.down, self.top_k, self.norm_topk_prob,
+                               invariant=invariant, into_sum=self.into_sum)
 
     def targets(self, prefix: str, cfg: ModelConfig, sh: Shard) -> dict[str, WeightTarget]:
         """The router, each expert's tensors by the checkpoint's names, and the layer's experts stacked as
