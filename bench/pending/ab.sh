@@ -4,10 +4,8 @@
 # .whl and starts `cat /root/mcache/smol.part.aa .devcache/smol.part.ab > /root/mcache/smol.gguf &&`; every later call
 # within 30 s of the last, or the machine is gone with the model. Logs to $OUT. Before a call, check the kernels compile:
 # `PYTHONPATH=/tmp/np21:/tmp/triton36:. python bench/probes/compile_for_gpu.py <the diff's kernel tests>` here, on the CPU.
-# Each diff applies to this checkout alone (qkv-split-k and split-k-tp both touch llama.py; split-k-fp32-residual applies
-# over qkv-split-k): after one lands, rebase the rest (a worktree at the old commit, the diff applied and committed,
-# cherry-picked onto the new one, the header kept).
-# Device time, estimated: first ~200 s, allreduce-norm ~420 s, split-k-tp ~400 s, profile ~200 s.
+# Each diff applies to this checkout alone: after one lands, rebase the rest (a worktree at the old commit, the diff
+# applied and committed, cherry-picked onto the new one, the header kept).
 #   first (2 GPUs, no model): allreduce-norm-512's GPU tests over 2 ranks and its latencies (bench/allreduce_latency.py:
 #            the all-reduce + norm fused against apart at 16-512 rows, hidden 2,048 and 4,096)
 #   allreduce-norm (2 GPUs): TP2 decode in turns, 2 cycles, this checkout against allreduce-norm-512: the Qwen3-30B-A3B
@@ -15,22 +13,16 @@
 #   split-k-tp (2 GPUs): its GPU tests (the kernel's partials over 2 ranks; TP2 in graphs = eager TP1 tokens), then TP2
 #            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
-#   one-tests (1 GPU, no model): qkv-split-k's kernel tests (rope over partial sums, rope bitwise its reference, the
-#            partials into the norm), then moe-combine-into-norm's (the picks into the norm), failures printed (~300 s:
-#            the first call compiles every specialization)
-#   moe-combine-norm (1 GPU): its engine GPU test (the tiny Qwen3-MoE, sampled, the same tokens and logprobs), then
-#            Qwen3-30B-A3B decode at b1, b8, b64, b512 in turns, 2 cycles, this checkout against it (~480 s)
-#   qkv-split-k (1 GPU): its engine GPU test (the split products keep the tokens), then decode in turns, 2 cycles, this
-#            checkout against qkv-split-k: Qwen3-30B-A3B at b1 (~450 s; b64 measured 1.00x in session-20261201g;
-#            a run of the MoE shape is ~70 s, most of it making the random model and capturing graphs)
-#   qkv-8b (1 GPU): the same A/B on the 8B shape at b1, then split-k-fp32-residual's GPU tests (~400 s)
-#   split-k-fp32-residual (1 GPU; over qkv-split-k): the 8B shape's decode with --enable-fp32-residual
-#            --enable-fp32-lm-head at b1 and b64 in turns, 2 cycles, qkv-split-k's tree against it (~300 s)
-#   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: one-tests,
-#   qkv-split-k, moe-combine-norm, qkv-8b, split-k-fp32-residual (~1,950 s with two model carries: the last waits for a
-#   second session if the budget runs out).
+#   verify (1 GPU, no model): this checkout's MoE engine GPU tests whole (tests/test_moe_gpu.py, ~110 s a test on a fresh
+#            machine; 12a4418's picks-into-the-norm engine test has not yet run on a GPU; ~480 s)
+#   island-tests (1 GPU): split-k-fp32-residual's GPU tests: partial sums and MoE picks into a float32 residual, bitwise;
+#            the island's split products keep the engine's tokens (~350 s)
+#   split-k-fp32-residual (1 GPU): the 8B shape's decode with --enable-fp32-residual --enable-fp32-lm-head at b1 and
+#            b64 in turns, 2 cycles, this checkout against it (~300 s)
+#   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: verify,
+#   island-tests, split-k-fp32-residual (~1,250 s with the machine's start), then profile.
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile | one-tests | qkv-split-k | moe-combine-norm | qkv-8b | split-k-fp32-residual} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | verify | island-tests | split-k-fp32-residual} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -59,47 +51,20 @@ split-k-tp)
       --output-len 128 2>&1 | tee "$OUT/split-k-tp-$shape.log" | tail -4
   done
   ;;
-one-tests)
-  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
-  (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -m gpu -rf --tb=line \
-    tests/test_fused_kernels.py -k "partial_sums or split_over_k or rope" 2>&1 | tail -15; echo "rc=${PIPESTATUS[0]}") \
-    | tee "$OUT/qkv-split-k-kernel-tests.log"
-  bash bench/ab_versions.sh apply moe-combine-into-norm moe-combine-into-norm > /dev/null
-  (cd ab/moe-combine-into-norm && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -rf --tb=line \
-    tests/test_fused_moe_kernel.py -k "picks_into_the_norm" 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") \
-    | tee "$OUT/moe-combine-norm-kernel-tests.log"
+verify)
+  (timeout 520 python3 -m pytest -q -m gpu -rf --tb=line --durations=5 tests/test_moe_gpu.py 2>&1 | tail -12; \
+    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/moe-engine-tests.log"
   ;;
-moe-combine-norm)
-  bash bench/ab_versions.sh apply moe-combine-into-norm moe-combine-into-norm > /dev/null
-  (cd ab/moe-combine-into-norm && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rf --tb=line \
-    tests/test_moe_gpu.py 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") | tee "$OUT/moe-combine-norm-engine-tests.log"
-  CYCLES=2 BENCH_OUT=/tmp/bench-mcn timeout 390 bash bench/ab_versions.sh run head moe-combine-into-norm -- \
-    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,8,64,512 --max-running-seqs 512 \
-    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/moe-combine-norm-decode.log" | tail -5
-  ;;
-qkv-split-k)
-  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
-  (cd ab/qkv-split-k && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rf --tb=line \
-    tests/test_engine_gpu.py -k "split_over_k" 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") \
-    | tee "$OUT/qkv-split-k-engine-test.log"
-  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-moe timeout 330 bash bench/ab_versions.sh run head qkv-split-k -- \
-    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1 --prompt-len 128 \
-    --output-len 256 2>&1 | tee "$OUT/qkv-split-k-moe.log" | tail -3
-  ;;
-qkv-8b)
-  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
-  CYCLES=2 BENCH_OUT=/tmp/bench-qkv-8b timeout 220 bash bench/ab_versions.sh run head qkv-split-k -- \
-    --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1 --prompt-len 128 \
-    --output-len 128 2>&1 | tee "$OUT/qkv-split-k-8b.log" | tail -3
-  bash bench/ab_versions.sh apply fp32-residual qkv-split-k split-k-fp32-residual > /dev/null
-  (cd ab/fp32-residual && PYTHONPATH=/tmp/site:$PWD timeout 250 python3 -m pytest -q -m gpu -rf --tb=line \
-    tests/test_fused_kernels.py tests/test_engine_gpu.py -k "split_over_k or partial_sums" 2>&1 | tail -8; \
-    echo "rc=${PIPESTATUS[0]}") | tee "$OUT/split-k-fp32-residual-tests.log"
+island-tests)
+  bash bench/ab_versions.sh apply fp32-residual split-k-fp32-residual > /dev/null
+  (cd ab/fp32-residual && PYTHONPATH=/tmp/site:$PWD timeout 400 python3 -m pytest -q -m gpu -rf --tb=line \
+    tests/test_fused_kernels.py tests/test_fused_moe_kernel.py tests/test_engine_gpu.py \
+    -k "partial_sums or picks_into_the_norm or split_over_k" 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") \
+    | tee "$OUT/split-k-fp32-residual-tests.log"
   ;;
 split-k-fp32-residual)
-  bash bench/ab_versions.sh apply qkv-split-k qkv-split-k > /dev/null
-  bash bench/ab_versions.sh apply fp32-residual qkv-split-k split-k-fp32-residual > /dev/null
-  CYCLES=2 BENCH_OUT=/tmp/bench-island timeout 300 bash bench/ab_versions.sh run qkv-split-k fp32-residual -- \
+  bash bench/ab_versions.sh apply fp32-residual split-k-fp32-residual > /dev/null
+  CYCLES=2 BENCH_OUT=/tmp/bench-island timeout 400 bash bench/ab_versions.sh run head fp32-residual -- \
     --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 128 \
     --enable-fp32-residual --enable-fp32-lm-head 2>&1 | tee "$OUT/split-k-fp32-residual-8b.log" | tail -4
   ;;
