@@ -138,7 +138,8 @@ def parts(args: argparse.Namespace, dtype: torch.dtype, gate_up: torch.Tensor, d
 
 
 def tile_name(config) -> str:
-    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']}/{config.num_warps}w/{config.num_stages}s"
+    tma = "/TMA" if config.kwargs.get("W_TMA") else ""
+    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']}/{config.num_warps}w/{config.num_stages}s{tma}"
 
 
 def routing_by_warps(args: argparse.Namespace, dtype: torch.dtype, warps: list[int]) -> None:

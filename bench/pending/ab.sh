@@ -19,10 +19,17 @@
 #            the island's split products keep the engine's tokens (~350 s)
 #   split-k-fp32-residual (1 GPU): the 8B shape's decode with --enable-fp32-residual --enable-fp32-lm-head at b1 and
 #            b64 in turns, 2 cycles, this checkout against it (~300 s)
-#   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: verify,
-#   island-tests, split-k-fp32-residual (~1,250 s with the machine's start), then profile.
+#   tma-experts (1 GPU, no model): its GPU kernel tests (TMA tiles = pointer tiles, bitwise; the experts against the
+#            reference through the autotuner), then the MoE layer's parts at 1, 64 and 512 rows, retuned, with the
+#            tiles chosen (bench/moe_kernels.py --parts --retune), this checkout and tma-experts (~400 s)
+#   tma-experts-decode (1 GPU): Qwen3-30B-A3B decode at b1, b64, b512 in turns, 2 cycles, this checkout against
+#            tma-experts (~400 s)
+#   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: verify
+#   (its call carries the model's first part), tma-experts (the second part), tma-experts-decode, island-tests,
+#   split-k-fp32-residual (~1,950 s with the machine's start: the last waits if the budget runs out), then profile.
 source bench/session_env.sh
-case ${1:?first | allreduce-norm | split-k-tp | profile | verify | island-tests | split-k-fp32-residual} in
+case ${1:?first | allreduce-norm | split-k-tp | profile | verify | tma-experts | tma-experts-decode | island-tests \
+  | split-k-fp32-residual} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -54,6 +61,22 @@ split-k-tp)
 verify)
   (timeout 520 python3 -m pytest -q -m gpu -rf --tb=line --durations=5 tests/test_moe_gpu.py 2>&1 | tail -12; \
     echo "rc=${PIPESTATUS[0]}") | tee "$OUT/moe-engine-tests.log"
+  ;;
+tma-experts)
+  bash bench/ab_versions.sh apply tma-experts tma-experts > /dev/null
+  (cd ab/tma-experts && PYTHONPATH=/tmp/site:$PWD timeout 240 python3 -m pytest -q -m gpu -rf --tb=line \
+    tests/test_fused_moe_kernel.py -k "tma or match_the_reference" 2>&1 | tail -8; echo "rc=${PIPESTATUS[0]}") \
+    | tee "$OUT/tma-experts-tests.log"
+  for tree in "$ROOT" "$ROOT/ab/tma-experts"; do
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 80 python3 "$ROOT/bench/moe_kernels.py" --parts --retune \
+      --rows 1,64,512 2>&1 | grep "^|")
+  done | tee "$OUT/tma-experts-parts.log"
+  ;;
+tma-experts-decode)
+  bash bench/ab_versions.sh apply tma-experts tma-experts > /dev/null
+  CYCLES=2 BENCH_OUT=/tmp/bench-tma timeout 420 bash bench/ab_versions.sh run head tma-experts -- \
+    --workload decode --random-model qwen3-30b-a3b --spec-modes off --batch-sizes 1,64,512 --max-running-seqs 512 \
+    --prompt-len 128 --output-len 256 2>&1 | tee "$OUT/tma-experts-decode.log" | tail -4
   ;;
 island-tests)
   bash bench/ab_versions.sh apply fp32-residual split-k-fp32-residual > /dev/null

@@ -6,9 +6,9 @@ bench/results/session-20261201e/route-why.log).
 The tests run in the interpreter as usual; each launch's specialization (argument types, alignments, constexprs,
 options) is recorded, and a second process, where nothing runs interpreted (the interpreter patches triton.language
 while it runs a kernel), compiles each to PTX and cubin. A kernel that an autotuner of its module wraps (which the
-interpreter's callers launch at one fixed tile) is also compiled at each of the autotuner's configurations, on the
-launch's arguments. A kernel with inline assembly (the sampler's) fails in the interpreter after its launch is
-recorded: its tests fail, its compile is still checked.
+interpreter's callers launch at one fixed tile) is also compiled at each of the autotuner's configurations that its
+pruning leaves, on the launch's arguments after the configuration's pre_hook. A kernel with inline assembly (the
+sampler's) fails in the interpreter after its launch is recorded: its tests fail, its compile is still checked.
 
     pip install --target /tmp/triton36 --no-deps triton==3.6.0   # (numpy < 2.3 beside it: the interpreter's)
     PYTHONPATH=/tmp/np21:/tmp/triton36:. python bench/probes/compile_for_gpu.py tests/test_fused_kernels.py \
@@ -23,6 +23,7 @@ Arguments are pytest's. It ends with each kernel's compiled specializations and 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import pickle
@@ -44,6 +45,7 @@ def record_launches(path: str, pytest_args: list[str]) -> int:
     from triton.runtime.interpreter import InterpretedFunction
 
     from triton.runtime.autotuner import Autotuner
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     backend = make_backend(GPUTarget(*TARGET))
     binders: dict = {}
@@ -65,11 +67,25 @@ def record_launches(path: str, pytest_args: list[str]) -> int:
         return [tuner for tuner in vars(module).values()
                 if isinstance(tuner, Autotuner) and getattr(tuner.fn, "fn", None) is fn]
 
+    def tuned_launches(tuner, args: tuple, kwargs: dict):
+        """The launches the autotuner could make of these arguments: its configurations left by its pruning, each
+        after its pre_hook (which may set a tensor descriptor's block to the tile), on copies of the descriptors."""
+        named = dict(zip(tuner.arg_names, args))
+        configs = tuner.configs
+        if tuner.early_config_prune:
+            configs = tuner.early_config_prune(configs, named, **kwargs)
+        for config in configs:
+            nargs = {**{k: copy.copy(v) if isinstance(v, TensorDescriptor) else v for k, v in named.items()}, **kwargs,
+                     **config.all_kwargs()}
+            if config.pre_hook:
+                config.pre_hook(nargs)
+            yield tuple(nargs[name] for name in list(named)), {**kwargs, **config.all_kwargs()}
+
     def recording_run(self, *args, grid, warmup, **kwargs):
         record(self.fn, args, kwargs)
         for tuner in autotuners_of(self.fn):
-            for config in tuner.configs:
-                record(self.fn, args, {**kwargs, **config.all_kwargs()})
+            for tuned_args, tuned_kwargs in tuned_launches(tuner, args, kwargs):
+                record(self.fn, tuned_args, tuned_kwargs)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
