@@ -24,7 +24,8 @@ The Triton path reads only the experts the step's rows took, each once per block
    expert's gate and up rows, SiLU(gate) x up, into [rows x top-k, width].
 4. `_expert_gemm_kernel`: that times the expert's down projection, times the routing weight,
    into [rows x top-k, hidden].
-5. `_combine_kernel`: each row's k outputs summed in pick order in float32, rounded once.
+5. `_combine_kernel`: each row's k outputs summed in pick order in float32, rounded once; at one
+   rank (`into_sum`) the next residual add + norm sums them instead, the same way (`fused.rms_norm`).
 
 A block's rows follow the step's rows per expert (16 at small decode batches, 64 from 512 rows on,
 so that an expert's weights are read by as few blocks as its rows fill), and the tile is timed per shape on
