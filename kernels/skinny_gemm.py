@@ -236,8 +236,9 @@ def block_rows(rows: int) -> int:
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear in blocks of exactly CPU_BLOCK_ROWS rows (the last one padded). CPU BLAS picks
     its kernel, and with it each row's rounding, by the row count (on AVX-512 MKL up to ~20
-    rows); in equal blocks a row's result depends on nothing else in the step, so a verify
-    step reproduces plain decoding bit for bit (tests compare speculation on and off)."""
+    rows); in equal blocks, each one thread's (`_block_products`), a row's result depends on
+    nothing else in the step, so a verify step reproduces plain decoding bit for bit (tests
+    compare speculation on and off) at any thread count."""
     rows = x.shape[0]
     if x.dim() != 2 or rows == 0:
         return F.linear(x, weight, bias)
@@ -245,7 +246,8 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     blocks = x.view(-1, CPU_BLOCK_ROWS, x.shape[1])
-    chunk_rows = max(1, CPU_WEIGHT_CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
+    # (an even number: `_block_products` may halve a chunk's columns)
+    chunk_rows = max(2, CPU_WEIGHT_CHUNK_BYTES // (weight.shape[1] * weight.element_size()) // 2 * 2)
     if weight.shape[0] <= 2 * chunk_rows:
         return _block_products(blocks, weight, bias).view(-1, weight.shape[0])[:rows]
     # a weight larger than the cache's share (an LM head, an MLP's), each block reading all of it, ran at
@@ -260,12 +262,26 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _block_products(blocks: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[B, CPU_BLOCK_ROWS, N]: each block times weight.T (+ bias), the bits of F.linear on the block
-    alone. In float32 one batched product (MKL runs each block with the small-M kernel: 1.4-1.7x
+    alone on one thread. In float32 one batched product (MKL runs each block with the small-M kernel: 1.4-1.7x
     faster at 72-256 rows than a call a block, bench/probes/cpu_blocks.py); bf16's batched product
     is 6x slower than its calls a block."""
     n = blocks.shape[0]
     if blocks.dtype != torch.float32:
         return torch.stack([F.linear(block, weight, bias) for block in blocks])
+    if n == 1 and torch.get_num_threads() > 1:
+        # one block alone: MKL would spread its product over the threads, with other sums than the one thread each
+        # block of a batch gets (the bits then depended on the batch); as two entries of halved columns, or where
+        # the columns are odd the block twice, each entry is one thread's, the batch's bits (the same as the whole
+        # columns': MKL's one-thread sums do not depend on N)
+        rows, cols = blocks.shape[1], weight.shape[0]
+        if cols % 2:
+            return _block_products(blocks.expand(2, -1, -1), weight, bias)[:1]
+        halves = weight.reshape(2, cols // 2, -1).transpose(1, 2)
+        if bias is None:
+            out = torch.bmm(blocks.expand(2, -1, -1), halves)
+        else:
+            out = torch.baddbmm(bias.view(2, 1, cols // 2).expand(2, rows, -1), blocks.expand(2, -1, -1), halves)
+        return out.transpose(0, 1).reshape(1, rows, cols)
     w = weight.t().unsqueeze(0).expand(n, -1, -1)
     if bias is None:
         return torch.bmm(blocks, w)
