@@ -24,12 +24,16 @@
 #            tiles chosen (bench/moe_kernels.py --parts --retune), this checkout and tma-experts (~400 s)
 #   tma-experts-decode (1 GPU): Qwen3-30B-A3B decode at b1, b64, b512 in turns, 2 cycles, this checkout against
 #            tma-experts (~400 s)
+#   attention-b1 (1 GPU, no model): decode attention alone at one sequence, the Qwen3-30B-A3B shape's heads, in graphs
+#            planned as the engine plans them (8,192 keys: 32 splits and the merge) against 1, 2 and 4 splits, at 128,
+#            384, 1,024 and 2,048 keys (bench/probes/attention_tail.py; its b1 step spends 6.0 + 1.8 us a layer there,
+#            e32dff6's profile; ~90 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: verify
 #   (its call carries the model's first part), tma-experts (the second part), tma-experts-decode, island-tests,
 #   split-k-fp32-residual (~1,950 s with the machine's start: the last waits if the budget runs out), then profile.
 source bench/session_env.sh
 case ${1:?first | allreduce-norm | split-k-tp | profile | verify | tma-experts | tma-experts-decode | island-tests \
-  | split-k-fp32-residual} in
+  | split-k-fp32-residual | attention-b1} in
 first)
   bash bench/ab_versions.sh apply allreduce-norm-512 allreduce-norm-512 > /dev/null
   (cd ab/allreduce-norm-512 && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m pytest -q -m gpu -rs \
@@ -90,6 +94,13 @@ split-k-fp32-residual)
   CYCLES=2 BENCH_OUT=/tmp/bench-island timeout 400 bash bench/ab_versions.sh run head fp32-residual -- \
     --workload decode --random-model llama3-8b --spec-modes off --batch-sizes 1,64 --prompt-len 128 --output-len 128 \
     --enable-fp32-residual --enable-fp32-lm-head 2>&1 | tee "$OUT/split-k-fp32-residual-8b.log" | tail -4
+  ;;
+attention-b1)
+  for keys in 128 384 1024 2048; do
+    timeout 40 python3 bench/probes/attention_tail.py --seqs 1 --keys $keys --heads 32 --kv-heads 4 --dim 128 \
+      --max-kv-len 8192 --calls 48 --layers 48 --layouts interleaved --variants default,splits1,splits2,splits4 2>&1 \
+      | grep -e "^| interleaved" -e "sequences x"
+  done | tee "$OUT/attention-b1.log"
   ;;
 profile)
   MOE_BATCHES="1 512" SKIP_8B=1 bash bench/gpu_session.sh kernel-tables > /dev/null

@@ -4,13 +4,15 @@ default model: ~96 rows of ~2k keys, half the rollout's time), the Triton kernel
 slot layout and launch choice.
 
     python bench/probes/attention_tail.py [--seqs 96] [--keys 2100] [--layouts interleaved,contiguous]
-        [--variants default,n64,n256,stages2,stages3,stages4,warps8,splits2,splits4,invariant,invariant-stages3]
+        [--variants default,n64,n256,stages2,stages3,stages4,warps8,splits1,splits2,splits4,invariant,invariant-stages3]
 
 Layouts: `interleaved` is what a decode rollout leaves (each step hands every sequence the next free slot, so
 consecutive keys of a sequence lie --seqs slots apart, each key a separate 128-byte read a head); `contiguous`
 gives each sequence one run of slots (a prefill's, or a pool that reserved per-sequence runs). Variants change one
 launch choice of `TritonAttention._choose_config` (nN: N keys a tile; stagesN: N pipeline stages; warps8;
-splitsN: N key splits and the merge), on the default or the batch-invariant kernel (`invariant*`). CPU smoke run:
+splitsN: N key splits and the merge; splits1: no merge), on the default or the batch-invariant kernel
+(`invariant*`). A b1 step of the Qwen3-30B-A3B shape (its graphs planned for 8,192 keys: 32 splits):
+`--seqs 1 --keys 384 --heads 32 --kv-heads 4 --dim 128 --max-kv-len 8192 --calls 48 --layers 48`. CPU smoke run:
 `TRITON_INTERPRET=1 python bench/probes/attention_tail.py --device cpu --seqs 2 --keys 100 --layers 2 --dtype float32`
 (the interpreter's bfloat16 is not the GPU's).
 """
@@ -36,6 +38,7 @@ VARIANTS = {  # name -> (the batch-invariant backend?, changes to its LaunchConf
     "stages3": (False, {"num_stages": 3}),
     "stages4": (False, {"num_stages": 4}),
     "warps8": (False, {"num_warps": 8}),
+    "splits1": (False, {"num_splits": 1}),
     "splits2": (False, {"num_splits": 2}),
     "splits4": (False, {"num_splits": 4}),
     "invariant": (True, {}),
