@@ -29,8 +29,9 @@
 #            384, 1,024 and 2,048 keys (bench/probes/attention_tail.py; its b1 step spends 6.0 + 1.8 us a layer there,
 #            e32dff6's profile; ~90 s)
 #   On 2 GPUs, in this order: first, allreduce-norm, split-k-tp (~1,200 s with the machine's start). On one: verify
-#   (its call carries the model's first part), tma-experts (the second part), tma-experts-decode, island-tests,
-#   split-k-fp32-residual (~1,950 s with the machine's start: the last waits if the budget runs out), then profile.
+#   (its call carries the model's first part), tma-experts then attention-b1 in one call (the second part),
+#   tma-experts-decode, island-tests, split-k-fp32-residual (~2,050 s with the machine's start: the last waits if the
+#   budget runs out), then profile.
 source bench/session_env.sh
 case ${1:?first | allreduce-norm | split-k-tp | profile | verify | tma-experts | tma-experts-decode | island-tests \
   | split-k-fp32-residual | attention-b1} in
