@@ -121,11 +121,11 @@ def rope_and_store(
     Returns the rotated q [T, num_heads, head_dim], rounded to `out_dtype` (default q's: a float32
     q of --enable-fp32-activations is rotated in float32, then rounded once for attention).
     """
-    if parts_dtype is not None and not use_triton(q):
+    if parts_dtype is not None:
+        if use_triton(q):
+            return _rope_and_store_kernel(q, k, v, cos, sin, k_cache, v_cache, out_slots, qk_norm,
+                                          out_dtype or parts_dtype, parts_dtype)
         q, k, v = (parts_sum_ref(x.flatten(2), parts_dtype).view(x.shape[0], *x.shape[2:]) for x in (q, k, v))
-    if parts_dtype is not None and use_triton(q):
-        return _rope_and_store_kernel(q, k, v, cos, sin, k_cache, v_cache, out_slots, qk_norm, out_dtype or parts_dtype,
-                                      parts_dtype)
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     if not use_triton(q):
@@ -185,6 +185,19 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> tor
 if triton is not None:
 
     @triton.jit
+    def _summed(x_ptrs, stride_part, ok, PARTS: tl.constexpr, dtype: tl.constexpr):
+        """The tile at x_ptrs; with PARTS > 0, the terms of a sum `stride_part` apart (a product's float32
+        partial sums, a mixture of experts' picks), added up in order in float32 and rounded to `dtype`
+        (`parts_sum_ref`)."""
+        x = tl.load(x_ptrs, mask=ok, other=0.0)
+        if PARTS > 0:
+            x = x.to(tl.float32)
+            for j in tl.static_range(1, PARTS):
+                x += tl.load(x_ptrs + j * stride_part, mask=ok, other=0.0).to(tl.float32)
+            x = x.to(dtype)
+        return x
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_part, stride_r, n, eps,
                          PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROUND_ONCE: tl.constexpr,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -192,11 +205,8 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        if PARTS > 0:  # a sum's terms, added in order in float32, rounded to its dtype (parts_sum_ref)
-            for j in tl.static_range(1, PARTS):
-                x += tl.load(x_ptr + row * stride_x + j * stride_part + cols, mask=ok, other=0.0).to(tl.float32)
-            x = x.to(res_ptr.dtype.element_ty).to(tl.float32)
+        # (a sum's terms rounded to the residual's dtype: the product's or the layer's own output)
+        x = _summed(x_ptr + row * stride_x + cols, stride_part, ok, PARTS, res_ptr.dtype.element_ty).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         if HAS_RESIDUAL:
             # The sum is rounded to the residual's dtype, as an eager `x + residual` is (none for a float32 residual).
@@ -210,17 +220,6 @@ if triton is not None:
         if not ROUND_ONCE:
             y = y.to(dtype).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (y * w.to(tl.float32)).to(dtype), mask=ok)
-
-    @triton.jit
-    def _summed(x_ptrs, stride_part, ok, PARTS: tl.constexpr, dtype: tl.constexpr):
-        """The tile at x_ptrs; with PARTS > 0, float32 partial sums `stride_part` apart, added up in
-        order and rounded to `dtype` (`parts_sum_ref`)."""
-        x = tl.load(x_ptrs, mask=ok, other=0.0)
-        if PARTS > 0:
-            for j in tl.static_range(1, PARTS):
-                x += tl.load(x_ptrs + j * stride_part, mask=ok, other=0.0)
-            x = x.to(dtype)
-        return x
 
     @triton.jit
     def _summed_halves(x_ptrs, stride_part, ok, HALF: tl.constexpr, PARTS: tl.constexpr, dtype: tl.constexpr):

@@ -262,9 +262,9 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _block_products(blocks: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[B, CPU_BLOCK_ROWS, N]: each block times weight.T (+ bias), the bits of F.linear on the block
-    alone on one thread. In float32 one batched product (MKL runs each block with the small-M kernel: 1.4-1.7x
-    faster at 72-256 rows than a call a block, bench/probes/cpu_blocks.py); bf16's batched product
-    is 6x slower than its calls a block."""
+    alone on one thread. In float32 one batched product (MKL runs each block with the small-M
+    kernel: 1.4-1.7x faster at 72-256 rows than a call a block, bench/probes/cpu_blocks.py); bf16's
+    batched product is 6x slower than its calls a block."""
     n = blocks.shape[0]
     if blocks.dtype != torch.float32:
         return torch.stack([F.linear(block, weight, bias) for block in blocks])

@@ -173,7 +173,8 @@ def test_rope_adds_up_the_qkv_products_partial_sums_as_their_reference_sums_them
     sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
     whole = fused.parts_sum_ref(parts, dtype)
     outs = []
-    for qkv, lead, reference in ((parts, (tokens, slices), False), (whole, (tokens,), False), (parts, (tokens, slices), True)):
+    runs = ((parts, (tokens, slices), False), (whole, (tokens,), False), (parts, (tokens, slices), True))
+    for qkv, lead, reference in runs:  # (the kernel on the partials, on their sum, then the torch reference)
         if reference:
             monkeypatch.setattr(fused, "use_triton", lambda x: False)
         caches = [torch.full((64, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]

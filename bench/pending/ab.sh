@@ -14,7 +14,8 @@
 #            b1 decode in turns, 2 cycles, this checkout against split-k-tp: the 8B shape, then the Qwen3-30B-A3B shape
 #   profile (1 GPU): decode steps kernel by kernel (bench/tp_profile.py --kernels, no PDL), the MoE shape at b1 and b512
 #   verify (1 GPU, no model): this checkout's MoE engine GPU tests whole (tests/test_moe_gpu.py, ~110 s a test on a fresh
-#            machine; 12a4418's picks-into-the-norm engine test has not yet run on a GPU; ~480 s)
+#            machine; 12a4418's picks-into-the-norm engine test has not yet run on a GPU), then the norm and rope
+#            kernel tests (their sum of a product's terms is one helper since the review mend; ~580 s)
 #   island-tests (1 GPU): split-k-fp32-residual's GPU tests: partial sums and MoE picks into a float32 residual, bitwise;
 #            the island's split products keep the engine's tokens (~350 s)
 #   split-k-fp32-residual (1 GPU): the 8B shape's decode with --enable-fp32-residual --enable-fp32-lm-head at b1 and
@@ -64,8 +65,10 @@ split-k-tp)
   done
   ;;
 verify)
-  (timeout 520 python3 -m pytest -q -m gpu -rf --tb=line --durations=5 tests/test_moe_gpu.py 2>&1 | tail -12; \
+  (timeout 460 python3 -m pytest -q -m gpu -rf --tb=line --durations=5 tests/test_moe_gpu.py 2>&1 | tail -12; \
     echo "rc=${PIPESTATUS[0]}") | tee "$OUT/moe-engine-tests.log"
+  (timeout 120 python3 -m pytest -q -m gpu -rf --tb=line tests/test_fused_kernels.py -k "norm or rope" 2>&1 \
+    | tail -8; echo "rc=${PIPESTATUS[0]}") | tee "$OUT/norm-rope-tests.log"
   ;;
 tma-experts)
   bash bench/ab_versions.sh apply tma-experts tma-experts > /dev/null
